@@ -1,0 +1,40 @@
+"""attnkit: attention mechanisms for PyTorch, from the first dot product to fast kernels.
+
+The functional core is :func:`attention`; the seed tutorial's modules
+(:class:`SimplifiedSelfAttention` ... :class:`MultiHeadAttention`) all compute
+through it. Masks follow one convention, documented in :mod:`attnkit.masks`.
+"""
+
+from attnkit import backends, masks, trace
+from attnkit.attention import attention
+from attnkit.backends import available_backends, register_backend
+from attnkit.masks import causal_mask
+from attnkit.modules import (
+    CausalAttention,
+    MultiHeadAttention,
+    MultiHeadAttentionWrapper,
+    SelfAttentionV1,
+    SelfAttentionV2,
+    SimplifiedSelfAttention,
+    load_seed_state_dict,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CausalAttention",
+    "MultiHeadAttention",
+    "MultiHeadAttentionWrapper",
+    "SelfAttentionV1",
+    "SelfAttentionV2",
+    "SimplifiedSelfAttention",
+    "__version__",
+    "attention",
+    "available_backends",
+    "backends",
+    "causal_mask",
+    "load_seed_state_dict",
+    "masks",
+    "register_backend",
+    "trace",
+]

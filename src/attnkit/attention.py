@@ -1,0 +1,157 @@
+"""The functional core: :func:`attention`, through which every attnkit module computes.
+
+Notation used for tensor shapes:
+    - b: batch size (any number of leading dims, or none)
+    - h / h_q: query heads; h_kv: key/value heads (h_q must be a multiple of h_kv)
+    - t / l_q: query length; s / l_k: key length
+    - d: head dimension
+
+Masking follows the one convention documented in :mod:`attnkit.masks`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attnkit import backends, trace
+from attnkit.masks import normalize_causal
+
+__all__ = ["attention"]
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool | str = False,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    need_weights: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention: ``softmax(query @ key^T * scale + mask) @ value``.
+
+    Args:
+        query: ``(..., h_q, l_q, d)``; a tensor of rank 2 ``(l_q, d)`` is allowed too.
+        key: ``(..., h_kv, l_k, d)``, ``h_kv`` dividing ``h_q`` (GQA; 1 = MQA).
+        value: ``(..., h_kv, l_k, d_v)``.
+        mask: boolean (True = may attend) or float (added to the scaled scores),
+            broadcastable to ``(..., h_q, l_q, l_k)``. See :mod:`attnkit.masks`.
+        causal: False, True (= ``"bottom_right"``), ``"bottom_right"`` or ``"top_left"``:
+            how the causal triangle lines up when ``l_q != l_k`` (:mod:`attnkit.masks`
+            draws both). Combined with ``mask`` when both are given.
+        scale: factor applied to the scores; ``1 / sqrt(d)`` by default.
+        dropout_p: probability of zeroing an attention weight (after softmax), the
+            kept ones scaled by ``1 / (1 - dropout_p)``. Modules pass their ``p``
+            only in training mode.
+        need_weights: also return the attention weights ``(..., h_q, l_q, l_k)``
+            (after dropout, i.e. exactly the weights applied to ``value``).
+        backend: ``"auto"`` or a name from :func:`attnkit.backends.available_backends`.
+
+    Returns:
+        The context tensor ``(..., h_q, l_q, d_v)``, or ``(context, weights)`` when
+        ``need_weights`` is True. A query row whose keys are all masked gets zeros.
+
+    Raises:
+        TypeError: non-tensor or non-float inputs, mixed dtypes, a mask neither bool nor float.
+        ValueError: mismatched shapes, a mask that does not broadcast, a bad ``dropout_p``,
+            ``scale`` or backend name, or a backend that cannot honour the request.
+    """
+    _check_qkv(query, key, value)
+    causal_mode = normalize_causal(causal)
+    mask = _check_mask(mask, query, key)
+    dropout_p = _check_dropout(dropout_p)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else _check_scale(scale)
+    call = backends.AttentionCall(
+        query, key, value, mask, causal_mode, scale, dropout_p, need_weights
+    )
+    name = "reference" if backend == "auto" and trace.is_recording() else backend
+    out, weights = backends.dispatch(name, call)
+    if need_weights:
+        return out, weights
+    return out
+
+
+def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must have a floating dtype, got {t.dtype}")
+        if t.dim() < 2:
+            raise ValueError(
+                f"{name} must have at least 2 dims (seq, dim), got shape {tuple(t.shape)}"
+            )
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(
+            f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
+        )
+    if not (query.dim() == key.dim() == value.dim()):
+        raise ValueError(
+            "query, key and value must have the same rank, got shapes "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+        )
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(
+            f"query head_dim ({query.shape[-1]}) must equal key head_dim ({key.shape[-1]})"
+        )
+    if key.shape[:-1] != value.shape[:-1]:
+        raise ValueError(
+            "key and value must agree in every dim but the last, got "
+            f"{tuple(key.shape)} and {tuple(value.shape)}"
+        )
+    if query.dim() >= 3:
+        if query.shape[:-3] != key.shape[:-3]:
+            raise ValueError(
+                f"query and key batch dims differ: {tuple(query.shape[:-3])} vs {tuple(key.shape[:-3])}"
+            )
+        h_q, h_kv = query.shape[-3], key.shape[-3]
+        if h_kv == 0 or h_q % h_kv != 0:
+            raise ValueError(f"query heads ({h_q}) must be a multiple of key/value heads ({h_kv})")
+
+
+def _check_mask(
+    mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor
+) -> torch.Tensor | None:
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and not mask.is_floating_point():
+        raise TypeError(
+            f"mask must be bool (True = may attend) or float (added to scores), got {mask.dtype}"
+        )
+    target = (*query.shape[:-1], key.shape[-2])  # (..., h_q, l_q, l_k)
+    try:
+        ok = torch.broadcast_shapes(mask.shape, target) == torch.Size(target)
+    except RuntimeError:
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape {target}"
+        )
+    if mask.device != query.device:
+        raise ValueError(f"mask is on {mask.device} but query is on {query.device}")
+    if mask.is_floating_point() and mask.dtype != query.dtype:
+        mask = mask.to(query.dtype)
+    return mask
+
+
+def _check_dropout(p: float) -> float:
+    if isinstance(p, bool) or not isinstance(p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(p).__name__}")
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+    return float(p)
+
+
+def _check_scale(scale: float) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return float(scale)

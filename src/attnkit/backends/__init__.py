@@ -1,0 +1,153 @@
+"""Attention backends: one registry, one signature.
+
+A backend is a function ``fn(call: AttentionCall) -> (context, weights | None)``
+plus a ``supports(call) -> str | None`` check that returns *why* it cannot honour
+a call (or None when it can). :func:`dispatch` never lets a backend drop part
+of a request: an explicitly named backend that cannot honour it raises, and
+``"auto"`` picks the first backend in :data:`AUTO_ORDER` that can.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from attnkit.masks import CausalAlignment
+
+__all__ = [
+    "AUTO_ORDER",
+    "AttentionCall",
+    "Backend",
+    "available_backends",
+    "dispatch",
+    "get_backend",
+    "register_backend",
+]
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """A validated attention request, as every backend receives it.
+
+    Attributes:
+        query: ``(..., h_q, l_q, d)`` (or rank 2 ``(l_q, d)``).
+        key: ``(..., h_kv, l_k, d)``.
+        value: ``(..., h_kv, l_k, d_v)``.
+        mask: bool (True = may attend) or float (added), broadcastable to the scores, or None.
+        causal: None, ``"top_left"`` or ``"bottom_right"``.
+        scale: the factor applied to ``query @ key^T``.
+        dropout_p: dropout on the weights, 0.0 for none.
+        need_weights: whether the weights must be returned.
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    mask: torch.Tensor | None
+    causal: CausalAlignment | None
+    scale: float
+    dropout_p: float
+    need_weights: bool
+
+    @property
+    def q_len(self) -> int:
+        return self.query.shape[-2]
+
+    @property
+    def k_len(self) -> int:
+        return self.key.shape[-2]
+
+    @property
+    def gqa_groups(self) -> int:
+        """Query heads per key/value head (1 without GQA)."""
+        if self.query.dim() < 3:
+            return 1
+        return self.query.shape[-3] // self.key.shape[-3]
+
+
+BackendResult = tuple[torch.Tensor, "torch.Tensor | None"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A registered backend: its name, its function and its capability check."""
+
+    name: str
+    fn: Callable[[AttentionCall], BackendResult]
+    supports: Callable[[AttentionCall], str | None]
+    auto_supports: Callable[[AttentionCall], str | None]
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+#: The order in which ``backend="auto"`` tries the registered backends.
+AUTO_ORDER: list[str] = ["sdpa", "reference"]
+
+
+def _always(call: AttentionCall) -> str | None:
+    return None
+
+
+def register_backend(
+    name: str,
+    fn: Callable[[AttentionCall], BackendResult],
+    *,
+    supports: Callable[[AttentionCall], str | None] = _always,
+    auto_supports: Callable[[AttentionCall], str | None] | None = None,
+) -> None:
+    """Register ``fn`` under ``name`` (replacing any backend of that name).
+
+    Args:
+        name: the name users pass as ``backend=``.
+        fn: the implementation, ``fn(call) -> (context, weights or None)``.
+        supports: returns why ``fn`` cannot honour a call, or None when it can.
+        auto_supports: the stricter check ``backend="auto"`` uses (default: ``supports``).
+    """
+    if not isinstance(name, str) or not name or name == "auto":
+        raise ValueError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
+    _REGISTRY[name] = Backend(name, fn, supports, auto_supports or supports)
+
+
+def available_backends() -> list[str]:
+    """Return the names of the registered backends."""
+    return sorted(_REGISTRY)
+
+
+def get_backend(name: str) -> Backend:
+    """Return the backend called ``name``.
+
+    Raises:
+        ValueError: naming the valid backends, when ``name`` is unknown.
+    """
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        valid = ", ".join(["auto", *available_backends()])
+        raise ValueError(f"unknown attention backend {name!r}; valid: {valid}") from None
+
+
+def select(name: str, call: AttentionCall) -> Backend:
+    """Return the backend that will run ``call`` for the requested ``name``."""
+    if name == "auto":
+        for candidate in AUTO_ORDER:
+            backend = _REGISTRY.get(candidate)
+            if backend is not None and backend.auto_supports(call) is None:
+                return backend
+        raise ValueError("no registered attention backend supports this call")  # pragma: no cover
+    backend = get_backend(name)
+    reason = backend.supports(call)
+    if reason is not None:
+        raise ValueError(f"attention backend {name!r} cannot run this call: {reason}")
+    return backend
+
+
+def dispatch(name: str, call: AttentionCall) -> BackendResult:
+    """Run ``call`` on the backend chosen for ``name``."""
+    return select(name, call).fn(call)
+
+
+# Built-in backends register themselves on import.
+from attnkit.backends import reference as _reference  # noqa: E402,F401
+from attnkit.backends import sdpa as _sdpa  # noqa: E402,F401

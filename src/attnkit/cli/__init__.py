@@ -1,0 +1,60 @@
+"""The ``attnkit`` command line: thin shells over library calls, one file per subcommand.
+
+Each subcommand module defines ``add_parser(subparsers)`` which registers its
+parser and sets ``func`` to a ``run(args) -> int``. User errors raise
+:class:`CliError`: one line on stderr, exit code 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from attnkit import __version__
+
+__all__ = ["CliError", "main"]
+
+#: Subcommand modules, in the order ``--help`` lists them.
+SUBCOMMANDS = ["demo"]
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse's own usage errors: exit 2, one line
+        raise CliError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the top-level parser with every subcommand registered."""
+    parser = _Parser(prog="attnkit", description="Attention mechanisms for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"attnkit {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in SUBCOMMANDS:
+        importlib.import_module(f"attnkit.cli.{name}").add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (0 ok, 2 user error)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return 2
+        return int(args.func(args) or 0)
+    except CliError as err:
+        print(f"attnkit: error: {err}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # e.g. `attnkit demo | head`
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""``attnkit demo``: the main job — every seed stage on the tutorial's example."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from attnkit import modules
+from attnkit.examples import HELLO_SHINY_SUN, YOUR_JOURNEY
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="run every seed stage on the tutorial's example")
+    p.set_defaults(func=run)
+
+
+def _show(title: str, t: torch.Tensor) -> None:
+    print(f"\n== {title}  shape={tuple(t.shape)}")
+    print(_fmt(t))
+
+
+def _fmt(t: torch.Tensor) -> str:
+    rows = t.reshape(-1, t.shape[-1]).tolist()
+    return "\n".join("  " + " ".join(f"{v:8.4f}" for v in row) for row in rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.set_printoptions(precision=4, sci_mode=False)
+    hello = HELLO_SHINY_SUN.tensor()
+    print("attnkit demo: the seed tutorial, stage by stage\n")
+    print('"Hello shiny sun!": the context vector of "shiny" (simplified self-attention)')
+    print("  " + " ".join(f"{v:.4f}" for v in modules.SimplifiedSelfAttention()(hello)[1].tolist()))
+
+    x = YOUR_JOURNEY.tensor()
+    batch = torch.stack((x, x))  # (2, 6, 3)
+    print(f'\n"{" ".join(YOUR_JOURNEY.tokens)}": {x.shape[0]} tokens, d_in={x.shape[1]}')
+    with torch.no_grad():
+        _show("simplified self-attention (softmax)", modules.SimplifiedSelfAttention()(x))
+        _show(
+            "simplified self-attention (sum-normalised)", modules.SimplifiedSelfAttention("sum")(x)
+        )
+        torch.manual_seed(123)
+        _show("SelfAttentionV1(3, 2), seed 123", modules.SelfAttentionV1(3, 2)(x))
+        torch.manual_seed(789)
+        _show("SelfAttentionV2(3, 2), seed 789", modules.SelfAttentionV2(3, 2)(x))
+        torch.manual_seed(123)
+        ca = modules.CausalAttention(3, 2, context_length=6, dropout=0.0)
+        _show("CausalAttention(3, 2, 6, 0.0), seed 123, batch of 2", ca(batch))
+        torch.manual_seed(123)
+        wrap = modules.MultiHeadAttentionWrapper(3, 2, 6, 0.0, num_heads=2)
+        _show("MultiHeadAttentionWrapper(3, 2, 6, 0.0, num_heads=2), seed 123", wrap(batch))
+        torch.manual_seed(123)
+        mha = modules.MultiHeadAttention(3, 2, 6, 0.0, num_heads=2)
+        _show("MultiHeadAttention(3, 2, 6, 0.0, num_heads=2), seed 123", mha(batch))
+    return 0

@@ -1,0 +1,14 @@
+import pytest
+import torch
+
+# Tolerances against the float64 reference, keyed by dtype.
+TOL = {
+    torch.float64: dict(atol=1e-10, rtol=1e-10),
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+}
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

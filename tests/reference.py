@@ -1,0 +1,59 @@
+"""An independent float64 reference for attention, written for the tests only.
+
+It shares no code with attnkit: masks are built index by index with Python
+loops and the softmax is written out (max-subtracted exp over the kept keys).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def ref_causal_keep(q_len: int, k_len: int, alignment: str) -> torch.Tensor:
+    """(q_len, k_len) bool, True = may attend, built with explicit loops."""
+    keep = torch.zeros(q_len, k_len, dtype=torch.bool)
+    shift = k_len - q_len if alignment == "bottom_right" else 0
+    for i in range(q_len):
+        for j in range(k_len):
+            keep[i, j] = j <= i + shift
+    return keep
+
+
+def ref_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    causal: str | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (context, weights) in float64; rows with no key give zeros."""
+    q, k, v = q.double(), k.double(), v.double()
+    if q.dim() >= 3 and k.shape[-3] != q.shape[-3]:  # GQA: query head i reads kv head i // g
+        g = q.shape[-3] // k.shape[-3]
+        idx = torch.tensor([i // g for i in range(q.shape[-3])])
+        k, v = k.index_select(-3, idx), v.index_select(-3, idx)
+    d = q.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scores = torch.einsum("...td,...sd->...ts", q, k) * scale
+    bias = torch.zeros_like(scores)
+    keep = torch.ones_like(scores, dtype=torch.bool)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            keep = keep & mask
+        else:
+            bias = bias + mask.double()
+    if causal is not None:
+        keep = keep & ref_causal_keep(q.shape[-2], k.shape[-2], causal)
+    scores = scores + bias
+    keep = keep & torch.isfinite(scores)
+    neg = torch.full_like(scores, -math.inf)
+    s = torch.where(keep, scores, neg)
+    row_max = s.amax(-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    e = torch.where(keep, torch.exp(s - row_max), torch.zeros_like(s))
+    denom = e.sum(-1, keepdim=True)
+    w = torch.where(denom > 0, e / torch.where(denom > 0, denom, torch.ones_like(denom)), e)
+    return w @ v, w

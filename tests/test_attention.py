@@ -1,0 +1,235 @@
+"""The functional core against the independent float64 reference (tests/reference.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import attention
+from tests.conftest import TOL
+from tests.reference import ref_attention
+
+BACKENDS = ["reference", "sdpa"]
+
+
+def _qkv(b=2, hq=4, hkv=4, lq=7, lk=7, d=8, dtype=torch.float32, grad=False):
+    q = torch.randn(b, hq, lq, d, dtype=dtype)
+    k = torch.randn(b, hkv, lk, d, dtype=dtype)
+    v = torch.randn(b, hkv, lk, d, dtype=dtype)
+    return [t.requires_grad_(grad) for t in (q, k, v)]
+
+
+def _plain(q, k, v, keep):
+    """A plain same-dtype PyTorch implementation (the 'peer' error baseline)."""
+    if k.shape[-3] != q.shape[-3]:
+        g = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(g, -3), v.repeat_interleave(g, -3)
+    s = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+    s = s.masked_fill(~keep, float("-inf"))
+    w = torch.softmax(s, -1).nan_to_num(0.0)
+    return w @ v
+
+
+MASK_CASES = ["none", "causal_br", "causal_tl", "bool", "float", "bool+causal"]
+
+
+def _mask_for(case, b, hq, lq, lk):
+    if case in ("bool", "bool+causal"):
+        m = torch.rand(b, 1, lq, lk) > 0.3
+        m[..., 0] = True  # keep at least one key per row (fully masked rows tested apart)
+        return m, ("bottom_right" if case == "bool+causal" else None)
+    if case == "float":
+        return torch.randn(1, hq, lq, lk), None
+    if case == "causal_br":
+        return None, "bottom_right"
+    if case == "causal_tl":
+        return None, "top_left"
+    return None, None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("case", MASK_CASES)
+@pytest.mark.parametrize("lens", [(7, 7), (3, 9), (9, 5)])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_matches_reference(backend, dtype, case, lens, heads):
+    lq, lk = lens
+    hq, hkv = heads
+    q, k, v = _qkv(hq=hq, hkv=hkv, lq=lq, lk=lk, dtype=dtype)
+    mask, causal = _mask_for(case, 2, hq, lq, lk)
+    out = attention(q, k, v, mask=mask, causal=causal or False, backend=backend)
+    ref, _ = ref_attention(q, k, v, mask=mask, causal=causal)
+    assert out.dtype == dtype and out.shape == (2, hq, lq, 8)
+    torch.testing.assert_close(out.double(), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
+def test_bf16_error_within_twice_plain_pytorch(backend, heads):
+    hq, hkv = heads
+    q, k, v = _qkv(hq=hq, hkv=hkv, lq=33, lk=33, d=16, dtype=torch.bfloat16)
+    ref, _ = ref_attention(q, k, v, causal="bottom_right")
+    ours = attention(q, k, v, causal=True, backend=backend).double()
+    keep = torch.ones(33, 33, dtype=torch.bool).tril()
+    plain = _plain(q, k, v, keep).double()
+    assert (ours - ref).abs().max() <= 2 * (plain - ref).abs().max() + 1e-3
+
+
+def test_weights_returned_and_consistent():
+    q, k, v = _qkv(dtype=torch.float64)
+    mask = torch.rand(7, 7) > 0.5
+    mask[:, 0] = True
+    out, w = attention(q, k, v, mask=mask, need_weights=True)
+    ref_out, ref_w = ref_attention(q, k, v, mask=mask)
+    torch.testing.assert_close(w, ref_w)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, 7, dtype=torch.float64))
+
+
+def test_rank2_inputs_and_custom_scale():
+    q, k, v = (torch.randn(5, 3, dtype=torch.float64) for _ in range(3))
+    for backend in BACKENDS:
+        out = attention(q, k, v, scale=1.0, backend=backend)
+        torch.testing.assert_close(out, ref_attention(q, k, v, scale=1.0)[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_match_reference(backend):
+    q, k, v = _qkv(hq=4, hkv=2, lq=5, lk=6, dtype=torch.float64, grad=True)
+    mask = torch.rand(2, 1, 5, 6) > 0.4
+    mask[..., -1] = True
+    g = torch.randn(2, 4, 5, 8, dtype=torch.float64)
+    (attention(q, k, v, mask=mask, causal=True, backend=backend) * g).sum().backward()
+    ours = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    (ref_attention(q, k, v, mask=mask, causal="bottom_right")[0] * g).sum().backward()
+    for a, b in zip(ours, (q.grad, k.grad, v.grad), strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradcheck_with_masks(backend):
+    q, k, v = _qkv(b=1, hq=2, hkv=1, lq=3, lk=4, d=3, dtype=torch.float64, grad=True)
+    bool_mask = torch.tensor([[1, 0, 1, 1], [0, 0, 0, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    float_mask = torch.randn(3, 4, dtype=torch.float64)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: attention(q, k, v, mask=bool_mask, causal="top_left", backend=backend),
+        (q, k, v),
+    )
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: attention(q, k, v, mask=float_mask, backend=backend), (q, k, v)
+    )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["bool", "float", "causal_lq_gt_lk"])
+def test_fully_masked_rows_are_zero_forward_and_backward(backend, kind):
+    q, k, v = _qkv(lq=6, lk=4, grad=True)
+    mask, causal = None, False
+    if kind == "bool":
+        mask = torch.rand(6, 4) > 0.5
+        mask[0] = False  # row 0 sees nothing
+        mask[1:, 0] = True
+    elif kind == "float":
+        mask = torch.zeros(6, 4)
+        mask[2] = float("-inf")
+    else:
+        causal = "bottom_right"  # 6 queries, 4 keys: rows 0 and 1 see nothing
+    out = attention(q, k, v, mask=mask, causal=causal, backend=backend)
+    ref, _ = ref_attention(q, k, v, mask=mask, causal=causal or None)
+    dead = {"bool": [0], "float": [2], "causal_lq_gt_lk": [0, 1]}[kind]
+    assert torch.isfinite(out).all()
+    assert (out[:, :, dead] == 0).all()
+    torch.testing.assert_close(out.double(), ref, **TOL[torch.float32])
+    out.sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert (q.grad[:, :, dead] == 0).all()
+
+
+class TestDropout:
+    def test_statistics(self):
+        q, k, v = _qkv(b=4, hq=4, lq=64, lk=64, dtype=torch.float64)
+        p = 0.3
+        _, w_full = attention(q, k, v, need_weights=True)
+        _, w_drop = attention(q, k, v, dropout_p=p, need_weights=True)
+        zero_frac = (w_drop == 0).double().mean().item()
+        assert abs(zero_frac - p) < 0.02
+        kept = w_drop != 0
+        # kept weights are scaled by exactly 1/(1-p)
+        torch.testing.assert_close(w_drop[kept], w_full[kept] / (1 - p))
+        # mean preserved in expectation
+        assert abs(w_drop.mean().item() - w_full.mean().item()) < 0.02 * w_full.mean().item()
+
+    def test_zero_p_is_deterministic(self):
+        q, k, v = _qkv()
+        torch.testing.assert_close(attention(q, k, v, dropout_p=0.0), attention(q, k, v))
+
+    def test_sdpa_backend_honours_dropout(self):
+        q, k, v = _qkv(lq=64, lk=64)
+        a = attention(q, k, v, dropout_p=0.5, backend="sdpa")
+        assert not torch.allclose(a, attention(q, k, v, backend="sdpa"))
+
+
+class TestErrors:
+    def test_head_dim_mismatch(self):
+        q, k, v = _qkv()
+        with pytest.raises(ValueError, match=r"query head_dim \(8\) must equal key head_dim \(5\)"):
+            attention(q, k[..., :5], v)
+
+    def test_mask_not_broadcastable(self):
+        q, k, v = _qkv()
+        with pytest.raises(ValueError, match=r"mask of shape \(3, 3\) does not broadcast"):
+            attention(q, k, v, mask=torch.ones(3, 3, dtype=torch.bool))
+
+    def test_mask_wrong_dtype(self):
+        q, k, v = _qkv()
+        with pytest.raises(TypeError, match="torch.int64"):
+            attention(q, k, v, mask=torch.ones(7, 7, dtype=torch.long))
+
+    @pytest.mark.parametrize("p", [-0.1, 1.0, 1.5])
+    def test_bad_dropout(self, p):
+        q, k, v = _qkv()
+        with pytest.raises(ValueError, match=rf"dropout_p must be in \[0, 1\), got {p}"):
+            attention(q, k, v, dropout_p=p)
+
+    def test_unknown_backend_lists_valid(self):
+        q, k, v = _qkv()
+        with pytest.raises(
+            ValueError, match="unknown attention backend 'nope'; valid: auto, .*reference.*sdpa"
+        ):
+            attention(q, k, v, backend="nope")
+
+    def test_backend_that_cannot_honour_raises(self):
+        q, k, v = _qkv()
+        with pytest.raises(ValueError, match="'sdpa' cannot run this call: .*weights"):
+            attention(q, k, v, need_weights=True, backend="sdpa")
+
+    def test_heads_not_divisible(self):
+        q, k, v = _qkv(hq=4, hkv=3)
+        with pytest.raises(
+            ValueError, match=r"query heads \(4\) must be a multiple of key/value heads \(3\)"
+        ):
+            attention(q, k, v)
+
+    def test_integer_inputs_and_mixed_dtypes(self):
+        q, k, v = _qkv()
+        with pytest.raises(TypeError, match="floating dtype"):
+            attention(q.long(), k, v)
+        with pytest.raises(TypeError, match="share a dtype"):
+            attention(q.double(), k, v)
+
+    def test_bad_causal(self):
+        q, k, v = _qkv()
+        with pytest.raises(ValueError, match="'diagonal'"):
+            attention(q, k, v, causal="diagonal")
+
+
+def test_auto_picks_sdpa_without_dropout_and_reference_with_it():
+    q, k, v = _qkv()
+    call = attnkit.backends.AttentionCall(q, k, v, None, None, 0.35, 0.0, False)
+    assert attnkit.backends.select("auto", call).name == "sdpa"
+    call = attnkit.backends.AttentionCall(q, k, v, None, None, 0.35, 0.1, False)
+    assert attnkit.backends.select("auto", call).name == "reference"

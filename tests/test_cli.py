@@ -1,0 +1,32 @@
+"""The command line, in-process and once as a real subprocess."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from attnkit.cli import main
+
+
+def test_demo_prints_seed_numbers(capsys):
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "0.3990 0.3854 0.8610" in out  # "shiny"
+    assert "-0.4519" in out and "0.3190" in out  # CausalAttention, MultiHeadAttention (book)
+
+
+def test_unknown_command_exits_2_with_one_line(capsys):
+    assert main(["bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("attnkit: error:") and err.count("\n") == 1
+
+
+def test_help_and_version_as_subprocess():
+    r = subprocess.run(
+        [sys.executable, "-m", "attnkit.cli", "--help"], capture_output=True, text=True
+    )
+    assert r.returncode == 0 and "demo" in r.stdout
+    r = subprocess.run(
+        [sys.executable, "-m", "attnkit.cli", "--version"], capture_output=True, text=True
+    )
+    assert r.returncode == 0 and r.stdout.startswith("attnkit ")
