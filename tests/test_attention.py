@@ -233,3 +233,73 @@ def test_auto_picks_sdpa_without_dropout_and_reference_with_it():
     assert attnkit.backends.select("auto", call).name == "sdpa"
     call = attnkit.backends.AttentionCall(q, k, v, None, None, 0.35, 0.1, False)
     assert attnkit.backends.select("auto", call).name == "reference"
+
+
+def _ref_window_keep(lq, lk, w, causal):
+    keep = torch.zeros(lq, lk, dtype=torch.bool)
+    for i in range(lq):
+        p = i + lk - lq
+        for j in range(lk):
+            keep[i, j] = (p - w < j <= p) if causal else abs(p - j) < w
+    return keep
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("lens", [(9, 9), (4, 11)])
+def test_sliding_window(backend, causal, lens):
+    lq, lk = lens
+    q, k, v = _qkv(lq=lq, lk=lk, dtype=torch.float64)
+    out = attention(q, k, v, causal=causal, window=3, backend=backend)
+    ref, _ = ref_attention(q, k, v, mask=_ref_window_keep(lq, lk, 3, causal))
+    torch.testing.assert_close(out, ref)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mask_mod_equals_dense_mask(backend):
+    q, k, v = _qkv(b=2, hq=2, hkv=2, lq=6, lk=6, dtype=torch.float64)
+    ids = torch.tensor([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 2, 2]])  # packed documents
+
+    def same_doc(b, h, qi, ki):
+        return ids[b, qi] == ids[b, ki]
+
+    out = attention(q, k, v, mask_mod=same_doc, causal=True, backend=backend)
+    dense = torch.zeros(2, 1, 6, 6, dtype=torch.bool)
+    for b in range(2):
+        for i in range(6):
+            for j in range(6):
+                dense[b, 0, i, j] = bool(ids[b, i] == ids[b, j])
+    ref, _ = ref_attention(q, k, v, mask=dense, causal="bottom_right")
+    torch.testing.assert_close(out, ref)
+
+
+def test_score_mod_gradients_reach_its_tensors():
+    q, k, v = _qkv(b=1, hq=2, hkv=2, lq=5, lk=5, dtype=torch.float64)
+    slopes = torch.tensor([0.5, 0.25], dtype=torch.float64, requires_grad=True)
+
+    def alibi(score, b, h, qi, ki):
+        return score - slopes[h] * (qi - ki).abs()
+
+    out = attention(q, k, v, score_mod=alibi, causal=True)
+    dist = (torch.arange(5).view(-1, 1) - torch.arange(5).view(1, -1)).abs().double()
+    bias = -slopes.detach().view(1, 2, 1, 1) * dist
+    ref, _ = ref_attention(q, k, v, mask=bias, causal="bottom_right")
+    torch.testing.assert_close(out, ref)
+    assert torch.autograd.gradcheck(
+        lambda s: attention(
+            q, k, v, causal=True, score_mod=lambda sc, b, h, qi, ki: sc - s[h] * (qi - ki).abs()
+        ),
+        (slopes,),
+    )
+    with pytest.raises(ValueError, match="'sdpa' cannot run this call: .*score_mod"):
+        attention(q, k, v, score_mod=alibi, backend="sdpa")
+
+
+def test_mod_and_window_errors():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="window must be a positive int or None, got 0"):
+        attention(q, k, v, window=0)
+    with pytest.raises(TypeError, match="mask_mod must be callable"):
+        attention(q, k, v, mask_mod=3)
+    with pytest.raises(ValueError, match="needs a 4-D"):
+        attention(q[0], k[0], v[0], mask_mod=lambda b, h, i, j: i >= j)

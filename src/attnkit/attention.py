@@ -16,7 +16,7 @@ import math
 import torch
 
 from attnkit import backends, trace
-from attnkit.masks import normalize_causal
+from attnkit.masks import MaskMod, ScoreMod, normalize_causal
 
 __all__ = ["attention"]
 
@@ -31,6 +31,9 @@ def attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     need_weights: bool = False,
+    window: int | None = None,
+    mask_mod: MaskMod | None = None,
+    score_mod: ScoreMod | None = None,
     backend: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention: ``softmax(query @ key^T * scale + mask) @ value``.
@@ -50,6 +53,12 @@ def attention(
             only in training mode.
         need_weights: also return the attention weights ``(..., h_q, l_q, l_k)``
             (after dropout, i.e. exactly the weights applied to ``value``).
+        window: sliding window: each query keeps itself and the ``window - 1`` keys
+            before it (aligned as ``causal``; symmetric when not causal).
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = may attend), called
+            on broadcastable index tensors; needs a 4-D ``(b, h, l, d)`` query.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` applied to the
+            scaled scores before masking; gradients flow into its tensors.
         backend: ``"auto"`` or a name from :func:`attnkit.backends.available_backends`.
 
     Returns:
@@ -66,8 +75,19 @@ def attention(
     mask = _check_mask(mask, query, key)
     dropout_p = _check_dropout(dropout_p)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else _check_scale(scale)
+    _check_mods(window, mask_mod, score_mod, query)
     call = backends.AttentionCall(
-        query, key, value, mask, causal_mode, scale, dropout_p, need_weights
+        query,
+        key,
+        value,
+        mask,
+        causal_mode,
+        scale,
+        dropout_p,
+        need_weights,
+        window=window,
+        mask_mod=mask_mod,
+        score_mod=score_mod,
     )
     name = "reference" if backend == "auto" and trace.is_recording() else backend
     out, weights = backends.dispatch(name, call)
@@ -155,3 +175,25 @@ def _check_scale(scale: float) -> float:
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     return float(scale)
+
+
+def _check_mods(
+    window: int | None,
+    mask_mod: MaskMod | None,
+    score_mod: ScoreMod | None,
+    query: torch.Tensor,
+) -> None:
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window <= 0
+    ):
+        raise ValueError(f"window must be a positive int or None, got {window!r}")
+    for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+        if fn is None:
+            continue
+        if not callable(fn):
+            raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+        if query.dim() != 4:
+            raise ValueError(
+                f"{name} needs a 4-D (batch, heads, seq, head_dim) query, got shape "
+                f"{tuple(query.shape)}"
+            )

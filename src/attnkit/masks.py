@@ -26,15 +26,42 @@ are the usual lower triangle. With Lq = 2, Lk = 5 (``1`` = may attend)::
 
 With Lq > Lk, ``bottom_right`` leaves the first ``Lq - Lk`` queries with no
 key at all: their outputs are zeros.
+
+Windows and mods
+----------------
+``window=w`` keeps, for the query at aligned position ``p``, the keys
+``p - w < kv_idx`` (itself and ``w - 1`` before; symmetric ``|p - kv_idx| < w``
+without ``causal``). ``mask_mod(b, h, q_idx, kv_idx)`` returns True where a query
+may attend; ``score_mod(score, b, h, q_idx, kv_idx)`` rewrites the scaled scores
+(its tensors receive gradients). Indices are plain ``0..L-1`` positions in the call.
+Every piece is ANDed: causal, window, mask_mod and ``mask``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 
-__all__ = ["CausalAlignment", "causal_mask", "normalize_causal"]
+__all__ = [
+    "CausalAlignment",
+    "MaskMod",
+    "ScoreMod",
+    "causal_mask",
+    "dead_rows",
+    "materialize",
+    "normalize_causal",
+    "window_mask",
+]
+
+#: ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (True = may attend), on broadcastable
+#: index tensors, as in FlexAttention.
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to the scaled scores.
+ScoreMod = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
 
 CausalAlignment = Literal["top_left", "bottom_right"]
 _ALIGNMENTS = ("top_left", "bottom_right")
@@ -80,22 +107,70 @@ def causal_mask(
     return k_idx <= q_idx + offset  # (q, k)
 
 
-def merge_causal(
+def window_mask(
+    q_len: int,
+    k_len: int,
+    window: int,
+    alignment: CausalAlignment = "bottom_right",
+    causal: bool = True,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Return the ``(q_len, k_len)`` boolean sliding-window mask (True = may attend).
+
+    A query at aligned position ``p`` (``q_idx + k_len - q_len`` for bottom-right,
+    ``q_idx`` for top-left) keeps the keys ``p - window < kv_idx``: itself and the
+    ``window - 1`` before it. Without ``causal`` the window is symmetric
+    (``|p - kv_idx| < window``); with it, later keys are removed too.
+    """
+    offset = k_len - q_len if alignment == "bottom_right" else 0
+    pos = torch.arange(q_len, device=device).unsqueeze(-1) + offset  # (q, 1)
+    k_idx = torch.arange(k_len, device=device)  # (k,)
+    keep = k_idx > pos - window
+    return keep & (k_idx <= pos) if causal else keep & (k_idx < pos + window)
+
+
+def index_grids(
+    batch: int, heads: int, q_len: int, k_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Broadcastable ``(b, h, q_idx, kv_idx)`` index tensors for mask and score mods."""
+    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
+    q = torch.arange(q_len, device=device).view(1, 1, -1, 1)
+    kv = torch.arange(k_len, device=device).view(1, 1, 1, -1)
+    return b, h, q, kv
+
+
+def materialize(
     mask: torch.Tensor | None,
     causal: CausalAlignment | None,
-    q_len: int,
+    window: int | None,
+    mask_mod: MaskMod | None,
+    query_shape: torch.Size,
     k_len: int,
     device: torch.device,
 ) -> torch.Tensor | None:
-    """Fold a causal alignment into ``mask`` (bool stays bool, float stays float)."""
-    if causal is None:
+    """Fold causal, window and ``mask_mod`` into one dense mask (bool stays bool, float stays float).
+
+    Returns None when nothing masks the call.
+    """
+    q_len = query_shape[-2]
+    keep = None
+    if causal is not None:
+        keep = causal_mask(q_len, k_len, causal, device=device)
+    if window is not None:
+        w = window_mask(q_len, k_len, window, causal or "bottom_right", causal is not None, device)
+        keep = w if keep is None else keep & w
+    if mask_mod is not None:
+        grids = index_grids(query_shape[0], query_shape[1], q_len, k_len, device)
+        m = torch.as_tensor(mask_mod(*grids), device=device).to(torch.bool)  # (b|1, h|1, q, k)
+        keep = m if keep is None else keep & m
+    if keep is None:
         return mask
-    tri = causal_mask(q_len, k_len, causal, device=device)  # (q, k)
     if mask is None:
-        return tri
+        return keep
     if mask.dtype == torch.bool:
-        return mask & tri
-    return mask.masked_fill(~tri, float("-inf"))
+        return mask & keep
+    return mask.masked_fill(~keep, float("-inf"))
 
 
 def dead_rows(mask: torch.Tensor) -> torch.Tensor:

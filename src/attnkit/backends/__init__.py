@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnkit.masks import CausalAlignment
+from attnkit.masks import CausalAlignment, MaskMod, ScoreMod, materialize
 
 __all__ = [
     "AUTO_ORDER",
@@ -40,6 +40,9 @@ class AttentionCall:
         scale: the factor applied to ``query @ key^T``.
         dropout_p: dropout on the weights, 0.0 for none.
         need_weights: whether the weights must be returned.
+        window: sliding-window size, or None.
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx)`` predicate (True = attend), or None.
+        score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` on the scaled scores, or None.
     """
 
     query: torch.Tensor
@@ -50,6 +53,21 @@ class AttentionCall:
     scale: float
     dropout_p: float
     need_weights: bool
+    window: int | None = None
+    mask_mod: MaskMod | None = None
+    score_mod: ScoreMod | None = None
+
+    def dense_mask(self) -> torch.Tensor | None:
+        """Everything that masks this call (mask, causal, window, mask_mod) as one dense tensor."""
+        return materialize(
+            self.mask,
+            self.causal,
+            self.window,
+            self.mask_mod,
+            self.query.shape,
+            self.k_len,
+            self.query.device,
+        )
 
     @property
     def q_len(self) -> int:

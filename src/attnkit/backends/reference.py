@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from attnkit import trace
 from attnkit.backends import AttentionCall, BackendResult, register_backend
-from attnkit.masks import dead_rows, merge_causal
+from attnkit.masks import dead_rows, index_grids
 
 __all__ = ["reference_attention"]
 
@@ -57,7 +57,11 @@ def reference_attention(call: AttentionCall) -> BackendResult:
     trace.emit("scores", scores)
     scores = scores * call.scale
     trace.emit("scaled_scores", scores)
-    mask = merge_causal(call.mask, call.causal, call.q_len, call.k_len, scores.device)
+    if call.score_mod is not None:
+        b, h, _, _ = scores.shape
+        scores = call.score_mod(scores, *index_grids(b, h, call.q_len, call.k_len, scores.device))
+        trace.emit("modded_scores", scores)
+    mask = call.dense_mask()
     weights = masked_softmax(scores, mask)  # (b, h, t, s)
     trace.emit("weights", weights)
     if call.dropout_p > 0.0:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.backends import AttentionCall, BackendResult, register_backend
-from attnkit.masks import dead_rows, merge_causal
+from attnkit.masks import dead_rows
 
 __all__ = ["sdpa_attention"]
 
@@ -23,6 +23,8 @@ __all__ = ["sdpa_attention"]
 def _supports(call: AttentionCall) -> str | None:
     if call.need_weights:
         return "the fused kernel does not return attention weights (use backend='reference')"
+    if call.score_mod is not None:
+        return "the fused kernel takes no score_mod (use backend='reference')"
     return None
 
 
@@ -38,16 +40,13 @@ def _auto_supports(call: AttentionCall) -> str | None:
 def sdpa_attention(call: AttentionCall) -> BackendResult:
     """Run ``call`` through ``torch.nn.functional.scaled_dot_product_attention``."""
     q, k, v = call.query, call.key, call.value
+    plain_causal = call.mask is None and call.window is None and call.mask_mod is None
     is_causal = (
-        call.causal is not None
-        and call.mask is None
+        plain_causal
+        and call.causal is not None
         and (call.causal == "top_left" or call.q_len == call.k_len)
     )
-    mask = (
-        None
-        if is_causal
-        else merge_causal(call.mask, call.causal, call.q_len, call.k_len, q.device)
-    )
+    mask = None if is_causal else call.dense_mask()
     dead = None
     if mask is not None:
         dead = dead_rows(mask)  # (..., t, 1)
