@@ -22,7 +22,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check src tests
-	$(PY) -m pytest -n 2 -q
+	$(PY) -m pytest -n 2 -q -m "not slow"
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check src tests
