@@ -8,6 +8,7 @@ Example:
 """
 
 from attnkit.explain.core import JSON_KEYS, STAGES, Explanation, explain
+from attnkit.explain.demo import demo_section
 from attnkit.explain.inputs import load_embeddings, random_embeddings, resolve_sentence, tokenize
 from attnkit.explain.render import FORMATS, find_token, render
 
@@ -16,6 +17,7 @@ __all__ = [
     "JSON_KEYS",
     "STAGES",
     "Explanation",
+    "demo_section",
     "explain",
     "find_token",
     "load_embeddings",
