@@ -318,11 +318,13 @@ def _follow(
         kv = keys[j].double().tolist()
         s = sum(a * b for a, b in zip(qv, kv, strict=True))
         terms = [f"{_paren(a)}*{_paren(b)}" for a, b in zip(qv, kv, strict=True)]
-        line = f"  {other[:8]:<8} " + " + ".join(terms) + f" = {s:.4f}"
+        tail = f" = {s:.4f}" + (f"; x {scale:.4f} = {s * scale:.4f}" if scale != 1.0 else "")
+        head = f"  {other[:8]:<8} "
+        line = head + " + ".join(terms) + tail
         if len(line) > width:
-            line = f"  {other[:8]:<8} {terms[0]} + ... + {terms[-1]} ({len(terms)} terms) = {s:.4f}"
-        if scale != 1.0:
-            line += f"; x {scale:.4f} = {s * scale:.4f}"
+            line = head + f"{terms[0]} + ... + {terms[-1]} ({len(terms)} terms)" + tail
+        if len(line) > width:
+            line = head + f"q . k ({len(terms)} terms)" + tail
         scores.append(s * scale)
         lines.append(line)
     exps = [None if s is None else math.exp(s) for s in scores]
