@@ -53,4 +53,7 @@ def run(args: argparse.Namespace) -> int:
         torch.manual_seed(123)
         mha = modules.MultiHeadAttention(3, 2, 6, 0.0, num_heads=2)
         _show("MultiHeadAttention(3, 2, 6, 0.0, num_heads=2), seed 123", mha(batch))
+    from attnkit.explain import demo_section  # the explain walkthrough and attention maps
+
+    demo_section("attnkit-out/maps")
     return 0
