@@ -40,9 +40,9 @@ A query row with no key left (the padding positions of a left-padded batch) retu
 where eager spreads it uniformly over the masked keys; real tokens never read those rows,
 so logits and attentions of real tokens are unaffected.
 
-Minimum version: transformers 4.56 (``AttentionInterface``, ``AttentionMaskInterface``,
-``masking_utils.sdpa_mask`` and ``PreTrainedModel.set_attn_implementation``); tested
-with 5.23.
+Minimum version: transformers 4.56, the first release with everything used here
+(``AttentionInterface``, ``AttentionMaskInterface``, ``masking_utils.sdpa_mask``,
+``PreTrainedModel.set_attn_implementation``; checked in its source). Tested with 5.23.
 """
 
 from __future__ import annotations
@@ -238,37 +238,18 @@ def make_attention_function(backend: str = "auto") -> Callable[..., tuple[torch.
     return attnkit_attention_forward
 
 
-def attnkit_mask(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset: int = 0,
-    kv_offset: int = 0,
-    mask_function: Callable[..., Any] | None = None,
-    attention_mask: torch.Tensor | None = None,
-    **kwargs: Any,
-) -> torch.Tensor:
+def attnkit_mask(*args: Any, **kwargs: Any) -> torch.Tensor:
     """The mask function registered with ``AttentionMaskInterface``.
 
     transformers' ``sdpa_mask`` with its "skip the mask" shortcuts disabled, so that every
     layer gets the full boolean mask ``(batch_size, 1, q_length, kv_length)`` (True = may
-    attend). Arguments are transformers' mask-interface arguments.
+    attend). Arguments are passed through unchanged: they are transformers' mask-interface
+    arguments, whose names vary across releases (``cache_position`` in 4.56, ``q_length``
+    and ``q_offset`` in 5.x).
     """
-    kwargs.pop("allow_is_causal_skip", None)
-    kwargs.pop("allow_is_bidirectional_skip", None)
-    if mask_function is not None:
-        kwargs["mask_function"] = mask_function
-    return sdpa_mask(
-        batch_size=batch_size,
-        q_length=q_length,
-        kv_length=kv_length,
-        q_offset=q_offset,
-        kv_offset=kv_offset,
-        attention_mask=attention_mask,
-        allow_is_causal_skip=False,
-        allow_is_bidirectional_skip=False,
-        **kwargs,
-    )
+    kwargs["allow_is_causal_skip"] = False
+    kwargs["allow_is_bidirectional_skip"] = False  # absorbed by **kwargs where unknown
+    return sdpa_mask(*args, **kwargs)
 
 
 def register(name: str = "attnkit", *, backend: str = "auto") -> str:
