@@ -128,7 +128,7 @@ def _check_kwargs(kwargs: dict[str, Any]) -> None:
         )
 
 
-def _check_mask(attention_mask: Any, query: torch.Tensor, key: torch.Tensor) -> None:
+def _check_mask(attention_mask: Any) -> None:
     if attention_mask is None:
         return
     if not isinstance(attention_mask, torch.Tensor):
@@ -206,7 +206,7 @@ def make_attention_function(backend: str = "auto") -> Callable[..., tuple[torch.
             raise ValueError(
                 f"query must be (b, h, l_q, d) as transformers lays it out, got {tuple(query.shape)}"
             )
-        _check_mask(attention_mask, query, key)
+        _check_mask(attention_mask)
         if output_attentions is None:
             output_attentions = _attentions_requested(module)
         causal, window = False, None
