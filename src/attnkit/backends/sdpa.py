@@ -49,11 +49,12 @@ def sdpa_attention(call: AttentionCall) -> BackendResult:
     mask = None if is_causal else call.dense_mask()
     dead = None
     if mask is not None:
+        if mask.dim() == 1:  # a (l_k,) mask broadcasts, but SDPA wants (..., l_q, l_k)
+            mask = mask.unsqueeze(0)
         dead = dead_rows(mask)  # (..., t, 1)
-        if bool(dead.any()):
-            mask = mask | dead if mask.dtype == torch.bool else mask.masked_fill(dead, 0.0)
-        else:
-            dead = None
+        # Branch-free (no `if dead.any()`): a data-dependent branch would break
+        # torch.compile(fullgraph=True); opening no row is a no-op.
+        mask = mask | dead if mask.dtype == torch.bool else mask.masked_fill(dead, 0.0)
     squeeze = q.dim() == 2
     if squeeze:  # SDPA wants a head dim
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)

@@ -1,0 +1,133 @@
+"""torch.compile(fullgraph=True): attnkit's modules and core trace as one graph, per backend.
+
+Graphs are counted with dynamo's ``CompileCounter`` backend (no inductor code generation,
+so these stay fast); ``fullgraph=True`` turns any graph break into an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch._dynamo.testing import CompileCounter
+
+import attnkit
+from tests.conftest import TOL
+from tests.reference import ref_attention
+
+# Adding a backend to the compile guarantees is one entry here (e.g. "blockwise").
+BACKENDS = ["reference", "sdpa"]
+
+D_IN, D_OUT, CONTEXT_LENGTH = 6, 8, 12
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+MODULES: dict[str, Callable[[str], torch.nn.Module]] = {
+    "SelfAttentionV1": lambda b: attnkit.SelfAttentionV1(D_IN, D_OUT, backend=b),
+    "SelfAttentionV2": lambda b: attnkit.SelfAttentionV2(D_IN, D_OUT, backend=b),
+    "CausalAttention": lambda b: attnkit.CausalAttention(
+        D_IN, D_OUT, CONTEXT_LENGTH, 0.0, backend=b
+    ),
+    "MultiHeadAttentionWrapper": lambda b: attnkit.MultiHeadAttentionWrapper(
+        D_IN, D_OUT, CONTEXT_LENGTH, 0.0, num_heads=2, backend=b
+    ),
+    "MultiHeadAttention": lambda b: attnkit.MultiHeadAttention(
+        D_IN, D_OUT, CONTEXT_LENGTH, 0.0, num_heads=2, backend=b
+    ),
+}
+
+
+def _compile(fn: Callable) -> tuple[Callable, CompileCounter]:
+    counter = CompileCounter()
+    return torch.compile(fn, backend=counter, fullgraph=True), counter
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", list(MODULES))
+def test_module_compiles_to_one_graph(name: str, backend: str) -> None:
+    module = MODULES[name](backend).eval()
+    compiled, counter = _compile(module)
+    x = torch.randn(2, 7, D_IN)  # (b, t, d_in)
+    out = compiled(x)
+    compiled(torch.randn(2, 7, D_IN))  # same shapes: no recompilation
+    assert counter.frame_count == 1
+    assert counter.op_count > 0
+    torch.testing.assert_close(out, module(x), **TOL[torch.float32])
+
+
+def test_simplified_self_attention_compiles() -> None:
+    module = attnkit.SimplifiedSelfAttention()
+    compiled, counter = _compile(module)
+    x = torch.randn(6, 3)
+    torch.testing.assert_close(compiled(x), module(x), **TOL[torch.float32])
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_with_mask_window_gqa_compiles(backend: str) -> None:
+    """Regression: the sdpa backend branched on ``bool(dead.any())`` and broke the graph."""
+
+    def fn(q, k, v, mask):
+        return attnkit.attention(q, k, v, mask=mask, causal=True, window=4, backend=backend)
+
+    compiled, counter = _compile(fn)
+    q = torch.randn(2, 4, 5, 8, dtype=torch.float64)  # (b, h_q, t, d)
+    k = torch.randn(2, 2, 9, 8, dtype=torch.float64)  # (b, h_kv, s, d)
+    v = torch.randn(2, 2, 9, 8, dtype=torch.float64)
+    mask = torch.rand(2, 1, 5, 9) > 0.3
+    mask[0, 0, 0] = False  # one fully masked row: zeros, not NaN
+    out = compiled(q, k, v, mask)
+    assert counter.frame_count == 1
+    i = torch.arange(5)[:, None] + 4  # bottom-right aligned query positions
+    j = torch.arange(9)[None, :]
+    keep = mask & (j <= i) & (j > i - 4)
+    expected, _ = ref_attention(q, k, v, mask=keep)
+    torch.testing.assert_close(out, expected, **TOL[torch.float64])
+    assert torch.equal(out[0, :, 0], torch.zeros_like(out[0, :, 0]))
+
+
+def test_dropout_in_training_compiles() -> None:
+    module = attnkit.MultiHeadAttention(D_IN, D_OUT, CONTEXT_LENGTH, 0.1, num_heads=2).train()
+    compiled, counter = _compile(module)
+    out = compiled(torch.randn(2, 7, D_IN))
+    assert counter.frame_count == 1
+    assert out.shape == (2, 7, D_OUT) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_static_kv_cache_decode_compiles_once(backend: str) -> None:
+    """A preallocated cache and a tensor position: one graph for every decoded token.
+
+    Also a regression test: the sdpa backend failed on the 1-D ``(l_k,)`` mask used here.
+    """
+    b, h_q, h_kv, max_len, d, steps = 2, 4, 2, 16, 8, 10
+    k_cache = torch.zeros(b, h_kv, max_len, d)  # (b, h_kv, max_len, d)
+    v_cache = torch.zeros(b, h_kv, max_len, d)
+
+    def decode_step(q, k_new, v_new, pos):
+        k_cache.index_copy_(2, pos.view(1), k_new)  # write slot `pos`
+        v_cache.index_copy_(2, pos.view(1), v_new)
+        keep = torch.arange(max_len) <= pos  # (max_len,): the filled slots
+        return attnkit.attention(q, k_cache, v_cache, mask=keep, backend=backend)
+
+    compiled, counter = _compile(decode_step)
+    q_all = torch.randn(b, h_q, steps, d)
+    k_all = torch.randn(b, h_kv, steps, d)
+    v_all = torch.randn(b, h_kv, steps, d)
+    outs = [
+        compiled(
+            q_all[:, :, i : i + 1], k_all[:, :, i : i + 1], v_all[:, :, i : i + 1], torch.tensor(i)
+        )
+        for i in range(steps)
+    ]
+    assert counter.frame_count == 1  # compiled once, not once per token
+    # Token-by-token decoding equals causal attention over the whole sequence.
+    expected, _ = ref_attention(q_all, k_all, v_all, causal="bottom_right")
+    torch.testing.assert_close(torch.cat(outs, dim=2), expected.float(), **TOL[torch.float32])

@@ -1,0 +1,82 @@
+"""Packaging: the core stays light (no transformers, no matplotlib), extras exist, loads are safe."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_import_attnkit_loads_no_optional_dependency() -> None:
+    code = (
+        "import sys, attnkit, attnkit.io, attnkit.integrations\n"
+        "heavy = sorted(m for m in ('transformers', 'matplotlib', 'safetensors') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+        "print('ok', attnkit.__version__)\n"
+    )
+    result = _run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ok ")
+
+
+def test_extras_are_declared() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert any(req.startswith("transformers>=") for req in extras["hf"])
+    assert any(req.startswith("matplotlib") for req in extras["viz"])
+    assert any(req.startswith("safetensors") for req in project["dependencies"])
+
+
+def test_hf_minimum_version_matches_the_extra() -> None:
+    """The version the integration checks at register() is the one the extra asks for."""
+    tomllib = pytest.importorskip("tomllib")
+    pytest.importorskip("transformers")
+    from attnkit.integrations.hf import MIN_TRANSFORMERS_VERSION
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    (req,) = [r for r in extras["hf"] if r.startswith("transformers")]
+    assert req == f"transformers>={MIN_TRANSFORMERS_VERSION.removesuffix('.0')}"
+
+
+def _torch_load_calls() -> list[tuple[Path, ast.Call]]:
+    calls = []
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "load"
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "torch"
+            ):
+                calls.append((path, node))
+    return calls
+
+
+def test_every_torch_load_is_weights_only() -> None:
+    calls = _torch_load_calls()
+    assert calls, "expected at least attnkit.io's torch.load"
+    for path, call in calls:
+        kw = {k.arg: k.value for k in call.keywords}
+        ok = isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True
+        assert ok, f"{path.relative_to(ROOT)}:{call.lineno}: torch.load without weights_only=True"
