@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attnkit import trace
 from attnkit.modules import MultiHeadAttention
 
 __all__ = ["GPT", "GPTConfig", "TransformerBlock"]
@@ -241,8 +242,9 @@ class GPT(nn.Module):
         if self.pos_emb is not None:
             x = x + self.pos_emb(torch.arange(start, start + t, device=idx.device))  # (b, t, d)
         x = self.drop_emb(x)
-        for block in self.trf_blocks:
-            x = block(x)  # (b, t, d)
+        for i, block in enumerate(self.trf_blocks):
+            with trace.scope(f"blocks.{i}"):  # names recorded weights "blocks.<i>.weights"
+                x = block(x)  # (b, t, d)
         if self._cached:
             self._cache_len += t
         if last_only:
