@@ -12,6 +12,10 @@ from attnkit.examples import HELLO_SHINY_SUN, YOUR_JOURNEY
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run every seed stage on the tutorial's example")
+    p.add_argument(
+        "--out", default="attnkit-demo", help="folder for the tiny GPT's pictures (attnkit-demo)"
+    )
+    p.add_argument("--no-gpt", action="store_true", help="skip training the tiny GPT")
     p.set_defaults(func=run)
 
 
@@ -53,4 +57,8 @@ def run(args: argparse.Namespace) -> int:
         torch.manual_seed(123)
         mha = modules.MultiHeadAttention(3, 2, 6, 0.0, num_heads=2)
         _show("MultiHeadAttention(3, 2, 6, 0.0, num_heads=2), seed 123", mha(batch))
+    if not getattr(args, "no_gpt", False):
+        from attnkit.train import demo_section
+
+        demo_section(args.out)
     return 0
