@@ -9,7 +9,7 @@ from attnkit.cli import main
 
 
 def test_demo_prints_seed_numbers(capsys):
-    assert main(["demo"]) == 0
+    assert main(["demo", "--no-gpt"]) == 0
     out = capsys.readouterr().out
     assert "0.3990 0.3854 0.8610" in out  # "shiny"
     assert "-0.4519" in out and "0.3190" in out  # CausalAttention, MultiHeadAttention (book)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import torch
 
@@ -11,7 +12,13 @@ from attnkit.examples import HELLO_SHINY_SUN, YOUR_JOURNEY
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="run every seed stage on the tutorial's example")
+    p = sub.add_parser(
+        "demo", help="the tour: every seed stage, the explain walkthrough, a tiny GPT trained"
+    )
+    p.add_argument(
+        "--out", default="attnkit-out", help="folder for the pictures the demo writes (attnkit-out)"
+    )
+    p.add_argument("--no-gpt", action="store_true", help="skip training the tiny GPT")
     p.set_defaults(func=run)
 
 
@@ -53,7 +60,11 @@ def run(args: argparse.Namespace) -> int:
         torch.manual_seed(123)
         mha = modules.MultiHeadAttention(3, 2, 6, 0.0, num_heads=2)
         _show("MultiHeadAttention(3, 2, 6, 0.0, num_heads=2), seed 123", mha(batch))
-    from attnkit.explain import demo_section  # the explain walkthrough and attention maps
+    from attnkit.explain import demo_section as explain_section
 
-    demo_section("attnkit-out/maps")
+    explain_section(Path(args.out) / "maps")  # the explain walkthrough and attention maps
+    if not args.no_gpt:
+        from attnkit.train import demo_section as gpt_section
+
+        gpt_section(Path(args.out) / "gpt")  # train, evaluate and sample the tiny GPT
     return 0

@@ -1,0 +1,95 @@
+"""Training data, the loop (loss goes down on copy) and checkpoints."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+from attnkit.models import GPT, GPTConfig
+from attnkit.train import (
+    CheckpointError,
+    TaskData,
+    TextData,
+    load_checkpoint,
+    save_checkpoint,
+    train,
+)
+from attnkit.train.data import IGNORE
+from attnkit.train.loop import Progress
+
+
+@pytest.mark.parametrize("task", ["copy", "reverse", "sort", "recall"])
+def test_task_answers_are_right(task):
+    data = TaskData(task, 5)
+    tok = data.tokenizer
+    for row in data.sample(20, torch.Generator().manual_seed(0)).tolist():
+        q, a = tok.decode(row).split(">")
+        if task == "recall":
+            pairs, key = q.split("?")
+            assert dict(zip(pairs[::2], pairs[1::2], strict=True))[key] == a
+        else:
+            expected = {"copy": q, "reverse": q[::-1], "sort": "".join(sorted(q))}[task]
+            assert a == expected
+
+
+def test_only_answers_are_scored():
+    data = TaskData("reverse", 4)
+    inputs, targets = data.batch(3)
+    assert inputs.shape == targets.shape == (3, 8)
+    assert (targets[:, :4] == IGNORE).all() and (targets[:, 4:] != IGNORE).all()
+
+
+def test_copy_loss_goes_down():
+    torch.manual_seed(0)
+    data = TaskData("copy", 4)
+    model = GPT(GPTConfig.preset("tiny", vocab_size=22, context_length=data.seq_len))
+    g = torch.Generator().manual_seed(0)
+    losses = train(model, lambda: data.batch(32, g), 120, progress=False)
+    assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:10]) / 10
+
+
+def test_progress_bar_shows_step_loss_rate_eta():
+    buf = io.StringIO()
+    bar = Progress(10, stream=buf)
+    bar.update(10, 0.1234, 500, force=True)
+    line = buf.getvalue()
+    assert "step 10/10" in line and "loss 0.1234" in line and "tok/s" in line and "ETA" in line
+
+
+def test_text_data(tmp_path):
+    f = tmp_path / "t.txt"
+    f.write_text("hello attention")
+    x, y = TextData(f, 8).batch(4)
+    assert x.shape == (4, 8) and torch.equal(x[:, 1:], y[:, :-1])
+    (tmp_path / "e.txt").write_text("")
+    with pytest.raises(ValueError, match="is empty"):
+        TextData(tmp_path / "e.txt", 8)
+
+
+def test_checkpoint_round_trip_and_corruption(tmp_path):
+    data = TaskData("copy", 3)
+    model = GPT(GPTConfig.preset("tiny", vocab_size=22, context_length=data.seq_len, rope=True))
+    opt = torch.optim.AdamW(model.parameters())
+    train(model, lambda: data.batch(4), 2, optimizer=opt, progress=False)
+    save_checkpoint(tmp_path, model, data.tokenizer, optimizer=opt, meta={"step": 2})
+    loaded, tok, meta, opt_state = load_checkpoint(tmp_path)
+    assert meta["step"] == 2 and tok.symbols == data.tokenizer.symbols
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k])
+    opt2 = torch.optim.AdamW(loaded.parameters())
+    opt2.load_state_dict(opt_state)
+    assert torch.equal(
+        opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"]
+    )
+    assert not list(tmp_path.glob("*.tmp"))  # atomic writes leave no temporaries
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="corrupt or missing weights"):
+        load_checkpoint(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model": {"heads": 3}}))
+    with pytest.raises(CheckpointError, match="corrupt checkpoint config"):
+        load_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="config.json not found"):
+        load_checkpoint(tmp_path / "nope")
