@@ -73,7 +73,7 @@ def attention(
     _check_qkv(query, key, value)
     causal_mode = normalize_causal(causal)
     mask = _check_mask(mask, query, key)
-    dropout_p = _check_dropout(dropout_p)
+    dropout_p = check_dropout(dropout_p)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else _check_scale(scale)
     _check_mods(window, mask_mod, score_mod, query)
     call = backends.AttentionCall(
@@ -161,11 +161,12 @@ def _check_mask(
     return mask
 
 
-def _check_dropout(p: float) -> float:
+def check_dropout(p: float, name: str = "dropout_p") -> float:
+    """Validate a dropout probability: a float in ``[0, 1)``; ``name`` is used in errors."""
     if isinstance(p, bool) or not isinstance(p, (int, float)):
-        raise TypeError(f"dropout_p must be a float, got {type(p).__name__}")
+        raise TypeError(f"{name} must be a float, got {type(p).__name__}")
     if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+        raise ValueError(f"{name} must be in [0, 1), got {p}")
     return float(p)
 
 

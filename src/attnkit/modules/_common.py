@@ -44,15 +44,6 @@ def check_dims(**dims: int) -> None:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-def check_dropout(p: float) -> float:
-    """Validate a module's dropout probability (the seeds' ``dropout`` argument)."""
-    if isinstance(p, bool) or not isinstance(p, (int, float)):
-        raise TypeError(f"dropout must be a float, got {type(p).__name__}")
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout must be in [0, 1), got {p}")
-    return float(p)
-
-
 def check_backend(name: str) -> str:
     """Validate a backend name at construction time, so mistakes surface early."""
     if name != "auto":

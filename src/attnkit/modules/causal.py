@@ -9,13 +9,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnkit import trace
-from attnkit.attention import attention
+from attnkit.attention import attention, check_dropout
 from attnkit.masks import causal_mask
 from attnkit.modules._common import (
     active_dropout,
     check_backend,
     check_dims,
-    check_dropout,
     check_input,
 )
 
@@ -66,7 +65,7 @@ class CausalAttention(nn.Module):
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.dropout = nn.Dropout(check_dropout(dropout))
+        self.dropout = nn.Dropout(check_dropout(dropout, "dropout"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Map ``(b, t, d_in)`` or ``(t, d_in)`` to context vectors ``(..., t, d_out)``."""

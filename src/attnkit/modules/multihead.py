@@ -6,13 +6,12 @@ import torch
 from torch import nn
 
 from attnkit import trace
-from attnkit.attention import attention
+from attnkit.attention import attention, check_dropout
 from attnkit.kv_cache import CrossKVCache, KVCache
 from attnkit.modules._common import (
     active_dropout,
     check_backend,
     check_dims,
-    check_dropout,
     check_input,
 )
 from attnkit.modules.causal import CausalAttention
@@ -141,7 +140,7 @@ class MultiHeadAttention(nn.Module):
         self.W_key = nn.Linear(d_in, kv_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, kv_out, bias=qkv_bias)
         self.out_proj = nn.Linear(d_out, d_out)
-        self.dropout = nn.Dropout(check_dropout(dropout))
+        self.dropout = nn.Dropout(check_dropout(dropout, "dropout"))
         if rope and self.head_dim % 2:
             raise ValueError(f"rope needs an even head_dim, got {self.head_dim}")
         self.rope = RotaryEmbedding(self.head_dim, context_length, rope_theta) if rope else None
