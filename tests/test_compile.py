@@ -13,6 +13,7 @@ import torch
 from torch._dynamo.testing import CompileCounter
 
 import attnkit
+from attnkit.models import GPT, GPTConfig
 from tests.conftest import TOL
 from tests.reference import ref_attention
 
@@ -131,3 +132,61 @@ def test_static_kv_cache_decode_compiles_once(backend: str) -> None:
     # Token-by-token decoding equals causal attention over the whole sequence.
     expected, _ = ref_attention(q_all, k_all, v_all, causal="bottom_right")
     torch.testing.assert_close(torch.cat(outs, dim=2), expected.float(), **TOL[torch.float32])
+
+
+def _tiny_gpt(backend: str, **overrides) -> GPT:
+    cfg = GPTConfig(
+        vocab_size=40, context_length=24, emb_dim=16, n_layers=2, n_heads=4, attn_backend=backend
+    )
+    return GPT(GPTConfig.from_dict({**cfg.to_dict(), **overrides})).eval()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gpt_forward_compiles_to_one_graph(backend: str) -> None:
+    """Regression: ``int(idx.min())`` id validation in ``GPT.forward`` broke the graph."""
+    model = _tiny_gpt(backend)
+    assert all(block.att.backend == backend for block in model.trf_blocks)
+    compiled, counter = _compile(model)
+    idx = torch.randint(0, 40, (2, 9))  # (b, t)
+    with torch.no_grad():
+        out = compiled(idx)
+        compiled(torch.randint(0, 40, (2, 9)))  # same shapes: no recompilation
+        expected = model(idx)
+    assert counter.frame_count == 1
+    assert counter.op_count > 0
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("variant", [{}, {"rope": True}, {"n_kv_heads": 2}])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gpt_static_cache_decode_compiles_once(backend: str, variant: dict) -> None:
+    """Eager prefill, then a compiled one-token step: one graph for every decoded token.
+
+    The cache position is a tensor (``GPT.cache_pos``), not a Python int that dynamo
+    would specialise on and recompile for at every token.
+    """
+    model = _tiny_gpt(backend, **variant)
+    b, prompt_len, steps = 2, 5, 12
+    tokens = torch.randint(0, 40, (b, prompt_len + steps))  # (b, t)
+
+    def decode(step: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        model.setup_cache(b, prompt_len + steps, static=True)
+        logits = [model(tokens[:, :prompt_len])]  # eager prefill
+        for i in range(prompt_len, prompt_len + steps):
+            logits.append(step(tokens[:, i : i + 1]))  # (b, 1, v)
+        model.delete_cache()
+        return torch.cat(logits, dim=1)  # (b, t, v)
+
+    compiled, counter = _compile(model)
+    with torch.no_grad():
+        compiled_logits = decode(compiled)
+        eager_logits = decode(model)
+        full = model(tokens)  # uncached forward over the whole sequence
+    assert counter.frame_count == 1  # compiled once, not once per token
+    torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compiled_logits, full, atol=1e-5, rtol=1e-5)
+
+
+def test_gpt_config_rejects_unknown_backend() -> None:
+    with pytest.raises(ValueError, match="nope"):
+        _tiny_gpt("nope")

@@ -93,3 +93,24 @@ def test_checkpoint_round_trip_and_corruption(tmp_path):
         load_checkpoint(tmp_path)
     with pytest.raises(CheckpointError, match="config.json not found"):
         load_checkpoint(tmp_path / "nope")
+
+
+def test_attention_maps_of_trained_gpt_use_viz(tmp_path):
+    """The GPT's maps are attnkit.viz AttentionMaps (the duplicate heatmap code is gone)."""
+    from attnkit import viz
+    from attnkit.train import plots
+
+    model = GPT(GPTConfig(vocab_size=20, context_length=8, emb_dim=16, n_layers=2, n_heads=2))
+    idx = torch.randint(0, 20, (6,))
+    labels = list("abcdef")
+    maps = plots.attention_maps(model, idx, labels)
+    assert isinstance(maps, viz.AttentionMaps) and maps.names == ["layer 0", "layer 1"]
+    for w in maps.weights:  # (heads, t, t): causal rows that sum to one
+        assert w.shape == (2, 6, 6)
+        torch.testing.assert_close(w.sum(-1), torch.ones(2, 6))
+        assert torch.equal(w.triu(1), torch.zeros_like(w))
+    paths = plots.plot_attention_maps(model, idx, labels, tmp_path)
+    assert [p.name for p in paths] == ["layer0.png", "layer1.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+    with pytest.raises(ValueError, match="5 labels for 6 tokens"):
+        plots.attention_maps(model, idx, labels[:5])

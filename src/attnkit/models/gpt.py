@@ -50,6 +50,8 @@ class GPTConfig:
         rope: rotary positions instead of a learned position embedding.
         rope_theta: RoPE frequency base.
         window: sliding-window attention size, or None for full causal attention.
+        attn_backend: the attention backend of every layer (``"auto"``, ``"reference"``,
+            ``"sdpa"``, ...; see :func:`attnkit.backends.available_backends`).
     """
 
     vocab_size: int = 256
@@ -63,6 +65,7 @@ class GPTConfig:
     rope: bool = False
     rope_theta: float = 10000.0
     window: int | None = None
+    attn_backend: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "emb_dim", "n_layers", "n_heads"):
@@ -82,6 +85,8 @@ class GPTConfig:
             raise ValueError(f"rope needs an even head_dim, got {self.emb_dim // self.n_heads}")
         if not 0.0 <= self.drop_rate < 1.0:
             raise ValueError(f"drop_rate must be in [0, 1), got {self.drop_rate}")
+        if not isinstance(self.attn_backend, str):
+            raise TypeError(f"attn_backend must be a str, got {type(self.attn_backend).__name__}")
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> GPTConfig:
@@ -145,6 +150,7 @@ class TransformerBlock(nn.Module):
             rope=cfg.rope,
             rope_theta=cfg.rope_theta,
             window=cfg.window,
+            backend=cfg.attn_backend,
         )
         self.norm2 = nn.LayerNorm(cfg.emb_dim)
         self.ff = FeedForward(cfg.emb_dim)
@@ -179,7 +185,9 @@ class GPT(nn.Module):
         self.final_norm = nn.LayerNorm(cfg.emb_dim)
         self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
         self.apply(self._init_weights)
-        self._cache_len = 0  # tokens held by the caches (0 = no cache)
+        # Tokens held by the caches, as a tensor updated in place: a compiled decode
+        # step reads it as data instead of specialising (recompiling) on a Python int.
+        self.register_buffer("cache_pos", torch.zeros((), dtype=torch.long), persistent=False)
         self._cached = False
 
     @staticmethod
@@ -200,19 +208,21 @@ class GPT(nn.Module):
         """Give every attention layer a KV cache; calls then take only the new tokens."""
         for block in self.trf_blocks:
             block.att.setup_cache(batch_size, max_seq_len, static=static)
-        self._cached, self._cache_len = True, 0
+        self._cached = True
+        self.cache_pos.zero_()
 
     def reset_cache(self) -> None:
         """Empty every layer's cache, keeping the buffers."""
         for block in self.trf_blocks:
             block.att.reset_cache()
-        self._cache_len = 0
+        self.cache_pos.zero_()
 
     def delete_cache(self) -> None:
         """Remove the caches: calls process whole sequences again."""
         for block in self.trf_blocks:
             block.att.delete_cache()
-        self._cached, self._cache_len = False, 0
+        self._cached = False
+        self.cache_pos.zero_()
 
     def forward(self, idx: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
         """Return next-token logits.
@@ -233,20 +243,28 @@ class GPT(nn.Module):
         if idx.dim() != 2:
             raise ValueError(f"idx must be (batch, tokens), got shape {tuple(idx.shape)}")
         t = idx.shape[1]
-        start = self._cache_len
-        if start + t > self.cfg.context_length:
-            raise ValueError(f"{start + t} tokens exceed context_length={self.cfg.context_length}")
-        if t and (int(idx.min()) < 0 or int(idx.max()) >= self.cfg.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size})")
+        if not torch.compiler.is_compiling():
+            # Data-dependent checks read tensor values: eager only (a graph break under
+            # torch.compile); the compiled path relies on the eager prefill's checks.
+            start = int(self.cache_pos) if self._cached else 0
+            if start + t > self.cfg.context_length:
+                raise ValueError(
+                    f"{start + t} tokens exceed context_length={self.cfg.context_length}"
+                )
+            if t and (int(idx.min()) < 0 or int(idx.max()) >= self.cfg.vocab_size):
+                raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size})")
         x = self.tok_emb(idx)  # (b, t, d)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(start, start + t, device=idx.device))  # (b, t, d)
+            positions = torch.arange(t, device=idx.device)  # (t,)
+            if self._cached:
+                positions = positions + self.cache_pos  # absolute positions of the new tokens
+            x = x + self.pos_emb(positions)  # (b, t, d)
         x = self.drop_emb(x)
         for i, block in enumerate(self.trf_blocks):
             with trace.scope(f"blocks.{i}"):  # names recorded weights "blocks.<i>.weights"
                 x = block(x)  # (b, t, d)
         if self._cached:
-            self._cache_len += t
+            self.cache_pos.add_(t)
         if last_only:
             x = x[:, -1:]  # (b, 1, d)
         return self.out_head(self.final_norm(x))  # (b, t, v)

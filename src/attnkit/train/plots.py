@@ -1,5 +1,7 @@
 """PNG pictures of a training run: the loss curve and learned attention maps.
 
+Attention maps are drawn by :mod:`attnkit.viz`, like every other attention picture.
+
 matplotlib is imported lazily (the ``[viz]`` extra); attnkit's core never needs it.
 """
 
@@ -12,6 +14,7 @@ import torch
 
 from attnkit import trace
 from attnkit.models import GPT
+from attnkit.viz import AttentionMaps, plot_attention
 
 __all__ = ["attention_maps", "plot_attention_maps", "plot_loss"]
 
@@ -41,35 +44,37 @@ def plot_loss(losses: Sequence[float], path: str | Path) -> Path:
 
 
 @torch.no_grad()
-def attention_maps(model: GPT, idx: torch.Tensor) -> dict[int, torch.Tensor]:
-    """Return ``layer -> weights (heads, t, t)`` for one sequence ``idx`` ``(t,)``."""
+def attention_maps(model: GPT, idx: torch.Tensor, labels: Sequence[str]) -> AttentionMaps:
+    """Record the learned attention weights of every layer for one sequence.
+
+    Args:
+        model: the trained GPT (put in eval mode).
+        idx: token ids ``(t,)``.
+        labels: one label per token, drawn along both axes.
+
+    Returns:
+        :class:`attnkit.viz.AttentionMaps` with one ``(heads, t, t)`` map per layer.
+
+    Raises:
+        ValueError: ``labels`` does not have one entry per token.
+    """
+    if len(labels) != idx.shape[-1]:
+        raise ValueError(f"{len(labels)} labels for {idx.shape[-1]} tokens")
     model.eval()
     with trace.record() as rec:
-        model(idx.unsqueeze(0))
-    return {i: rec[f"blocks.{i}.weights"][0] for i in range(model.cfg.n_layers)}  # (h, t, t) each
+        model(idx.unsqueeze(0))  # (1, t) -> weights (1, h, t, t) per layer
+    layers = range(model.cfg.n_layers)
+    weights = [rec[f"blocks.{i}.weights"][0].float() for i in layers]  # (h, t, t) each
+    return AttentionMaps([f"layer {i}" for i in layers], weights, list(labels))
 
 
 def plot_attention_maps(
     model: GPT, idx: torch.Tensor, labels: Sequence[str], out_dir: str | Path
 ) -> list[Path]:
-    """Write one PNG per layer (a panel per head) for sequence ``idx``; return the paths."""
-    plt = _pyplot()
+    """Write ``layer<i>.png`` per layer (a panel per head) for sequence ``idx``; return the paths.
+
+    Drawn with :func:`attnkit.viz.plot_attention`, like every other attention map.
+    """
+    maps = attention_maps(model, idx, labels)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for layer, weights in attention_maps(model, idx).items():
-        h = weights.shape[0]
-        fig, axes = plt.subplots(1, h, figsize=(3.2 * h, 3.4), squeeze=False)
-        for head, ax in enumerate(axes[0]):
-            ax.imshow(weights[head].numpy(), cmap="viridis", vmin=0.0, vmax=1.0)
-            ax.set_title(f"layer {layer} head {head}", fontsize=9)
-            ax.set_xticks(range(len(labels)), labels, fontsize=7)
-            ax.set_yticks(range(len(labels)), labels, fontsize=7)
-            ax.set_xlabel("key", fontsize=8)
-        axes[0][0].set_ylabel("query", fontsize=8)
-        fig.tight_layout()
-        path = out / f"layer{layer}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(path)
-    return paths
+    return [plot_attention(maps, out / f"layer{i}.png", layer=i) for i in range(len(maps.weights))]
