@@ -167,5 +167,6 @@ def dispatch(name: str, call: AttentionCall) -> BackendResult:
 
 
 # Built-in backends register themselves on import.
+from attnkit.backends import blockwise as _blockwise  # noqa: E402,F401
 from attnkit.backends import reference as _reference  # noqa: E402,F401
 from attnkit.backends import sdpa as _sdpa  # noqa: E402,F401
