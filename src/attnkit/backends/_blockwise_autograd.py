@@ -31,15 +31,23 @@ def _modded(plan: TilePlan, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int)
 
 
 def _views(plan: TilePlan, q, k, v):
+    """GQA views; a full-precision query is pre-scaled so no score tile needs a multiply."""
     # (..., h, t, d) -> (b, h_kv, g, t, d); (..., h_kv, s, d) -> (b, h_kv, 1, s, d)
     q5 = q.reshape(plan.b, plan.h_kv, plan.groups, plan.t, q.shape[-1])
+    if q.dtype == acc_dtype(q.dtype):
+        q5 = q5 * plan.scale
     k5 = k.reshape(plan.b, plan.h_kv, 1, plan.s, k.shape[-1])
     v5 = v.reshape(plan.b, plan.h_kv, 1, plan.s, v.shape[-1])
     return q5, k5, v5
 
 
 def forward_tiles(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(out (b, h, t, d_v) in q's dtype, lse (b, h, t) in the accumulation dtype)``."""
+    """Return ``(out (b, h, t, d_v) in q's dtype, lse (b, h, t) in the accumulation dtype)``.
+
+    Each tile is normalised on its own with torch's fused ``softmax`` (its
+    log-sum-exp read back from the softmax at the row maximum), and tiles are merged
+    through their log-sum-exps: ``O = sum_j exp(lse_j - lse) * softmax(S_j) V_j``.
+    """
     acc = acc_dtype(q.dtype)
     q5, k5, v5 = _views(plan, q, k, v)
     b, h, hk, g, dv = plan.b, plan.h, plan.h_kv, plan.groups, v.shape[-1]
@@ -47,27 +55,48 @@ def forward_tiles(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.empty(b, h, plan.t, dtype=acc, device=q.device)
     for q0, q1 in plan.q_blocks():
         bq = q1 - q0
-        m = torch.full((b, h, bq, 1), float("-inf"), dtype=acc, device=q.device)
-        den = torch.zeros(b, h, bq, 1, dtype=acc, device=q.device)
-        o = torch.zeros(b, hk, g, bq, dv, dtype=acc, device=q.device)  # (b, h_kv, g, bq, d_v)
+        o = m = den = None  # running output, max of tile lse's, sum of exp(lse_j - m)
         for k0, k1 in plan.k_blocks(q0, q1):
             skip, keep, bias = plan.tile_mask(q0, q1, k0, k1, q.device)
             if skip:
                 continue
             s = _modded(plan, plan.scores(q5, k5, q0, q1, k0, k1, acc), q0, q1, k0, k1)
-            s = apply_tile_mask(s, keep, bias)  # (b, h, bq, bk)
-            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-            m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)
-            p = torch.exp(s - m_safe)  # (b, h, bq, bk)
-            alpha = torch.exp(m - m_safe)  # (b, h, bq, 1)
-            den = den * alpha + p.sum(-1, keepdim=True)
+            if bias is not None:
+                s = s + bias
+            if keep is not None:
+                s = s.masked_fill(~keep, float("-inf"))  # (b, h, bq, bk)
+            # lse of the tile from its softmax: p[argmax] = exp(max - lse), so
+            # lse = max - log(p[argmax]); p[argmax] >= 1 / bk keeps the log well conditioned.
+            s_max, arg = s.max(-1, keepdim=True)  # (b, h, bq, 1)
+            p = torch.softmax(s, -1)
+            lse_t = s_max - torch.log(p.gather(-1, arg))
+            if keep is not None or bias is not None:
+                dead = torch.isneginf(s_max)  # rows with no key in this tile
+                p = p.masked_fill_(dead, 0.0)
+                lse_t = lse_t.masked_fill_(dead, float("-inf"))
             pv = torch.matmul(p.to(v.dtype).view(b, hk, g, bq, k1 - k0), v5[..., k0:k1, :])
-            o = o * alpha.view(b, hk, g, bq, 1) + pv.to(acc)  # (b, h_kv, g, bq, d_v)
+            pv = pv.view(b, h, bq, dv).to(acc)  # (b, h, bq, d_v)
+            if o is None:  # first tile: nothing to merge
+                o, m = pv, lse_t
+                continue
+            if den is None:
+                den = torch.isfinite(m).to(acc)
+            m_new = torch.maximum(m, lse_t)
+            m_safe = m_new.masked_fill(torch.isneginf(m_new), 0.0)
+            alpha, beta = torch.exp(m - m_safe), torch.exp(lse_t - m_safe)  # (b, h, bq, 1)
+            den = den * alpha + beta
+            o = o * alpha + pv * beta
             m = m_new
-        alive = den > 0
-        o = o.view(b, h, bq, dv) / torch.where(alive, den, torch.ones_like(den))
+        if o is None:  # every tile skipped: no query here keeps a key
+            out[:, :, q0:q1] = 0.0
+            lse[:, :, q0:q1] = float("inf")
+            continue
+        if den is not None:
+            alive = den > 0
+            o = o / torch.where(alive, den, torch.ones_like(den))
+            m = torch.where(alive, m + torch.log(den), float("-inf"))
         out[:, :, q0:q1] = o.to(q.dtype)
-        lse[:, :, q0:q1] = torch.where(alive, m + torch.log(den), float("inf")).squeeze(-1)
+        lse[:, :, q0:q1] = m.masked_fill(torch.isneginf(m), float("inf")).squeeze(-1)
     return out, lse
 
 
@@ -98,26 +127,32 @@ def backward_tiles(
                 raw = raw.detach().requires_grad_(True)
                 with torch.enable_grad():
                     modded = _modded(plan, raw, q0, q1, k0, k1)
-                s = modded.detach()
+                s = modded.detach().clone()
             else:
                 s = raw
-            s = apply_tile_mask(s, keep, bias)
-            p = torch.exp(s - lse4[:, :, q0:q1])  # (b, h, bq, bk); 0 where masked or dead row
+            if bias is not None:
+                s += bias
+            if keep is not None:
+                s.masked_fill_(~keep, float("-inf"))
+            p = s.sub_(lse4[:, :, q0:q1]).exp_()  # (b, h, bq, bk); 0 where masked or dead row
             p5 = p.view(b, hk, g, bq, bk)
             vt, kt = v5[..., k0:k1, :], k5[..., k0:k1, :]
             # dV_j += sum over the g heads sharing it of P^T dO
             dv[..., k0:k1, :] += torch.einsum("bkgqs,bkgqd->bksd", p5, dot.to(acc)).unsqueeze(2)
             dp = torch.matmul(dot, vt.transpose(-2, -1)).to(acc)  # (b, h_kv, g, bq, bk)
-            ds = p * (dp.view(b, h, bq, bk) - delta[:, :, q0:q1])  # (b, h, bq, bk)
+            ds = dp.view(b, h, bq, bk).sub_(delta[:, :, q0:q1]).mul_(p)  # (b, h, bq, bk)
             if plan.score_mod is not None:
                 grads = torch.autograd.grad(modded, [raw, *extra], ds, allow_unused=True)
                 ds = grads[0]
                 for i, gr in enumerate(grads[1:]):
                     if gr is not None:
                         d_extra[i] = gr if d_extra[i] is None else d_extra[i] + gr
-            ds5 = ds.view(b, hk, g, bq, bk) * plan.scale
-            dq[..., q0:q1, :] += torch.matmul(ds5, kt.to(acc))
+            ds5 = ds.view(b, hk, g, bq, bk)
+            dq[..., q0:q1, :] += torch.matmul(ds5, kt.to(acc))  # times scale at the end
             dk[..., k0:k1, :] += torch.einsum("bkgqs,bkgqd->bksd", ds5, qt.to(acc)).unsqueeze(2)
+    dq *= plan.scale
+    if q5.dtype != acc:  # a half-precision query was not pre-scaled
+        dk *= plan.scale
     return (
         dq.to(q.dtype).reshape(q.shape),
         dk.to(k.dtype).reshape(k.shape),
@@ -148,8 +183,7 @@ class BlockwiseAttention(torch.autograd.Function):
 def weights_from_lse(plan: TilePlan, q, k, lse: torch.Tensor) -> torch.Tensor:
     """Recompute the ``(b, h, t, s)`` attention weights ``exp(S - lse)`` tile by tile."""
     acc = acc_dtype(q.dtype)
-    q5 = q.reshape(plan.b, plan.h_kv, plan.groups, plan.t, q.shape[-1])
-    k5 = k.reshape(plan.b, plan.h_kv, 1, plan.s, k.shape[-1])
+    q5, k5, _ = _views(plan, q, k, k)
     w = torch.zeros(plan.b, plan.h, plan.t, plan.s, dtype=q.dtype, device=q.device)
     lse4 = lse.view(plan.b, plan.h, plan.t, 1)
     with torch.no_grad():

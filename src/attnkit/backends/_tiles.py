@@ -118,7 +118,7 @@ class TilePlan:
             m = torch.as_tensor(self.mask_mod(*self.grids(q0, q1, k0, k1, device)), device=device)
             m = m.to(torch.bool)
             keep = m if keep is None else keep & m
-        if keep is not None and not bool(keep.any()):
+        if (self.mask is not None or self.mask_mod is not None) and not bool(keep.any()):
             return True, None, None
         return False, keep, bias
 
@@ -132,11 +132,16 @@ class TilePlan:
         k1: int,
         acc: torch.dtype,
     ) -> torch.Tensor:
-        """Scaled raw scores of one tile, ``(b, h, bq, bk)`` in ``acc`` dtype."""
+        """Scaled raw scores of one tile, ``(b, h, bq, bk)`` in ``acc`` dtype.
+
+        A query already in ``acc`` dtype comes pre-scaled (see ``_views``); a
+        half-precision one is scaled after the upcast.
+        """
         qt = q5[..., q0:q1, :]  # (b, h_kv, g, bq, d)
         kt = k5[..., k0:k1, :]  # (b, h_kv, 1, bk, d)
         s = torch.matmul(qt, kt.transpose(-2, -1))  # (b, h_kv, g, bq, bk)
-        return s.view(self.b, self.h, q1 - q0, k1 - k0).to(acc) * self.scale
+        s = s.view(self.b, self.h, q1 - q0, k1 - k0)
+        return s if s.dtype == acc else s.to(acc).mul_(self.scale)
 
 
 def _slice(m: torch.Tensor, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
@@ -163,9 +168,15 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+#: Default tile sizes (queries, keys), tuned on a 2-core CPU: large tiles keep the
+#: per-op overhead small; tests shrink them to exercise many tiles.
+BLOCK_Q = 512
+BLOCK_K = 1024
+
+
 def default_blocks(t: int, s: int) -> tuple[int, int]:
-    """Tile sizes tuned on a 2-core CPU: large tiles keep Python overhead small."""
-    return min(256, max(t, 1)), min(1024, max(s, 1))
+    """The tile sizes for ``t`` queries and ``s`` keys."""
+    return min(BLOCK_Q, max(t, 1)), min(BLOCK_K, max(s, 1))
 
 
 def build_plan(call: AttentionCall, block_q: int | None, block_k: int | None) -> TilePlan:
