@@ -118,7 +118,11 @@ class TilePlan:
             m = torch.as_tensor(self.mask_mod(*self.grids(q0, q1, k0, k1, device)), device=device)
             m = m.to(torch.bool)
             keep = m if keep is None else keep & m
-        if (self.mask is not None or self.mask_mod is not None) and not bool(keep.any()):
+        if (
+            keep is not None
+            and (self.mask is not None or self.mask_mod is not None)
+            and not bool(keep.any())
+        ):
             return True, None, None
         return False, keep, bias
 
