@@ -208,8 +208,17 @@ def dead_rows(mask: torch.Tensor) -> torch.Tensor:
 class _Mod:
     """A named mask/score mod: callable, printable, listing its learnable ``tensors``."""
 
-    def __init__(self, name: str, fn: Callable, tensors: tuple[torch.Tensor, ...] = ()) -> None:
+    def __init__(
+        self,
+        name: str,
+        fn: Callable,
+        tensors: tuple[torch.Tensor, ...] = (),
+        additive: bool = False,
+    ) -> None:
         self.name, self._fn, self.tensors = name, fn, tensors
+        #: True when the mod adds a bias that does not depend on the score
+        #: (d out / d score = 1): a backward may then skip autograd for the score.
+        self.additive = additive
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         return self._fn(*args)
@@ -331,9 +340,10 @@ def alibi(num_heads: int, slopes: torch.Tensor | None = None) -> ScoreMod:
         raise ValueError(f"slopes must have shape ({num_heads},), got {tuple(s.shape)}")
 
     def fn(score, b, h, q, kv):
-        return score - s.to(score.dtype)[h] * (q - kv).abs().to(score.dtype)
+        dist = (q.to(score.dtype) - kv.to(score.dtype)).abs_()  # (.., q, kv), small
+        return torch.addcmul(score, s.to(score.dtype)[h], dist, value=-1.0)
 
-    return _Mod(f"alibi({num_heads})", fn, (s,))
+    return _Mod(f"alibi({num_heads})", fn, (s,), additive=True)
 
 
 def softcap(cap: float) -> ScoreMod:
@@ -361,4 +371,4 @@ def relative_bias(table: torch.Tensor) -> ScoreMod:
         rel = (kv - q).clamp(-m, m) + m
         return score + table.to(score.dtype)[h, rel]
 
-    return _Mod(f"relative_bias({tuple(table.shape)})", fn, (table,))
+    return _Mod(f"relative_bias({tuple(table.shape)})", fn, (table,), additive=True)

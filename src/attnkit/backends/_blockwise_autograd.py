@@ -133,7 +133,14 @@ def backward_tiles(
                 continue
             bk = k1 - k0
             raw = plan.scores(q5, k5, q0, q1, k0, k1, acc)
-            if plan.score_mod is not None:
+            additive = (
+                plan.score_mod is not None
+                and not extra
+                and getattr(plan.score_mod, "additive", False)
+            )
+            if additive:  # d mod / d score = 1 and no tensor wants a gradient: no autograd
+                s = _modded(plan, raw, q0, q1, k0, k1)
+            elif plan.score_mod is not None:
                 raw = raw.detach().requires_grad_(True)
                 with torch.enable_grad():
                     modded = _modded(plan, raw, q0, q1, k0, k1)
@@ -151,7 +158,7 @@ def backward_tiles(
             dv[..., k0:k1, :] += torch.einsum("bkgqs,bkgqd->bksd", p5, dot.to(acc)).unsqueeze(2)
             dp = torch.matmul(dot, vt.transpose(-2, -1)).to(acc)  # (b, h_kv, g, bq, bk)
             ds = dp.view(b, h, bq, bk).sub_(delta[:, :, q0:q1]).mul_(p)  # (b, h, bq, bk)
-            if plan.score_mod is not None:
+            if plan.score_mod is not None and not additive:
                 grads = torch.autograd.grad(modded, [raw, *extra], ds, allow_unused=True)
                 ds = grads[0]
                 for i, gr in enumerate(grads[1:]):

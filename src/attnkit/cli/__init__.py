@@ -17,7 +17,7 @@ from attnkit import __version__
 __all__ = ["CliError", "main"]
 
 #: Subcommand modules, in the order ``--help`` lists them.
-SUBCOMMANDS = ["demo"]
+SUBCOMMANDS = ["demo", "bench"]
 
 
 class CliError(Exception):
