@@ -30,6 +30,15 @@ def _modded(plan: TilePlan, s: torch.Tensor, q0: int, q1: int, k0: int, k1: int)
     return plan.score_mod(s, *plan.grids(q0, q1, k0, k1, s.device))
 
 
+def _flush_tiny(plan: TilePlan, p: torch.Tensor) -> torch.Tensor:
+    """Zero the subnormal weights a score mod's wide score range produces (ALiBi: far
+    keys get exp(-100)); subnormal operands make CPU matmuls several times slower.
+    The change is below the dtype's smallest normal number. In place."""
+    if plan.score_mod is None and (plan.mask is None or plan.mask.dtype == torch.bool):
+        return p
+    return torch.nn.functional.threshold_(p, torch.finfo(p.dtype).tiny, 0.0)
+
+
 def _upcast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Half-precision inputs are computed in float32 (one ``O(t d)`` copy each): more
     accurate than half-precision tile products, and faster on CPUs without bf16 units."""
@@ -76,7 +85,7 @@ def forward_tiles(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
             # lse of the tile from its softmax: p[argmax] = exp(max - lse), so
             # lse = max - log(p[argmax]); p[argmax] >= 1 / bk keeps the log well conditioned.
             s_max, arg = s.max(-1, keepdim=True)  # (b, h, bq, 1)
-            p = torch.softmax(s, -1)
+            p = _flush_tiny(plan, torch.softmax(s, -1))
             lse_t = s_max - torch.log(p.gather(-1, arg))
             if keep is not None or bias is not None:
                 dead = torch.isneginf(s_max)  # rows with no key in this tile
@@ -151,7 +160,9 @@ def backward_tiles(
                 s += bias
             if keep is not None:
                 s.masked_fill_(~keep, float("-inf"))
-            p = s.sub_(lse4[:, :, q0:q1]).exp_()  # (b, h, bq, bk); 0 where masked or dead row
+            p = _flush_tiny(
+                plan, s.sub_(lse4[:, :, q0:q1]).exp_()
+            )  # (b, h, bq, bk); 0 where masked
             p5 = p.view(b, hk, g, bq, bk)
             vt, kt = v5[..., k0:k1, :], k5[..., k0:k1, :]
             # dV_j += sum over the g heads sharing it of P^T dO
