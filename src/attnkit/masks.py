@@ -35,6 +35,16 @@ without ``causal``). ``mask_mod(b, h, q_idx, kv_idx)`` returns True where a quer
 may attend; ``score_mod(score, b, h, q_idx, kv_idx)`` rewrites the scaled scores
 (its tensors receive gradients). Indices are plain ``0..L-1`` positions in the call.
 Every piece is ANDed: causal, window, mask_mod and ``mask``.
+
+Composable pieces
+-----------------
+Mask mods (predicates, True = may attend): :func:`causal`, :func:`sliding_window`,
+:func:`padding`, :func:`prefix_lm`, :func:`document`, combined with :func:`and_masks`
+and :func:`or_masks`. Score mods: :func:`alibi`, :func:`softcap`, :func:`relative_bias`.
+Each backend turns them into what it needs: the reference and sdpa backends a dense
+bool mask (or a dense score tensor), the blockwise backend one tile at a time,
+skipping the tiles a mask mod leaves empty. A score mod's learnable tensors are
+listed in its ``tensors`` attribute, so the blockwise backward can reach them.
 """
 
 from __future__ import annotations
@@ -48,10 +58,20 @@ __all__ = [
     "CausalAlignment",
     "MaskMod",
     "ScoreMod",
+    "alibi",
+    "and_masks",
+    "causal",
     "causal_mask",
     "dead_rows",
+    "document",
     "materialize",
     "normalize_causal",
+    "or_masks",
+    "padding",
+    "prefix_lm",
+    "relative_bias",
+    "sliding_window",
+    "softcap",
     "window_mask",
 ]
 
@@ -178,3 +198,177 @@ def dead_rows(mask: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return ~mask.any(dim=-1, keepdim=True)
     return torch.isneginf(mask).all(dim=-1, keepdim=True)
+
+
+# ---------------------------------------------------------------------------
+# Composable mask mods and score mods
+# ---------------------------------------------------------------------------
+
+
+class _Mod:
+    """A named mask/score mod: callable, printable, listing its learnable ``tensors``."""
+
+    def __init__(
+        self,
+        name: str,
+        fn: Callable,
+        tensors: tuple[torch.Tensor, ...] = (),
+        additive: bool = False,
+    ) -> None:
+        self.name, self._fn, self.tensors = name, fn, tensors
+        #: True when the mod adds a bias that does not depend on the score
+        #: (d out / d score = 1): a backward may then skip autograd for the score.
+        self.additive = additive
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        return self._fn(*args)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def _positive_int(name: str, value: int, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def causal(alignment: CausalAlignment = "top_left", q_len: int = 0, k_len: int = 0) -> MaskMod:
+    """Causal mask mod. ``"bottom_right"`` needs ``q_len`` and ``k_len`` (see module docs)."""
+    if alignment not in _ALIGNMENTS:
+        raise ValueError(f"alignment must be 'top_left' or 'bottom_right', got {alignment!r}")
+    offset = k_len - q_len if alignment == "bottom_right" else 0
+    return _Mod(f"causal({alignment!r})", lambda b, h, q, kv: kv <= q + offset)
+
+
+def sliding_window(window: int, causal: bool = True) -> MaskMod:
+    """Keep ``q_idx - window < kv_idx`` (and ``kv_idx <= q_idx`` if ``causal``, else
+    ``kv_idx < q_idx + window``): each query sees itself and ``window - 1`` keys before."""
+    w = _positive_int("window", window)
+
+    def fn(b, h, q, kv):
+        keep = kv > q - w
+        return keep & (kv <= q) if causal else keep & (kv < q + w)
+
+    return _Mod(f"sliding_window({w}, causal={causal})", fn)
+
+
+def padding(lengths: torch.Tensor) -> MaskMod:
+    """Key padding: batch element ``i`` keeps its first ``lengths[i]`` keys."""
+    if not isinstance(lengths, torch.Tensor) or lengths.dim() != 1:
+        raise ValueError(f"lengths must be a 1-D tensor of key counts, got {lengths!r}")
+    if lengths.is_floating_point() or bool((lengths < 0).any()):
+        raise ValueError(f"lengths must be non-negative integers, got {lengths.tolist()}")
+    return _Mod(f"padding({lengths.tolist()})", lambda b, h, q, kv: kv < lengths.to(kv.device)[b])
+
+
+def prefix_lm(prefix: int) -> MaskMod:
+    """Prefix LM: the first ``prefix`` keys are seen by every query; after that, causal."""
+    n = _positive_int("prefix", prefix, minimum=0)
+    return _Mod(f"prefix_lm({n})", lambda b, h, q, kv: (kv < n) | (kv <= q))
+
+
+def document(ids: torch.Tensor) -> MaskMod:
+    """Block-diagonal mask for packed sequences: a query sees keys of its own document.
+
+    Args:
+        ids: ``(seq,)`` or ``(batch, seq)`` integer document id of each position
+            (queries and keys share the positions: self-attention).
+    """
+    if not isinstance(ids, torch.Tensor) or ids.dim() not in (1, 2) or ids.is_floating_point():
+        raise ValueError(f"ids must be a (seq,) or (batch, seq) integer tensor, got {ids!r}")
+    table = ids if ids.dim() == 2 else ids.unsqueeze(0)  # (b|1, seq)
+
+    def fn(b, h, q, kv):
+        t = table.to(q.device)
+        bi = b if t.shape[0] > 1 else torch.zeros_like(b)
+        return t[bi, q] == t[bi, kv]
+
+    return _Mod(f"document({tuple(ids.shape)})", fn)
+
+
+def and_masks(*mods: MaskMod) -> MaskMod:
+    """A mask mod keeping what *every* one of ``mods`` keeps."""
+    if not mods:
+        raise ValueError("and_masks needs at least one mask mod")
+
+    def fn(b, h, q, kv):
+        keep = mods[0](b, h, q, kv)
+        for m in mods[1:]:
+            keep = keep & m(b, h, q, kv)
+        return keep
+
+    return _Mod(f"and_masks({', '.join(map(repr, mods))})", fn)
+
+
+def or_masks(*mods: MaskMod) -> MaskMod:
+    """A mask mod keeping what *any* one of ``mods`` keeps."""
+    if not mods:
+        raise ValueError("or_masks needs at least one mask mod")
+
+    def fn(b, h, q, kv):
+        keep = mods[0](b, h, q, kv)
+        for m in mods[1:]:
+            keep = keep | m(b, h, q, kv)
+        return keep
+
+    return _Mod(f"or_masks({', '.join(map(repr, mods))})", fn)
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """The ALiBi paper's head slopes ``2^(-8 i / n)`` (interleaved for non-powers of 2)."""
+    n = _positive_int("num_heads", num_heads)
+    p = 2 ** int(torch.log2(torch.tensor(float(n))).floor())
+
+    def powers(k: int) -> list[float]:
+        return [2 ** (-8.0 * (i + 1) / k) for i in range(k)]
+
+    slopes = powers(p) + powers(2 * p)[0::2][: n - p]
+    return torch.tensor(slopes)
+
+
+def alibi(num_heads: int, slopes: torch.Tensor | None = None) -> ScoreMod:
+    """ALiBi score mod: ``score - slope[h] * |q_idx - kv_idx|``.
+
+    Args:
+        num_heads: number of query heads.
+        slopes: ``(num_heads,)`` slopes (e.g. an ``nn.Parameter`` to learn them);
+            the paper's fixed slopes by default. Gradients flow into it.
+    """
+    s = alibi_slopes(num_heads) if slopes is None else slopes
+    if s.shape != (num_heads,):
+        raise ValueError(f"slopes must have shape ({num_heads},), got {tuple(s.shape)}")
+
+    def fn(score, b, h, q, kv):
+        dist = (q.to(score.dtype) - kv.to(score.dtype)).abs_()  # (.., q, kv), small
+        return torch.addcmul(score, s.to(score.dtype)[h], dist, value=-1.0)
+
+    return _Mod(f"alibi({num_heads})", fn, (s,), additive=True)
+
+
+def softcap(cap: float) -> ScoreMod:
+    """Soft-capping score mod: ``cap * tanh(score / cap)`` (Gemma-2 style)."""
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
+        raise ValueError(f"cap must be a positive number, got {cap!r}")
+    c = float(cap)
+    return _Mod(f"softcap({c})", lambda score, b, h, q, kv: c * torch.tanh(score / c))
+
+
+def relative_bias(table: torch.Tensor) -> ScoreMod:
+    """Relative-position bias: ``score + table[h, clamp(kv_idx - q_idx) + max_distance - 1]``.
+
+    Args:
+        table: ``(num_heads, 2 * max_distance - 1)`` biases (an ``nn.Parameter`` to
+            learn them); distances beyond ``max_distance - 1`` use the edge entries.
+    """
+    if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[1] % 2 != 1:
+        raise ValueError(
+            f"table must be (num_heads, 2 * max_distance - 1), got {getattr(table, 'shape', table)}"
+        )
+    m = (table.shape[1] - 1) // 2
+
+    def fn(score, b, h, q, kv):
+        rel = (kv - q).clamp(-m, m) + m
+        return score + table.to(score.dtype)[h, rel]
+
+    return _Mod(f"relative_bias({tuple(table.shape)})", fn, (table,), additive=True)

@@ -20,6 +20,7 @@ __all__ = [
     "AUTO_ORDER",
     "AttentionCall",
     "Backend",
+    "auto_order",
     "available_backends",
     "dispatch",
     "get_backend",
@@ -100,8 +101,22 @@ class Backend:
 
 _REGISTRY: dict[str, Backend] = {}
 
-#: The order in which ``backend="auto"`` tries the registered backends.
-AUTO_ORDER: list[str] = ["sdpa", "reference"]
+#: The order in which ``backend="auto"`` tries the registered backends: torch's fused
+#: kernel first, then the blockwise kernel (score mods, weights without grad), then
+#: the explicit math (dropout, gradients through weights or float masks).
+AUTO_ORDER: list[str] = ["sdpa", "blockwise", "reference"]
+
+#: From this many keys on, a sliding window or a ``mask_mod`` sends ``"auto"`` to the
+#: blockwise kernel first: it skips the empty tiles where sdpa computes a dense mask.
+SPARSE_MIN_KEYS = 1024
+
+
+def auto_order(call: AttentionCall) -> list[str]:
+    """The backends ``"auto"`` tries for ``call``, fastest first."""
+    sparse = call.window is not None or call.mask_mod is not None
+    if sparse and call.k_len >= SPARSE_MIN_KEYS and "blockwise" in AUTO_ORDER:
+        return ["blockwise", *(n for n in AUTO_ORDER if n != "blockwise")]
+    return AUTO_ORDER
 
 
 def _always(call: AttentionCall) -> str | None:
@@ -149,7 +164,7 @@ def get_backend(name: str) -> Backend:
 def select(name: str, call: AttentionCall) -> Backend:
     """Return the backend that will run ``call`` for the requested ``name``."""
     if name == "auto":
-        for candidate in AUTO_ORDER:
+        for candidate in auto_order(call):
             backend = _REGISTRY.get(candidate)
             if backend is not None and backend.auto_supports(call) is None:
                 return backend
@@ -167,5 +182,6 @@ def dispatch(name: str, call: AttentionCall) -> BackendResult:
 
 
 # Built-in backends register themselves on import.
+from attnkit.backends import blockwise as _blockwise  # noqa: E402,F401
 from attnkit.backends import reference as _reference  # noqa: E402,F401
 from attnkit.backends import sdpa as _sdpa  # noqa: E402,F401

@@ -17,7 +17,7 @@ from attnkit import __version__
 __all__ = ["CliError", "main"]
 
 #: Subcommand modules, in the order ``--help`` lists them.
-SUBCOMMANDS = ["demo", "explain", "viz", "train", "generate"]
+SUBCOMMANDS = ["demo", "explain", "viz", "bench", "train", "generate"]
 
 
 class CliError(Exception):

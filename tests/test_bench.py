@@ -1,0 +1,48 @@
+"""Smoke test of the benchmark suite in --quick mode (tiny sizes, a few seconds)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from attnkit.bench import peers
+from attnkit.cli import main
+
+
+def test_quick_bench_writes_json_markdown(tmp_path, capsys):
+    assert main(["bench", "--quick", "--reps", "1", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert {row["target"] for row in result["targets"]} == set("abcde")
+    measured = [c for cs in result["target_cases"].values() for c in cs if c["seconds"]]
+    assert len(measured) >= 12 and all(c["seconds"] > 0 for c in measured)
+    flex_bwd = [
+        c for c in result["target_cases"]["e"] if c["impl"] == "flex-eager" and c["backward"]
+    ]
+    assert flex_bwd[0]["note"].startswith("unsupported")  # reported, not silently dropped
+    assert result["machine"]["torch"] == torch.__version__
+    assert "| target | ratio | goal | met |" in (tmp_path / "results.md").read_text()
+    assert "Targets" in capsys.readouterr().out
+
+
+def test_bad_reps_is_a_one_line_error(tmp_path, capsys):
+    assert main(["bench", "--quick", "--reps", "0", "--out", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_peers_compute_the_same_attention():
+    """The compared implementations agree, so the benchmark compares like with like."""
+    torch.manual_seed(0)
+    outs = {}
+    for name in ("attnkit-auto", "attnkit-blockwise", "attnkit-reference", "sdpa"):
+        torch.manual_seed(1)
+        outs[name] = peers.kernel_runner(
+            name, b=1, h=2, t=300, d=16, dtype=torch.float32, pattern="window256", backward=False
+        )()
+    for name, out in outs.items():
+        torch.testing.assert_close(out, outs["sdpa"], atol=1e-5, rtol=1e-5, msg=name)
+    with pytest.raises(ValueError, match="valid"):
+        peers.kernel_runner(
+            "nope", b=1, h=1, t=8, d=8, dtype=torch.float32, pattern="causal", backward=False
+        )

@@ -1,0 +1,199 @@
+"""The blockwise backend: tile skipping, O(t) saved state, GQA without copies,
+weights from the log-sum-exp, score_mod gradients, hand-offs and auto selection."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnkit import attention, backends
+from attnkit import masks as M
+from attnkit.backends import _tiles
+from attnkit.backends.blockwise import score_mod_tensors
+from tests.conftest import TOL
+from tests.reference import ref_attention
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _qkv(b=1, hq=4, hkv=4, lq=64, lk=64, d=8, dtype=torch.float64, grad=True):
+    return [
+        torch.randn(b, h, n, d, dtype=dtype).requires_grad_(grad)
+        for h, n in ((hq, lq), (hkv, lk), (hkv, lk))
+    ]
+
+
+def _count_tiles(monkeypatch) -> list[tuple[int, int, int, int]]:
+    seen: list[tuple[int, int, int, int]] = []
+    original = _tiles.TilePlan.scores
+
+    def spy(self, q5, k5, q0, q1, k0, k1, acc):
+        seen.append((q0, q1, k0, k1))
+        return original(self, q5, k5, q0, q1, k0, k1, acc)
+
+    monkeypatch.setattr(_tiles.TilePlan, "scores", spy)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [({"causal": True}, 36), ({"causal": True, "window": 32}, 15), ({}, 64)],
+    ids=["causal", "window", "dense"],
+)
+def test_empty_tiles_are_skipped(monkeypatch, kwargs, expected):
+    """8x8 tiles of 32: causal keeps the 36 on or below the diagonal, a 32-window 15."""
+    monkeypatch.setattr(_tiles, "BLOCK_Q", 32)
+    monkeypatch.setattr(_tiles, "BLOCK_K", 32)
+    seen = _count_tiles(monkeypatch)
+    q, k, v = _qkv(lq=256, lk=256, grad=False)
+    out = attention(q, k, v, backend="blockwise", **kwargs)
+    assert len(seen) == expected
+    ref = attention(q, k, v, backend="reference", **kwargs)
+    torch.testing.assert_close(out, ref, **TOL[torch.float64])
+
+
+def test_mask_mod_tiles_are_skipped(monkeypatch):
+    """A block-diagonal document mask: only the tiles inside a document are computed."""
+    monkeypatch.setattr(_tiles, "BLOCK_Q", 32)
+    monkeypatch.setattr(_tiles, "BLOCK_K", 32)
+    seen = _count_tiles(monkeypatch)
+    ids = torch.arange(128).div(64, rounding_mode="floor")  # two documents of 64
+    q, k, v = _qkv(lq=128, lk=128, grad=False)
+    attention(q, k, v, backend="blockwise", mask_mod=M.document(ids))
+    assert len(seen) == 8  # 2 documents x (2 x 2) tiles, of 16
+
+
+def test_saves_no_t_by_s_tensor():
+    """Only O(t) per head (inputs, output, log-sum-exp) is kept for the backward."""
+    t = 512
+    q, k, v = _qkv(lq=t, lk=t, dtype=torch.float32)
+    sizes: list[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda x: sizes.append(x.numel()) or x, lambda x: x
+    ):
+        out = attention(q, k, v, causal=True, backend="blockwise")
+    assert sizes and max(sizes) <= 4 * t * 8  # (b, h, t, d) at most, never (t, t)
+    out.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_gqa_makes_no_repeat_interleave_copy(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("repeat_interleave called")
+
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", forbidden)
+    monkeypatch.setattr(torch, "repeat_interleave", forbidden)
+    q, k, v = _qkv(hq=6, hkv=2, lq=40, lk=50)
+    out = attention(q, k, v, causal=True, backend="blockwise")
+    out.sum().backward()
+    monkeypatch.undo()
+    ref, _ = ref_attention(q, k, v, causal="bottom_right")
+    torch.testing.assert_close(out, ref, **TOL[torch.float64])
+
+
+def test_weights_recomputed_from_lse():
+    q, k, v = _qkv(hq=4, hkv=2, lq=33, lk=47, grad=False)
+    out, w = attention(q, k, v, causal=True, need_weights=True, backend="blockwise")
+    ref_out, ref_w = ref_attention(q, k, v, causal="bottom_right")
+    torch.testing.assert_close(w, ref_w, **TOL[torch.float64])
+    torch.testing.assert_close(out, ref_out, **TOL[torch.float64])
+
+
+def test_weights_with_grad_are_refused_or_handed_on():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="carry no gradient"):
+        attention(q, k, v, need_weights=True, backend="blockwise")
+    _, w = attention(q, k, v, need_weights=True)  # auto hands it to the reference
+    assert (
+        w.requires_grad
+        and backends.select("auto", _call(q, k, v, need_weights=True)).name == "reference"
+    )
+
+
+def _call(q, k, v, **kw):
+    fields = dict(
+        mask=None, causal=None, scale=q.shape[-1] ** -0.5, dropout_p=0.0, need_weights=False
+    )
+    fields.update(kw)
+    return backends.AttentionCall(q, k, v, **fields)
+
+
+def test_dropout_is_handed_off():
+    q, k, v = _qkv(grad=False)
+    with pytest.raises(ValueError, match="dropout"):
+        attention(q, k, v, dropout_p=0.1, backend="blockwise")
+    assert backends.select("auto", _call(q, k, v, dropout_p=0.1)).name == "reference"
+
+
+def test_auto_policy():
+    short = _qkv(lq=64, lk=64, grad=False)
+    long = _qkv(hq=1, hkv=1, lq=8, lk=2048, grad=False)
+    assert backends.select("auto", _call(*short)).name == "sdpa"
+    assert backends.select("auto", _call(*short, window=8)).name == "sdpa"
+    assert backends.select("auto", _call(*long, window=8)).name == "blockwise"
+    assert backends.select("auto", _call(*short, score_mod=M.softcap(3.0))).name == "blockwise"
+    assert backends.select("auto", _call(*short, need_weights=True)).name == "blockwise"
+
+
+@pytest.mark.parametrize("kind", ["alibi", "relative_bias", "closure"])
+def test_score_mod_tensors_receive_gradients(kind):
+    """Learned ALiBi slopes, a relative-position table, a lambda closing over a Parameter."""
+    param = torch.nn.Parameter(torch.rand(4, dtype=torch.float64) * 0.5)
+    table = torch.nn.Parameter(torch.randn(4, 15, dtype=torch.float64))
+    mods = {
+        "alibi": M.alibi(4, param),
+        "relative_bias": M.relative_bias(table),
+        "closure": lambda s, b, h, q, kv: s * param[h],
+    }
+    leaf = table if kind == "relative_bias" else param
+    q, k, v = _qkv(lq=37, lk=45)
+    grads = {}
+    for backend in ("reference", "blockwise"):
+        out = attention(q, k, v, causal=True, score_mod=mods[kind], backend=backend)
+        grads[backend] = torch.autograd.grad(out.square().sum(), [q, k, v, leaf])
+    for ours, ref in zip(grads["blockwise"], grads["reference"], strict=True):
+        assert ours.abs().sum() > 0
+        torch.testing.assert_close(ours, ref, **TOL[torch.float64])
+
+
+def test_hidden_score_mod_tensor_is_refused():
+    holder = {"p": torch.nn.Parameter(torch.ones(4, dtype=torch.float64))}
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="tensors"):
+        attention(q, k, v, score_mod=lambda s, b, h, i, j: s * holder["p"][h], backend="blockwise")
+    assert score_mod_tensors(M.alibi(4)) == ()  # fixed slopes need no gradient
+
+
+def test_float_mask_and_its_gradient_rule():
+    q, k, v = _qkv(grad=False)
+    bias = torch.randn(1, 4, 64, 64, dtype=torch.float64)
+    out = attention(q, k, v, mask=bias, backend="blockwise")
+    ref, _ = ref_attention(q, k, v, mask=bias)
+    torch.testing.assert_close(out, ref, **TOL[torch.float64])
+    with pytest.raises(ValueError, match="float mask"):
+        attention(q, k, v, mask=bias.requires_grad_(), backend="blockwise")
+
+
+@pytest.mark.parametrize(
+    "shape", [(9, 8), (3, 9, 8), (2, 3, 2, 9, 8)], ids=["rank2", "rank3", "rank5"]
+)
+def test_any_rank(shape):
+    q, k, v = (torch.randn(shape, dtype=torch.float64) for _ in range(3))
+    mask = torch.rand(shape[-2], shape[-2]) > 0.3
+    out = attention(q, k, v, mask=mask, causal="top_left", backend="blockwise")
+    ref, _ = ref_attention(q, k, v, mask=mask, causal="top_left")
+    torch.testing.assert_close(out, ref, **TOL[torch.float64])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_reference():
+    q, k, v = (t.cuda() for t in _qkv(hq=4, hkv=2, lq=70, lk=90, dtype=torch.float32))
+    out = attention(q, k, v, causal=True, window=20, score_mod=M.alibi(4), backend="blockwise")
+    ref = attention(q, k, v, causal=True, window=20, score_mod=M.alibi(4), backend="reference")
+    torch.testing.assert_close(out, ref, **TOL[torch.float32])
