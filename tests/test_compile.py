@@ -18,7 +18,7 @@ from tests.conftest import TOL
 from tests.reference import ref_attention
 
 # Adding a backend to the compile guarantees is one entry here (e.g. "blockwise").
-BACKENDS = ["reference", "sdpa"]
+BACKENDS = ["reference", "sdpa", "blockwise"]
 
 D_IN, D_OUT, CONTEXT_LENGTH = 6, 8, 12
 

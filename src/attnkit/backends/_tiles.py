@@ -121,6 +121,9 @@ class TilePlan:
         if (
             keep is not None
             and (self.mask is not None or self.mask_mod is not None)
+            # Skipping on the mask's *data* is a data-dependent branch: under
+            # torch.compile every such tile is computed (masked) instead.
+            and not torch.compiler.is_compiling()
             and not bool(keep.any())
         ):
             return True, None, None
