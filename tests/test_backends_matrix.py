@@ -10,6 +10,8 @@ float64 and in the test dtype.
 from __future__ import annotations
 
 import math
+import os
+import zlib
 
 import pytest
 import torch
@@ -20,7 +22,11 @@ from attnkit.backends import _tiles
 
 BACKENDS = ["reference", "sdpa", "blockwise"]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
-EPS = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-3}
+# A fixed base seed (stable across processes, unlike hash()); override to explore draws.
+SEED = int(os.environ.get("ATTNKIT_TEST_SEED", "0"))
+# fp32: blockwise rebuilds the weights from the LSE in its backward; over 10 seeds its
+# worst gradient error was 3.5e-6 where plain fp32 had 1.1e-6, so the fp32 epsilon is 5e-6.
+EPS = {torch.float64: 1e-12, torch.float32: 5e-6, torch.bfloat16: 1e-3}
 CASES = [
     "none",
     "causal_tl",
@@ -109,7 +115,7 @@ def make_case(case, b, h, lq, lk, gen):
 
 
 def run_case(backend, dtype, case, lq, lk, heads, b=2, d=16):
-    gen = torch.Generator().manual_seed(hash((case, lq, lk)) % 2**31)
+    gen = torch.Generator().manual_seed(SEED + zlib.crc32(f"{case}-{lq}-{lk}".encode()))
     hq, hkv = heads
     q = torch.randn(b, hq, lq, d, generator=gen)
     k = torch.randn(b, hkv, lk, d, generator=gen)
