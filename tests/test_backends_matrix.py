@@ -49,13 +49,7 @@ SHAPES = {
 SCORE_MOD_CASES = {"alibi", "softcap"}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """xdist already runs one process per core; intra-op threads only add contention."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)

@@ -13,13 +13,7 @@ from attnkit.backends.blockwise import score_mod_tensors
 from tests.conftest import TOL
 from tests.reference import ref_attention
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _qkv(b=1, hq=4, hkv=4, lq=64, lk=64, d=8, dtype=torch.float64, grad=True):
