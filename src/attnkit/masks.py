@@ -68,6 +68,7 @@ __all__ = [
     "normalize_causal",
     "or_masks",
     "padding",
+    "position_keep",
     "prefix_lm",
     "relative_bias",
     "sliding_window",
@@ -107,6 +108,35 @@ def normalize_causal(causal: bool | str | None) -> CausalAlignment | None:
     raise TypeError(f"causal must be a bool or an alignment name, got {type(causal).__name__}")
 
 
+def position_keep(
+    pos: torch.Tensor, kv_idx: torch.Tensor, *, causal: bool, window: int | None
+) -> torch.Tensor:
+    """The causal/window rule, the one place it is written (True = may attend).
+
+    Args:
+        pos: aligned query positions, broadcastable against ``kv_idx``.
+        kv_idx: key indices.
+        causal: drop keys after the query's position.
+        window: keep only ``pos - window < kv_idx`` (and, without ``causal``,
+            ``kv_idx < pos + window``); None for no window.
+    """
+    if not causal and window is None:
+        raise ValueError("position_keep needs causal=True or a window")
+    keep = kv_idx <= pos if causal else kv_idx < pos + window
+    if window is not None:
+        keep = keep & (kv_idx > pos - window)
+    return keep
+
+
+def _aligned_positions(
+    q_len: int, k_len: int, alignment: CausalAlignment, device: torch.device | str | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Aligned query positions ``(q, 1)`` and key indices ``(k,)`` (see the module docs)."""
+    offset = k_len - q_len if alignment == "bottom_right" else 0
+    pos = torch.arange(q_len, device=device).unsqueeze(-1) + offset  # (q, 1)
+    return pos, torch.arange(k_len, device=device)  # (q, 1), (k,)
+
+
 def causal_mask(
     q_len: int,
     k_len: int,
@@ -121,10 +151,8 @@ def causal_mask(
         alignment: ``"bottom_right"`` (default) or ``"top_left"``; see the module docs.
         device: where to build the mask.
     """
-    offset = k_len - q_len if alignment == "bottom_right" else 0
-    q_idx = torch.arange(q_len, device=device).unsqueeze(-1)  # (q, 1)
-    k_idx = torch.arange(k_len, device=device)  # (k,)
-    return k_idx <= q_idx + offset  # (q, k)
+    pos, kv = _aligned_positions(q_len, k_len, alignment, device)
+    return position_keep(pos, kv, causal=True, window=None)  # (q, k)
 
 
 def window_mask(
@@ -142,11 +170,8 @@ def window_mask(
     ``window - 1`` before it. Without ``causal`` the window is symmetric
     (``|p - kv_idx| < window``); with it, later keys are removed too.
     """
-    offset = k_len - q_len if alignment == "bottom_right" else 0
-    pos = torch.arange(q_len, device=device).unsqueeze(-1) + offset  # (q, 1)
-    k_idx = torch.arange(k_len, device=device)  # (k,)
-    keep = k_idx > pos - window
-    return keep & (k_idx <= pos) if causal else keep & (k_idx < pos + window)
+    pos, kv = _aligned_positions(q_len, k_len, alignment, device)
+    return position_keep(pos, kv, causal=causal, window=window)  # (q, k)
 
 
 def index_grids(
@@ -175,11 +200,9 @@ def materialize(
     """
     q_len = query_shape[-2]
     keep = None
-    if causal is not None:
-        keep = causal_mask(q_len, k_len, causal, device=device)
-    if window is not None:
-        w = window_mask(q_len, k_len, window, causal or "bottom_right", causal is not None, device)
-        keep = w if keep is None else keep & w
+    if causal is not None or window is not None:
+        pos, kv = _aligned_positions(q_len, k_len, causal or "bottom_right", device)
+        keep = position_keep(pos, kv, causal=causal is not None, window=window)  # (q, k)
     if mask_mod is not None:
         grids = index_grids(query_shape[0], query_shape[1], q_len, k_len, device)
         m = torch.as_tensor(mask_mod(*grids), device=device).to(torch.bool)  # (b|1, h|1, q, k)
@@ -238,7 +261,10 @@ def causal(alignment: CausalAlignment = "top_left", q_len: int = 0, k_len: int =
     if alignment not in _ALIGNMENTS:
         raise ValueError(f"alignment must be 'top_left' or 'bottom_right', got {alignment!r}")
     offset = k_len - q_len if alignment == "bottom_right" else 0
-    return _Mod(f"causal({alignment!r})", lambda b, h, q, kv: kv <= q + offset)
+    return _Mod(
+        f"causal({alignment!r})",
+        lambda b, h, q, kv: position_keep(q + offset, kv, causal=True, window=None),
+    )
 
 
 def sliding_window(window: int, causal: bool = True) -> MaskMod:
@@ -247,8 +273,7 @@ def sliding_window(window: int, causal: bool = True) -> MaskMod:
     w = _positive_int("window", window)
 
     def fn(b, h, q, kv):
-        keep = kv > q - w
-        return keep & (kv <= q) if causal else keep & (kv < q + w)
+        return position_keep(q, kv, causal=causal, window=w)
 
     return _Mod(f"sliding_window({w}, causal={causal})", fn)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from attnkit.backends import AttentionCall
-from attnkit.masks import MaskMod, ScoreMod
+from attnkit.masks import MaskMod, ScoreMod, position_keep
 
 
 @dataclass
@@ -80,14 +80,7 @@ class TilePlan:
             return None
         pos = torch.arange(q0, q1, device=device).unsqueeze(-1) + self.offset  # (bq, 1)
         kv = torch.arange(k0, k1, device=device)  # (bk,)
-        keep = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool, device=device)
-        if self.causal:
-            keep &= kv <= pos
-        if self.window is not None:
-            keep &= kv > pos - self.window
-            if not self.causal:
-                keep &= kv < pos + self.window
-        return keep
+        return position_keep(pos, kv, causal=self.causal, window=self.window)  # (bq, bk)
 
     def grids(self, q0: int, q1: int, k0: int, k1: int, device: torch.device):
         """Broadcastable 4-D ``(b, h, q_idx, kv_idx)`` index tensors of one tile."""
