@@ -35,6 +35,26 @@ def test_cached_generation_equals_uncached(name):
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-5)
 
 
+def test_generate_output_and_cache_work_outside_inference_mode():
+    # generate decodes under torch.inference_mode; what it leaves behind must not be
+    # inference tensors: the ids feed a training step, a cache set up before goes on.
+    model = small()
+    prompt = torch.randint(0, 40, (2, 5))
+    out = model.generate(prompt, 4, temperature=0)
+    assert not out.is_inference()
+    model(out).sum().backward()  # embedding saves the ids for backward
+    assert model.tok_emb.weight.grad is not None and model.training
+    model.eval()
+    model.setup_cache(2)
+    model.generate(prompt, 3, temperature=0)
+    with torch.no_grad():
+        model.reset_cache()
+        first = model(prompt)  # the cache buffers can be written outside inference mode
+    model.delete_cache()
+    with torch.no_grad():
+        torch.testing.assert_close(first, model(prompt), atol=1e-6, rtol=1e-6)
+
+
 def test_sampling_is_seeded_and_respects_top_k():
     model = small().eval()
     prompt = torch.randint(0, 40, (1, 4))

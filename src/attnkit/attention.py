@@ -97,39 +97,39 @@ def attention(
 
 
 def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    # Runs on every call (once per layer per decoded token): shapes are read once.
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"{name} must have a floating dtype, got {t.dtype}")
-        if t.dim() < 2:
-            raise ValueError(
-                f"{name} must have at least 2 dims (seq, dim), got shape {tuple(t.shape)}"
-            )
+    qs, ks, vs = query.shape, key.shape, value.shape
+    rank = len(qs)
+    if rank < 2 or len(ks) < 2 or len(vs) < 2:
+        bad = next(n for n, s in (("query", qs), ("key", ks), ("value", vs)) if len(s) < 2)
+        shape = {"query": qs, "key": ks, "value": vs}[bad]
+        raise ValueError(f"{bad} must have at least 2 dims (seq, dim), got shape {tuple(shape)}")
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(
             f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
         )
-    if not (query.dim() == key.dim() == value.dim()):
+    if not (rank == len(ks) == len(vs)):
         raise ValueError(
             "query, key and value must have the same rank, got shapes "
-            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}"
+            f"{tuple(qs)}, {tuple(ks)}, {tuple(vs)}"
         )
-    if query.shape[-1] != key.shape[-1]:
+    if qs[-1] != ks[-1]:
+        raise ValueError(f"query head_dim ({qs[-1]}) must equal key head_dim ({ks[-1]})")
+    if ks[:-1] != vs[:-1]:
         raise ValueError(
-            f"query head_dim ({query.shape[-1]}) must equal key head_dim ({key.shape[-1]})"
+            f"key and value must agree in every dim but the last, got {tuple(ks)} and {tuple(vs)}"
         )
-    if key.shape[:-1] != value.shape[:-1]:
-        raise ValueError(
-            "key and value must agree in every dim but the last, got "
-            f"{tuple(key.shape)} and {tuple(value.shape)}"
-        )
-    if query.dim() >= 3:
-        if query.shape[:-3] != key.shape[:-3]:
+    if rank >= 3:
+        if qs[:-3] != ks[:-3]:
             raise ValueError(
-                f"query and key batch dims differ: {tuple(query.shape[:-3])} vs {tuple(key.shape[:-3])}"
+                f"query and key batch dims differ: {tuple(qs[:-3])} vs {tuple(ks[:-3])}"
             )
-        h_q, h_kv = query.shape[-3], key.shape[-3]
+        h_q, h_kv = qs[-3], ks[-3]
         if h_kv == 0 or h_q % h_kv != 0:
             raise ValueError(f"query heads ({h_q}) must be a multiple of key/value heads ({h_kv})")
 

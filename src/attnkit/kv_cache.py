@@ -4,8 +4,9 @@ Notation: b batch, h_kv key/value heads, t new tokens, L buffer length, d head_d
 
 :class:`KVCache` preallocates static buffers ``(b, h_kv, L, d)`` and tracks the
 number of tokens seen in a tensor (``pos``), so its shapes never change between
-steps. Every slot also remembers the absolute position it holds (``slot_pos``,
--1 = empty); the attention mask is derived from those positions:
+steps. In a full cache slot ``j`` holds position ``j``; in a sliding-window ring
+every slot remembers the absolute position it holds (``slot_pos``, -1 = empty).
+The attention mask is derived from those positions:
 
     full cache (L = max_seq_len)      sliding-window ring (L = window)
     slot:  0 1 2 3 4 5 . .            slot:  0 1 2      (window 3, pos 5)
@@ -91,7 +92,7 @@ class KVCache(nn.Module):
 
     def update(
         self, key: torch.Tensor, value: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Append ``t`` new keys/values and return what the new queries attend to.
 
         Args:
@@ -99,58 +100,66 @@ class KVCache(nn.Module):
             value: ``(b, h_kv, t, d)`` new values.
 
         Returns:
-            ``(keys, values, mask, positions)``: keys/values ``(b, h_kv, s, d)``;
-            ``mask`` ``(t, s)`` bool (True = may attend), or None when the keys are
-            exactly positions ``0 .. pos + t - 1`` and bottom-right causal masking is
-            what is needed; ``positions`` ``(t,)`` the new tokens' absolute positions.
+            ``(keys, values, mask)``: keys/values ``(b, h_kv, s, d)``; ``mask``
+            ``(t, s)`` bool (True = may attend), or None when the keys are exactly
+            positions ``0 .. pos + t - 1`` and bottom-right causal masking is what is
+            needed.
 
         Raises:
             ValueError: shapes that do not match the buffers, or writing past ``max_seq_len``.
         """
+        k_cache, v_cache, pos = self.k_cache, self.v_cache, self.pos
         b, h, t, d = key.shape
         if value.shape != key.shape or (b, h, d) != (
-            self.k_cache.shape[0],
-            self.k_cache.shape[1],
-            self.k_cache.shape[3],
+            k_cache.shape[0],
+            k_cache.shape[1],
+            k_cache.shape[3],
         ):
             raise ValueError(
                 f"key {tuple(key.shape)} / value {tuple(value.shape)} do not fit the cache "
-                f"buffers {tuple(self.k_cache.shape)} (batch, kv heads, length, head_dim)"
+                f"buffers {tuple(k_cache.shape)} (batch, kv heads, length, head_dim)"
             )
+        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
         if not torch.compiler.is_compiling():
-            start = int(self.pos)
+            start = int(pos)
             if start + t > self.max_seq_len:
                 raise ValueError(
                     f"KV cache overflow: writing {t} tokens at position {start} exceeds "
                     f"max_seq_len={self.max_seq_len}; call reset() or allocate a longer cache"
                 )
-        positions = self.pos + torch.arange(t, device=key.device)  # (t,)
-        key, value = key.to(self.k_cache.dtype), value.to(self.v_cache.dtype)
+            if not (self.static or self.is_ring):
+                # Eager decoding: write and read plain slices (narrow: the cheapest
+                # call per token); the keys are exactly positions 0 .. start + t - 1.
+                k_cache.narrow(2, start, t).copy_(key)
+                v_cache.narrow(2, start, t).copy_(value)
+                pos.add_(t)
+                return k_cache.narrow(2, 0, start + t), v_cache.narrow(2, 0, start + t), None
+        positions = pos + torch.arange(t, device=key.device)  # (t,)
         if self.is_ring:
             # Old slots plus the new chunk, so a chunk longer than the window still
             # sees every key it needs; then keep the last `size` positions.
-            keys = torch.cat((self.k_cache, key), dim=2)  # (b, h_kv, size + t, d)
-            values = torch.cat((self.v_cache, value), dim=2)
+            keys = torch.cat((k_cache, key), dim=2)  # (b, h_kv, size + t, d)
+            values = torch.cat((v_cache, value), dim=2)
             key_pos = torch.cat((self.slot_pos, positions))  # (size + t,)
             n = min(t, self.size)
             slots = positions[-n:] % self.size
-            self.k_cache.index_copy_(2, slots, key[:, :, -n:])
-            self.v_cache.index_copy_(2, slots, value[:, :, -n:])
+            k_cache.index_copy_(2, slots, key[:, :, -n:])
+            v_cache.index_copy_(2, slots, value[:, :, -n:])
             self.slot_pos.index_copy_(0, slots, positions[-n:])
-            self.pos.add_(t)
-            return keys, values, self._mask(positions, key_pos), positions
-        self.k_cache.index_copy_(2, positions, key)
-        self.v_cache.index_copy_(2, positions, value)
-        self.slot_pos.index_copy_(0, positions, positions)
-        self.pos.add_(t)
-        if self.static or torch.compiler.is_compiling():
-            return self.k_cache, self.v_cache, self._mask(positions, self.slot_pos), positions
-        end = start + t
-        return self.k_cache[:, :, :end], self.v_cache[:, :, :end], None, positions
+            pos.add_(t)
+            return keys, values, self._mask(positions, key_pos)
+        # Static shapes (torch.compile): the whole buffer and a mask. Slot j holds
+        # position j; slots not yet written lie after every new query, so `k <= q`
+        # leaves them out.
+        k_cache.index_copy_(2, positions, key)
+        v_cache.index_copy_(2, positions, value)
+        pos.add_(t)
+        slots = torch.arange(self.size, device=key.device)  # (size,)
+        return k_cache, v_cache, self._mask(positions, slots)
 
     def _mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         q, k = q_pos[:, None], k_pos[None, :]  # (t, 1), (1, s)
-        keep = (k >= 0) & (k <= q)  # (t, s)
+        keep = (k >= 0) & (k <= q)  # (t, s); k = -1 marks an empty ring slot
         if self.window is not None:
             keep = keep & (q - k < self.window)
         return keep

@@ -265,7 +265,7 @@ class MultiHeadAttention(nn.Module):
         if self.kv_cache is not None and not cross:
             if mask is not None or causal is False:
                 raise ValueError("with a KV cache, self-attention is causal and takes no mask")
-            keys, values, mask, _ = self.kv_cache.update(keys, values)  # (b, h_kv, s, head_dim)
+            keys, values, mask = self.kv_cache.update(keys, values)  # (b, h_kv, s, head_dim)
             # None: the keys are positions 0..pos+t-1, bottom-right causal is exact
             # (and a single query sees every key); else the cache's position mask.
             causal = t > 1 if mask is None else False
