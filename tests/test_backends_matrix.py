@@ -19,8 +19,11 @@ import torch
 from attnkit import attention
 from attnkit import masks as M
 from attnkit.backends import _tiles
+from attnkit.backends import blockwise as blockwise_backend
 
-BACKENDS = ["reference", "sdpa", "blockwise"]
+# "blockwise" runs on torch's fused CPU kernel where it can; "blockwise-tiles" forces
+# its pure-PyTorch tile engine (the one every other device uses).
+BACKENDS = ["reference", "sdpa", "blockwise", "blockwise-tiles"]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 # A fixed base seed (stable across processes, unlike hash()); override to explore draws.
 SEED = int(os.environ.get("ATTNKIT_TEST_SEED", "0"))
@@ -56,6 +59,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def _small_tiles(monkeypatch):
     """Small tiles, so short sequences still cross many tile boundaries."""
     monkeypatch.setattr(_tiles, "BLOCK_Q", 32)
+    monkeypatch.setattr(_tiles, "FUSED_BLOCK_Q", 32)
     monkeypatch.setattr(_tiles, "BLOCK_K", 48)
 
 
@@ -141,8 +145,16 @@ def run_case(backend, dtype, case, lq, lk, heads, b=2, d=16):
         assert ours[0][dead].abs().max() == 0 and ours[1][dead].abs().max() == 0
 
 
+@pytest.fixture(autouse=True)
+def _restore_engine():
+    yield
+    blockwise_backend.ENGINE = "auto"
+
+
 def _check(backend, dtype, case, shape):
     lq, lk, heads = SHAPES[shape]
+    if backend == "blockwise-tiles":
+        blockwise_backend.ENGINE, backend = "tiles", "blockwise"
     if backend == "sdpa" and case in SCORE_MOD_CASES:
         with pytest.raises(ValueError, match="score_mod"):
             run_case(backend, dtype, case, lq, lk, HEADS[heads])
@@ -181,7 +193,11 @@ def test_matrix_full(backend, dtype, case, shape):
 def test_long_odd_length(backend, case, monkeypatch):
     """1025 queries and keys: one past a power of two, in fp32, with default-sized tiles."""
     monkeypatch.setattr(_tiles, "BLOCK_Q", 256)
+    monkeypatch.setattr(_tiles, "FUSED_BLOCK_Q", 256)
     monkeypatch.setattr(_tiles, "BLOCK_K", 512)
     if backend == "sdpa" and case in SCORE_MOD_CASES:
         pytest.skip("sdpa takes no score_mod (covered by test_matrix)")
+    if backend == "blockwise-tiles":
+        monkeypatch.setattr(blockwise_backend, "ENGINE", "tiles")
+        backend = "blockwise"
     run_case(backend, torch.float32, case, 1025, 1025, HEADS["gqa"], b=1, d=8)

@@ -8,7 +8,8 @@ import torch
 
 from attnkit import attention, backends
 from attnkit import masks as M
-from attnkit.backends import _tiles
+from attnkit.backends import _fused_tiles, _tiles
+from attnkit.backends import blockwise as blockwise_backend
 from attnkit.backends.blockwise import score_mod_tensors
 from tests.conftest import TOL
 from tests.reference import ref_attention
@@ -24,6 +25,8 @@ def _qkv(b=1, hq=4, hkv=4, lq=64, lk=64, d=8, dtype=torch.float64, grad=True):
 
 
 def _count_tiles(monkeypatch) -> list[tuple[int, int, int, int]]:
+    """Record the tiles the pure-PyTorch engine computes (forced for the test)."""
+    monkeypatch.setattr(blockwise_backend, "ENGINE", "tiles")
     seen: list[tuple[int, int, int, int]] = []
     original = _tiles.TilePlan.scores
 
@@ -43,6 +46,7 @@ def _count_tiles(monkeypatch) -> list[tuple[int, int, int, int]]:
 def test_empty_tiles_are_skipped(monkeypatch, kwargs, expected):
     """8x8 tiles of 32: causal keeps the 36 on or below the diagonal, a 32-window 15."""
     monkeypatch.setattr(_tiles, "BLOCK_Q", 32)
+    monkeypatch.setattr(_tiles, "FUSED_BLOCK_Q", 32)
     monkeypatch.setattr(_tiles, "BLOCK_K", 32)
     seen = _count_tiles(monkeypatch)
     q, k, v = _qkv(lq=256, lk=256, grad=False)
@@ -55,12 +59,88 @@ def test_empty_tiles_are_skipped(monkeypatch, kwargs, expected):
 def test_mask_mod_tiles_are_skipped(monkeypatch):
     """A block-diagonal document mask: only the tiles inside a document are computed."""
     monkeypatch.setattr(_tiles, "BLOCK_Q", 32)
+    monkeypatch.setattr(_tiles, "FUSED_BLOCK_Q", 32)
     monkeypatch.setattr(_tiles, "BLOCK_K", 32)
     seen = _count_tiles(monkeypatch)
     ids = torch.arange(128).div(64, rounding_mode="floor")  # two documents of 64
     q, k, v = _qkv(lq=128, lk=128, grad=False)
     attention(q, k, v, backend="blockwise", mask_mod=M.document(ids))
     assert len(seen) == 8  # 2 documents x (2 x 2) tiles, of 16
+
+
+def _count_fused_calls(monkeypatch) -> list[tuple[int, int, bool, bool]]:
+    """Record (query tile length, key segment length, is_causal, has mask) per fused call."""
+    seen: list[tuple[int, int, bool, bool]] = []
+    original = _fused_tiles._FORWARD
+
+    def spy(q, k, v, dropout_p, is_causal, *, attn_mask=None, scale=None):
+        seen.append((q.shape[-2], k.shape[-2], is_causal, attn_mask is not None))
+        return original(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+
+    monkeypatch.setattr(_fused_tiles, "_FORWARD", spy)
+    return seen
+
+
+def test_fused_engine_segments(monkeypatch):
+    """On CPU the tiles run on torch's fused kernel: per causal query tile, one unmasked
+    segment for the keys before it and one causal square; a window adds a masked edge;
+    a document mask skips the other document's keys."""
+    monkeypatch.setattr(_tiles, "BLOCK_Q", 32)
+    monkeypatch.setattr(_tiles, "FUSED_BLOCK_Q", 32)
+    monkeypatch.setattr(_tiles, "BLOCK_K", 32)
+    seen = _count_fused_calls(monkeypatch)
+    q, k, v = _qkv(lq=256, lk=256, grad=False)
+    out = attention(q, k, v, causal=True, backend="blockwise")
+    assert seen[:3] == [(32, 32, True, False), (32, 32, False, False), (32, 32, True, False)]
+    assert len(seen) == 15  # 8 query tiles: 1 + 7 x 2
+    torch.testing.assert_close(out, ref_attention(q, k, v, causal="bottom_right")[0])
+    seen.clear()
+    attention(q, k, v, causal=True, window=32, backend="blockwise")
+    assert [s for s in seen if s[3]] and all(s[1] <= 32 for s in seen)  # no key beyond the band
+    seen.clear()
+    ids = torch.arange(256).div(128, rounding_mode="floor")  # two documents of 128
+    out = attention(q, k, v, mask_mod=M.document(ids), backend="blockwise")
+    assert len(seen) == 8 * 4  # each query tile: the 4 key tiles of its own document
+    mask = ids[:, None] == ids[None, :]
+    torch.testing.assert_close(out, ref_attention(q, k, v, mask=mask)[0])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"causal": True},
+        {"causal": "top_left", "window": 24},
+        {"window": 24},
+        {"causal": True, "score_mod": M.alibi(6)},
+        {"mask_mod": M.padding(torch.tensor([70, 9]))},
+    ],
+    ids=["causal", "window-tl", "window-symmetric", "alibi", "padding"],
+)
+def test_fused_engine_gradients_match_reference(monkeypatch, kwargs):
+    """Output, dQ, dK, dV of the fused engine (GQA, odd lengths, small tiles) in float64."""
+    monkeypatch.setattr(_tiles, "BLOCK_Q", 16)
+    monkeypatch.setattr(_tiles, "FUSED_BLOCK_Q", 16)
+    monkeypatch.setattr(_tiles, "BLOCK_K", 24)
+    seen = _count_fused_calls(monkeypatch)
+    q, k, v = _qkv(b=2, hq=6, hkv=2, lq=61, lk=75)
+    grads = {}
+    for backend in ("reference", "blockwise"):
+        out = attention(q, k, v, backend=backend, **kwargs)
+        grads[backend] = [out, *torch.autograd.grad(out.square().sum(), [q, k, v])]
+    assert seen, "the fused engine did not run"
+    for ours, ref in zip(grads["blockwise"], grads["reference"], strict=True):
+        torch.testing.assert_close(ours, ref, **TOL[torch.float64])
+
+
+def test_learned_score_mod_uses_the_tile_engine(monkeypatch):
+    """The fused kernel has no gradient for a bias: learned ALiBi slopes stay on PyTorch ops."""
+    seen = _count_fused_calls(monkeypatch)
+    slopes = torch.nn.Parameter(torch.rand(4, dtype=torch.float64))
+    q, k, v = _qkv(lq=20, lk=20)
+    attention(q, k, v, causal=True, score_mod=M.alibi(4, slopes), backend="blockwise")
+    assert seen == []
+    attention(q, k, v, causal=True, score_mod=M.alibi(4), backend="blockwise")
+    assert seen
 
 
 def test_saves_no_t_by_s_tensor():

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from attnkit.backends import _fused_tiles
 from attnkit.backends._tiles import TilePlan, acc_dtype, apply_tile_mask
 
 
@@ -194,7 +195,8 @@ class BlockwiseAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan: TilePlan, q, k, v, *extra):  # type: ignore[override]
-        out, lse = forward_tiles(plan, q, k, v)
+        engine = _fused_tiles.forward if plan.fused else forward_tiles
+        out, lse = engine(plan, q, k, v)
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, out, lse, *extra)
         ctx.mark_non_differentiable(lse)
@@ -204,6 +206,9 @@ class BlockwiseAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):  # type: ignore[override]
         q, k, v, out, lse, *extra = ctx.saved_tensors
         grad_out = grad_out.reshape(out.shape)
+        if ctx.plan.fused:  # no score_mod tensors on this engine (see _fused_tiles.usable)
+            dq, dk, dv = _fused_tiles.backward(ctx.plan, q, k, v, out, lse, grad_out)
+            return (None, dq, dk, dv)
         dq, dk, dv, d_extra = backward_tiles(ctx.plan, q, k, v, out, lse, grad_out, tuple(extra))
         return (None, dq, dk, dv, *d_extra)
 

@@ -41,6 +41,8 @@ class TilePlan:
     score_mod: ScoreMod | None
     block_q: int
     block_k: int
+    #: Run the tiles on torch's fused CPU kernel (``_fused_tiles``) instead of PyTorch ops.
+    fused: bool = False
 
     @property
     def groups(self) -> int:
@@ -169,24 +171,29 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 #: Default tile sizes (queries, keys), tuned on a 2-core CPU: large tiles keep the
-#: per-op overhead small; tests shrink them to exercise many tiles.
+#: per-op overhead small; tests shrink them to exercise many tiles. The fused engine
+#: takes larger query tiles (each is one kernel call per key segment) and cuts keys
+#: at ``BLOCK_K`` only where masks must be materialised.
 BLOCK_Q = 512
 BLOCK_K = 1024
+FUSED_BLOCK_Q = 1024
 
 
-def default_blocks(t: int, s: int) -> tuple[int, int]:
+def default_blocks(t: int, s: int, fused: bool = False) -> tuple[int, int]:
     """The tile sizes for ``t`` queries and ``s`` keys."""
-    return min(BLOCK_Q, max(t, 1)), min(BLOCK_K, max(s, 1))
+    return min(FUSED_BLOCK_Q if fused else BLOCK_Q, max(t, 1)), min(BLOCK_K, max(s, 1))
 
 
-def build_plan(call: AttentionCall, block_q: int | None, block_k: int | None) -> TilePlan:
+def build_plan(
+    call: AttentionCall, block_q: int | None, block_k: int | None, *, fused: bool = False
+) -> TilePlan:
     """Flatten the call's layout to ``(b, h, t, d)`` terms and collect its masking."""
     q = call.query
     h = q.shape[-3] if q.dim() >= 3 else 1
     h_kv = call.key.shape[-3] if q.dim() >= 3 else 1
     b = math.prod(q.shape[:-3]) if q.dim() >= 4 else 1
     t, s = call.q_len, call.k_len
-    dq, dk = default_blocks(t, s)
+    dq, dk = default_blocks(t, s, fused)
     if call.window is not None:  # narrow query tiles waste less of a narrow band
         dq = min(dq, max(64, call.window // 2))
     mask = call.mask
@@ -208,6 +215,7 @@ def build_plan(call: AttentionCall, block_q: int | None, block_k: int | None) ->
         score_mod=call.score_mod,
         block_q=block_q or dq,
         block_k=block_k or dk,
+        fused=fused,
     )
 
 

@@ -1,11 +1,20 @@
-"""The ``blockwise`` backend: FlashAttention-style tiles in plain PyTorch.
+"""The ``blockwise`` backend: FlashAttention-style tiles with skipping, mods and an O(t) backward.
 
-It walks tiles of queries against tiles of keys with an online softmax and keeps
-only the output and the log-sum-exp (``O(t)`` per head); its backward recomputes
-each tile's weights from the log-sum-exp, so no ``t × s`` tensor is ever saved.
-Tiles that causal, a sliding window, a bool mask or a ``mask_mod`` leave empty
-are skipped. ``score_mod`` gradients flow into the mod's tensors (found on the
-mod: a ``tensors`` attribute, an ``nn.Module``'s parameters, or closure cells).
+It walks tiles of queries against tiles of keys, merges them through their
+log-sum-exps and keeps only the output and the log-sum-exp (``O(t)`` per head);
+its backward recomputes each tile's weights from the log-sum-exp, so no ``t × s``
+tensor is ever saved. Tiles that causal, a sliding window, a bool mask or a
+``mask_mod`` leave empty are skipped. ``score_mod`` gradients flow into the mod's
+tensors (found on the mod: a ``tensors`` attribute, an ``nn.Module``'s parameters,
+or closure cells).
+
+Two engines compute the tiles (:data:`ENGINE`):
+
+* on CPU, torch's fused flash kernel, called once per key segment of a query tile
+  (:mod:`attnkit.backends._fused_tiles`): every request except a ``score_mod``
+  that is not additive or whose tensors need gradients;
+* everywhere else, PyTorch ops with an online softmax
+  (:mod:`attnkit.backends._blockwise_autograd`): every request, any device.
 
 It hands off (``supports`` returns a reason) rather than drop a request:
 dropout, a float mask that requires grad, and weights while gradients are being
@@ -17,12 +26,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnkit.backends import AttentionCall, BackendResult, register_backend
+from attnkit.backends import AttentionCall, BackendResult, _fused_tiles, register_backend
 from attnkit.backends._blockwise_autograd import BlockwiseAttention, weights_from_lse
 from attnkit.backends._tiles import build_plan
 from attnkit.masks import ScoreMod
 
-__all__ = ["blockwise_attention", "score_mod_tensors"]
+__all__ = ["ENGINE", "blockwise_attention", "score_mod_tensors"]
+
+#: ``"auto"``: run the tiles on torch's fused CPU flash kernel where it can do the
+#: whole request exactly (:mod:`attnkit.backends._fused_tiles`), else on PyTorch ops;
+#: ``"tiles"``: always PyTorch ops (every request, any device).
+ENGINE = "auto"
 
 
 def score_mod_tensors(score_mod: ScoreMod | None) -> tuple[torch.Tensor, ...]:
@@ -81,8 +95,9 @@ def blockwise_attention(
     call: AttentionCall, *, block_q: int | None = None, block_k: int | None = None
 ) -> BackendResult:
     """Compute ``call`` tile by tile (see the module docs); weights recomputed if asked."""
-    plan = build_plan(call, block_q, block_k)
     extra = score_mod_tensors(call.score_mod)
+    fused = ENGINE == "auto" and _fused_tiles.usable(call, extra)
+    plan = build_plan(call, block_q, block_k, fused=fused)
     if plan.score_mod is not None and torch.is_grad_enabled() and not extra:
         _check_no_hidden_grad(call)
     out, lse = BlockwiseAttention.apply(plan, call.query, call.key, call.value, *extra)

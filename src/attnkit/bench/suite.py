@@ -57,23 +57,41 @@ def _build(case: Case):
     )
 
 
-def time_case(case: Case, reps: int) -> Case:
-    """Fill ``case.seconds`` with the median of ``reps`` runs after one warm-up."""
+def _prepare(case: Case):
+    """Build and warm up ``case``'s runner; None (with ``case.note`` set) if it cannot run."""
     try:
         run = _build(case)
         run()
     except peers.Unsupported as err:
         case.note = f"unsupported: {err}"
-        return case
+        return None
     except Exception as err:  # a peer failing is a result, not a crash of the suite
         case.note = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
-        return case
+        return None
+    return run
+
+
+def time_cases(cases: list[Case], reps: int) -> list[Case]:
+    """Fill ``seconds`` of each case with the median of ``reps`` runs after one warm-up.
+
+    The cases are timed round-robin (one run of each per round): when the load of a
+    shared machine changes, every case of a comparison sees the change alike, so
+    their ratio holds better than when each case's runs come in one stretch.
+    """
+    runs = [(case, run) for case in cases if (run := _prepare(case)) is not None]
     for _ in range(reps):
-        start = time.perf_counter()
-        run()
-        case.times.append(time.perf_counter() - start)
-    case.seconds = statistics.median(case.times)
-    return case
+        for case, run in runs:
+            start = time.perf_counter()
+            run()
+            case.times.append(time.perf_counter() - start)
+    for case, _ in runs:
+        case.seconds = statistics.median(case.times)
+    return cases
+
+
+def time_case(case: Case, reps: int) -> Case:
+    """Fill ``case.seconds`` with the median of ``reps`` runs after one warm-up."""
+    return time_cases([case], reps)[0]
 
 
 def memory_case(case: Case) -> Case:
@@ -258,7 +276,13 @@ def run_suite(out: Path, *, quick: bool, grid: bool, reps: int, note: str = "") 
         bar.set_postfix_str(f"peak memory {case.impl} t={case.t}")
         memory_case(case)
         bar.update()
-    for case in [*todo, *grid_list]:
+    for group in "abce":  # the cases of one target ratio are timed together, round-robin
+        for backward in (False, True):
+            cases = [c for c in targets[group] if c.backward == backward]
+            bar.set_postfix_str(f"target {group}{' fwd+bwd' if backward else ' fwd'}")
+            time_cases(cases, reps)
+            bar.update(len(cases))
+    for case in grid_list:
         bar.set_postfix_str(f"{case.impl} t={case.t}{' bwd' if case.backward else ''}")
         time_case(case, 1 if case.t >= 8192 else reps)
         bar.update()
