@@ -32,7 +32,7 @@ import itertools
 import torch
 
 from attnkit.backends import AttentionCall
-from attnkit.backends._tiles import TilePlan, acc_dtype
+from attnkit.backends._tiles import TilePlan, _slice, acc_dtype
 
 _FORWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -92,13 +92,38 @@ def _cuts(plan: TilePlan, q0: int, q1: int) -> list[tuple[int, int, bool]]:
     if plan.causal:
         points.add(min(max(first, lo), hi))  # interior | causal square
     if plan.mask is not None or plan.mask_mod is not None or plan.score_mod is not None:
-        points.update(range(lo - lo % plan.block_k + plan.block_k, hi, plan.block_k))
+        step = _mask_block_k(plan, q1 - q0)
+        points.update(range(lo - lo % step + step, hi, step))
     edges = sorted(points)
     return [(a, b, square and a == first) for a, b in itertools.pairwise(edges) if a < b]
 
 
-def segments(plan: TilePlan, q0: int, q1: int, dtype: torch.dtype, device) -> list[Segment]:
-    """The fused-kernel calls of query block ``[q0, q1)``; adjacent unmasked pieces merged."""
+#: The most elements of one materialised mask tile. Larger tiles cost more than their
+#: size: each fresh allocation past glibc's mmap threshold (32 MB) is page-faulted in
+#: anew (an ALiBi bias tile of 12 x 1024 x 1024 took 3x longer per element to build).
+MASK_TILE_ELEMENTS = 1 << 22
+
+
+def _mask_block_k(plan: TilePlan, bq: int) -> int:
+    """Keys per masked segment: ``plan.block_k``, fewer when a tile would be too large."""
+    lead = 1  # the mask tile's (batch x heads) extent
+    if plan.score_mod is not None or plan.mask_mod is not None:
+        lead = plan.b * plan.h
+    if plan.mask is not None:
+        lead = max(lead, plan.mask.shape[0] * plan.mask.shape[1])
+    fit = MASK_TILE_ELEMENTS // (lead * bq) // 64 * 64
+    return min(plan.block_k, max(64, fit))
+
+
+def segments(
+    plan: TilePlan, q0: int, q1: int, dtype: torch.dtype, device, *, alive: bool = True
+) -> list[Segment]:
+    """The fused-kernel calls of query block ``[q0, q1)``; adjacent unmasked pieces merged.
+
+    ``alive=False`` (the backward) skips finding the rows a segment masks entirely.
+    Only ``keep`` and a float ``mask`` can mask a score: an additive ``score_mod``
+    (attnkit's ALiBi and relative bias) adds finite values.
+    """
     out: list[Segment] = []
     for k0, k1, square in _cuts(plan, q0, q1):
         if square:
@@ -117,12 +142,17 @@ def segments(plan: TilePlan, q0: int, q1: int, dtype: torch.dtype, device) -> li
             else:
                 out.append((k0, k1, False, None, None))
             continue
+        rows = None  # (b|1, h|1, bq): the rows that keep a key of this segment
+        if alive and keep is not None:
+            rows = keep.any(-1)
+        if alive and plan.mask is not None and plan.mask.is_floating_point():
+            finite = ~torch.isneginf(_slice(plan.mask, q0, q1, k0, k1)).all(-1)
+            rows = finite if rows is None else rows & finite
         mask = torch.zeros((), dtype=dtype, device=device) if bias is None else bias.to(dtype)
         if keep is not None:
             mask = mask.masked_fill(~keep, float("-inf"))
         mask = mask.expand(*mask.shape[:-2], q1 - q0, k1 - k0)  # the kernel wants (.., bq, bk)
-        alive = (mask != float("-inf")).any(-1)  # (b|1, h|1, bq)
-        out.append((k0, k1, False, mask, alive))
+        out.append((k0, k1, False, mask, rows))
     return out
 
 
@@ -172,7 +202,7 @@ def backward(plan: TilePlan, q, k, v, out, lse, grad_out) -> tuple[torch.Tensor,
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
     for q0, q1 in plan.q_blocks():
         qt, ot, gt, lt = q[:, :, q0:q1], out[:, :, q0:q1], grad_out[:, :, q0:q1], lse[:, :, q0:q1]
-        for k0, k1, causal, mask, _ in segments(plan, q0, q1, q.dtype, q.device):
+        for k0, k1, causal, mask, _ in segments(plan, q0, q1, q.dtype, q.device, alive=False):
             g_q, g_k, g_v = _BACKWARD(
                 gt,
                 qt,
