@@ -206,9 +206,12 @@ class BlockwiseAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):  # type: ignore[override]
         q, k, v, out, lse, *extra = ctx.saved_tensors
         grad_out = grad_out.reshape(out.shape)
-        if ctx.plan.fused:  # no score_mod tensors on this engine (see _fused_tiles.usable)
+        if ctx.plan.fused and ctx.plan.score_mod is None:
             dq, dk, dv = _fused_tiles.backward(ctx.plan, q, k, v, out, lse, grad_out)
             return (None, dq, dk, dv)
+        # A score_mod's wide range (ALiBi's far keys) gives subnormal weights, which the
+        # fused backward multiplies as they are, several times slower; the tile backward
+        # zeroes them first (_flush_tiny) and, from the same LSE, gives the same gradients.
         dq, dk, dv, d_extra = backward_tiles(ctx.plan, q, k, v, out, lse, grad_out, tuple(extra))
         return (None, dq, dk, dv, *d_extra)
 

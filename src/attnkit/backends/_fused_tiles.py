@@ -11,6 +11,8 @@ and merges the segments through their log-sum-exps::
 The backward calls the fused backward once per segment with the *merged* ``O`` and
 ``lse``: it then recomputes exactly that segment's weights ``exp(S_j - lse)``, so the
 per-segment ``dQ``, ``dK``, ``dV`` add up to the full gradient. Nothing ``t × s`` is saved.
+(With a ``score_mod`` the backward runs on the PyTorch-op engine instead: see
+``BlockwiseAttention.backward``.)
 
 Segments of one query block (aligned positions ``first .. last``)::
 
@@ -18,16 +20,18 @@ Segments of one query block (aligned positions ``first .. last``)::
            [ left edge: window ][ interior: every query keeps ][ causal square ]
              explicit mask           no mask at all              is_causal=True
 
-With a ``mask``, ``mask_mod`` or additive ``score_mod`` the keys are also cut at the
-plan's ``block_k`` grid and each piece gets an explicit float mask (``-inf`` where
-masked, plus the bias); pieces the masks leave empty are skipped, as in the
-pure-PyTorch engine. A query row that keeps no key of a segment gets ``lse_j = -inf``
+With a ``mask``, ``mask_mod`` or additive ``score_mod`` the keys before the square are
+also cut at a grid (``block_k``, or less so that a tile holds at most
+:data:`MASK_TILE_ELEMENTS`) and each piece gets an explicit float mask (``-inf`` where
+masked, plus the bias); the square takes its mask together with ``is_causal``. Pieces
+the masks leave empty are skipped, as in the pure-PyTorch engine. A query row that keeps no key of a segment gets ``lse_j = -inf``
 (the kernel itself would report 0).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
@@ -38,8 +42,8 @@ _FORWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"
 _BACKWARD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
-#: One segment: keys ``[k0, k1)``, top-left causal inside it, or an explicit float
-#: mask ``(b|1, h|1, bq, bk)`` with its rows that keep a key ``(b|1, h|1, bq)``.
+#: One segment: keys ``[k0, k1)``, whether it is top-left causal inside, and an explicit
+#: float mask ``(b|1, h|1, bq, bk)`` (or None) with the rows that keep a key ``(b|1, h|1, bq)``.
 Segment = tuple[int, int, bool, "torch.Tensor | None", "torch.Tensor | None"]
 
 
@@ -69,6 +73,11 @@ def _as_4d(plan: TilePlan, q, k, v):
     )
 
 
+def _materialises(plan: TilePlan) -> bool:
+    """Whether some segments need an explicit mask tile (beyond causal/window bounds)."""
+    return plan.mask is not None or plan.mask_mod is not None or plan.score_mod is not None
+
+
 def _cuts(plan: TilePlan, q0: int, q1: int) -> list[tuple[int, int, bool]]:
     """``[k0, k1)`` pieces of the block's key range, with "is the causal square" flags."""
     lo, hi = plan.k_range(q0, q1)
@@ -82,18 +91,16 @@ def _cuts(plan: TilePlan, q0: int, q1: int) -> list[tuple[int, int, bool]]:
             points.add(min(max(first + plan.window, lo), hi))
     square = (
         plan.causal
-        and plan.mask is None
-        and plan.mask_mod is None
-        and plan.score_mod is None
         and lo <= first
         and last + 1 == hi
         and (plan.window is None or q1 - q0 <= plan.window)
     )
     if plan.causal:
         points.add(min(max(first, lo), hi))  # interior | causal square
-    if plan.mask is not None or plan.mask_mod is not None or plan.score_mod is not None:
+    if _materialises(plan):  # bounded mask tiles; the square stays whole
         step = _mask_block_k(plan, q1 - q0)
-        points.update(range(lo - lo % step + step, hi, step))
+        end = first if square else hi
+        points.update(range(lo - lo % step + step, end, step))
     edges = sorted(points)
     return [(a, b, square and a == first) for a, b in itertools.pairwise(edges) if a < b]
 
@@ -104,15 +111,29 @@ def _cuts(plan: TilePlan, q0: int, q1: int) -> list[tuple[int, int, bool]]:
 MASK_TILE_ELEMENTS = 1 << 22
 
 
-def _mask_block_k(plan: TilePlan, bq: int) -> int:
-    """Keys per masked segment: ``plan.block_k``, fewer when a tile would be too large."""
-    lead = 1  # the mask tile's (batch x heads) extent
+def _mask_lead(plan: TilePlan) -> int:
+    """The (batch x heads) extent of a materialised mask tile, at most."""
+    lead = 1
     if plan.score_mod is not None or plan.mask_mod is not None:
         lead = plan.b * plan.h
     if plan.mask is not None:
         lead = max(lead, plan.mask.shape[0] * plan.mask.shape[1])
-    fit = MASK_TILE_ELEMENTS // (lead * bq) // 64 * 64
+    return lead
+
+
+def _mask_block_k(plan: TilePlan, bq: int) -> int:
+    """Keys per masked segment: ``plan.block_k``, fewer when a tile would be too large."""
+    fit = MASK_TILE_ELEMENTS // (_mask_lead(plan) * bq) // 64 * 64
     return min(plan.block_k, max(64, fit))
+
+
+def query_block(plan: TilePlan) -> int:
+    """Queries per tile when masks are materialised: a causal square tile (bq x bq) must
+    fit :data:`MASK_TILE_ELEMENTS`; ``plan.block_q`` otherwise."""
+    if not _materialises(plan):
+        return plan.block_q
+    fit = math.isqrt(MASK_TILE_ELEMENTS // _mask_lead(plan)) // 64 * 64
+    return min(plan.block_q, max(64, fit))
 
 
 def segments(
@@ -126,9 +147,10 @@ def segments(
     """
     out: list[Segment] = []
     for k0, k1, square in _cuts(plan, q0, q1):
-        if square:
+        if square and not _materialises(plan):
             out.append((k0, k1, True, None, None))
             continue
+        # A square with a mask: the kernel takes is_causal and the mask together.
         skip, keep, bias = plan.tile_mask(q0, q1, k0, k1, device)
         if skip:
             continue
@@ -152,7 +174,7 @@ def segments(
         if keep is not None:
             mask = mask.masked_fill(~keep, float("-inf"))
         mask = mask.expand(*mask.shape[:-2], q1 - q0, k1 - k0)  # the kernel wants (.., bq, bk)
-        out.append((k0, k1, False, mask, rows))
+        out.append((k0, k1, square, mask, rows))
     return out
 
 

@@ -98,6 +98,8 @@ def blockwise_attention(
     extra = score_mod_tensors(call.score_mod)
     fused = ENGINE == "auto" and _fused_tiles.usable(call, extra)
     plan = build_plan(call, block_q, block_k, fused=fused)
+    if fused and block_q is None:
+        plan.block_q = _fused_tiles.query_block(plan)
     if plan.score_mod is not None and torch.is_grad_enabled() and not extra:
         _check_no_hidden_grad(call)
     out, lse = BlockwiseAttention.apply(plan, call.query, call.key, call.value, *extra)
