@@ -24,8 +24,8 @@ With a ``mask``, ``mask_mod`` or additive ``score_mod`` the keys before the squa
 also cut at a grid (``block_k``, or less so that a tile holds at most
 :data:`MASK_TILE_ELEMENTS`) and each piece gets an explicit float mask (``-inf`` where
 masked, plus the bias); the square takes its mask together with ``is_causal``. Pieces
-the masks leave empty are skipped, as in the pure-PyTorch engine. A query row that keeps no key of a segment gets ``lse_j = -inf``
-(the kernel itself would report 0).
+the masks leave empty are skipped, as in the pure-PyTorch engine. A query row that
+keeps no key of a segment gets ``lse_j = -inf`` (the kernel itself would report 0).
 """
 
 from __future__ import annotations
