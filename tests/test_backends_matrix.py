@@ -129,7 +129,12 @@ def run_case(backend, dtype, case, lq, lk, heads, b=2, d=16):
 
     ref = grads(lambda *x: plain_attention(*x, keep, bias, cap), torch.float64)
     plain = grads(lambda *x: plain_attention(*x, keep, bias, cap), dtype)
-    ours = grads(lambda *x: attention(*x, backend=backend, **kwargs), dtype)
+    with pytest.MonkeyPatch.context() as mp:
+        name = backend
+        if backend == "blockwise-tiles":
+            mp.setattr(blockwise_backend, "ENGINE", "tiles")
+            name = "blockwise"
+        ours = grads(lambda *x: attention(*x, backend=name, **kwargs), dtype)
     for name, r, p, o in zip(("out", "dq", "dk", "dv"), ref, plain, ours, strict=True):
         assert o.dtype == dtype and o.shape == r.shape, name
         assert not torch.isnan(o).any(), f"{name} has NaN"
@@ -145,16 +150,8 @@ def run_case(backend, dtype, case, lq, lk, heads, b=2, d=16):
         assert ours[0][dead].abs().max() == 0 and ours[1][dead].abs().max() == 0
 
 
-@pytest.fixture(autouse=True)
-def _restore_engine():
-    yield
-    blockwise_backend.ENGINE = "auto"
-
-
 def _check(backend, dtype, case, shape):
     lq, lk, heads = SHAPES[shape]
-    if backend == "blockwise-tiles":
-        blockwise_backend.ENGINE, backend = "tiles", "blockwise"
     if backend == "sdpa" and case in SCORE_MOD_CASES:
         with pytest.raises(ValueError, match="score_mod"):
             run_case(backend, dtype, case, lq, lk, HEADS[heads])
@@ -197,7 +194,4 @@ def test_long_odd_length(backend, case, monkeypatch):
     monkeypatch.setattr(_tiles, "BLOCK_K", 512)
     if backend == "sdpa" and case in SCORE_MOD_CASES:
         pytest.skip("sdpa takes no score_mod (covered by test_matrix)")
-    if backend == "blockwise-tiles":
-        monkeypatch.setattr(blockwise_backend, "ENGINE", "tiles")
-        backend = "blockwise"
     run_case(backend, torch.float32, case, 1025, 1025, HEADS["gqa"], b=1, d=8)

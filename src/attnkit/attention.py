@@ -97,18 +97,18 @@ def attention(
 
 
 def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-    # Runs on every call (once per layer per decoded token): shapes are read once.
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if not t.is_floating_point():
             raise TypeError(f"{name} must have a floating dtype, got {t.dtype}")
+        if t.dim() < 2:
+            raise ValueError(
+                f"{name} must have at least 2 dims (seq, dim), got shape {tuple(t.shape)}"
+            )
+    # Runs on every call (once per layer per decoded token): shapes are read once.
     qs, ks, vs = query.shape, key.shape, value.shape
     rank = len(qs)
-    if rank < 2 or len(ks) < 2 or len(vs) < 2:
-        bad = next(n for n, s in (("query", qs), ("key", ks), ("value", vs)) if len(s) < 2)
-        shape = {"query": qs, "key": ks, "value": vs}[bad]
-        raise ValueError(f"{bad} must have at least 2 dims (seq, dim), got shape {tuple(shape)}")
     if not (query.dtype == key.dtype == value.dtype):
         raise TypeError(
             f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}"

@@ -70,9 +70,10 @@ class KVCache(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), False)
         self.register_buffer("pos", torch.zeros((), dtype=torch.long, device=device), False)
-        self.register_buffer(
-            "slot_pos", torch.full((self.size,), -1, dtype=torch.long, device=device), False
-        )
+        if self.is_ring:  # a full cache needs none: its slot j holds position j
+            self.register_buffer(
+                "slot_pos", torch.full((self.size,), -1, dtype=torch.long, device=device), False
+            )
 
     @property
     def is_ring(self) -> bool:
@@ -84,7 +85,8 @@ class KVCache(nn.Module):
         self.k_cache.zero_()
         self.v_cache.zero_()
         self.pos.zero_()
-        self.slot_pos.fill_(-1)
+        if self.is_ring:
+            self.slot_pos.fill_(-1)
 
     def nbytes(self) -> int:
         """Bytes held by the key and value buffers."""
