@@ -1,0 +1,94 @@
+"""Argument checks shared by the whole package: one home per rule.
+
+Every function takes the value and the argument's ``name`` (used in the message) and
+returns the value, normalised, or raises ``TypeError`` (wrong type) / ``ValueError``
+(right type, bad value). ``bool`` is never accepted where a number is meant.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, TypeVar
+
+__all__ = [
+    "check_bool",
+    "check_choice",
+    "check_float",
+    "check_int",
+    "check_optional_int",
+    "check_probability",
+]
+
+T = TypeVar("T")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_int(value: Any, name: str, *, minimum: int | None = 1, maximum: int | None = None) -> int:
+    """An ``int`` (not ``bool``) in ``[minimum, maximum]``; ``minimum=1`` by default (positive)."""
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    return int(value)
+
+
+def check_optional_int(
+    value: Any, name: str, *, minimum: int | None = 1, maximum: int | None = None
+) -> int | None:
+    """None, or what :func:`check_int` accepts."""
+    return None if value is None else check_int(value, name, minimum=minimum, maximum=maximum)
+
+
+def check_float(
+    value: Any,
+    name: str,
+    *,
+    minimum: float | None = None,
+    maximum: float | None = None,
+    min_inclusive: bool = True,
+    max_inclusive: bool = True,
+) -> float:
+    """A finite real number (int or float, not ``bool``) within the given bounds."""
+    if not _is_real(value):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} ({value!r})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if minimum is not None and (value < minimum or (not min_inclusive and value == minimum)):
+        bound = ">=" if min_inclusive else ">"
+        raise ValueError(f"{name} must be {bound} {minimum}, got {value}")
+    if maximum is not None and (value > maximum or (not max_inclusive and value == maximum)):
+        bound = "<=" if max_inclusive else "<"
+        raise ValueError(f"{name} must be {bound} {maximum}, got {value}")
+    return value
+
+
+def check_probability(value: Any, name: str) -> float:
+    """A dropout-style probability in ``[0, 1)``."""
+    return check_float(value, name, minimum=0.0, maximum=1.0, max_inclusive=False)
+
+
+def check_bool(value: Any, name: str) -> bool:
+    """A real ``bool`` (``"no"`` or ``0`` are refused)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {type(value).__name__} ({value!r})")
+    return value
+
+
+def check_choice(value: T, name: str, choices: Iterable[T]) -> T:
+    """One of ``choices``."""
+    options = list(choices)
+    if value not in options:
+        valid = ", ".join(repr(c) for c in options)
+        raise ValueError(f"{name} must be one of {valid}; got {value!r}")
+    return value
