@@ -38,15 +38,25 @@ def per_head_mod(b, h, q, kv):
     return (kv <= q) | (h == 1)
 
 
+def padding_mod(b, h, q, kv):  # depends on neither q nor h
+    return kv < torch.tensor([12, 5])[b]
+
+
 @pytest.mark.parametrize("block_size", [4, (5, 3), 128])
-@pytest.mark.parametrize(("mod", "B", "H"), [(window_mod, None, None), (per_head_mod, None, 3)])
+@pytest.mark.parametrize(
+    ("mod", "B", "H"),
+    [(window_mod, None, None), (per_head_mod, None, 3), (padding_mod, 2, 3)],
+    ids=["window", "per-head", "padding"],
+)
 def test_kinds_and_dense_match_a_loop(mod, B, H, block_size):
     q_len, kv_len = 23, 17
     bm = create_block_mask(mod, B, H, q_len, kv_len, block_size=block_size)
     dense = _loop_dense(mod, B or 1, H or 1, q_len, kv_len)
-    assert torch.equal(bm.to_dense(), dense)
+    assert torch.equal(bm.to_dense().expand_as(dense), dense)
+    dense = dense[:, :1] if mod is padding_mod else dense
     qb, kb = bm.Q_BLOCK_SIZE, bm.KV_BLOCK_SIZE
-    assert bm.block_kind.shape == (1, H or 1, -(-q_len // qb), -(-kv_len // kb))
+    lead = (B or 1, 1) if mod is padding_mod else (1, H or 1)
+    assert bm.block_kind.shape == (*lead, -(-q_len // qb), -(-kv_len // kb))
     for i in range(bm.block_kind.shape[2]):
         for j in range(bm.block_kind.shape[3]):
             tile = dense[:, :, i * qb : (i + 1) * qb, j * kb : (j + 1) * kb]
