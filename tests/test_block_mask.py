@@ -170,3 +170,35 @@ def test_block_mask_that_does_not_fit_is_refused():
         attention(q, k, v, block_mask=torch.ones(45, 45, dtype=torch.bool))
     with pytest.raises(TypeError, match="mask_mod"):
         create_block_mask(lambda b, h, q, kv: torch.ones(3), None, None, 8, 8)
+
+
+IDS = torch.zeros(60, dtype=torch.long)
+
+
+def _global_ids_mod(b, h, q, kv):
+    return IDS[q] == IDS[kv]
+
+
+def test_plan_cache_sees_reassigned_globals_and_mutated_containers():
+    """The cached plan of a plain mask_mod is keyed on what the mod captures: a global
+    rebound to a new tensor, or a list mutated in place, gives a fresh plan (no stale mask)."""
+    global IDS
+    q, k, v = _qkv(lq=60, lk=60)
+    outs = []
+    for n in (60, 20, 7):
+        IDS = torch.arange(60) // n  # a new tensor each time (its id may be reused)
+        out = attention(q, k, v, mask_mod=_global_ids_mod, backend="blockwise")
+        keep = IDS.view(-1, 1) == IDS.view(1, -1)
+        torch.testing.assert_close(out, ref_attention_lse(q, k, v, keep=keep)[0])
+        outs.append(out)
+    limits = [30]
+
+    def mod(b, h, qi, ki):
+        return ki < limits[0]
+
+    first = attention(q, k, v, mask_mod=mod, backend="blockwise")
+    limits[0] = 10
+    second = attention(q, k, v, mask_mod=mod, backend="blockwise")
+    keep = torch.arange(60).view(1, -1).expand(60, 60) < 10
+    torch.testing.assert_close(second, ref_attention_lse(q, k, v, keep=keep)[0])
+    assert not torch.allclose(first, second)

@@ -434,10 +434,20 @@ def _state(obj: Any, depth: int = 0, seen: set[int] | None = None) -> tuple:
         if obj.size > 1 << 16:
             raise _Uncacheable
         return ("A", obj.dtype.str, obj.shape, obj.tobytes())
-    if id(obj) in seen or depth > 4:
-        return ("R", id(obj))
-    seen.add(id(obj))
-    parts: list[Any] = [type(obj).__qualname__, id(obj)]
+    if id(obj) in seen or depth > 6:
+        raise _Uncacheable  # a cycle or a deep structure: not keyed, rebuilt every call
+    seen.add(id(obj))  # the objects on the current path: a cycle is not keyed
+    try:
+        return _walk(obj, depth, seen)
+    finally:
+        seen.discard(id(obj))
+
+
+def _walk(obj: Any, depth: int, seen: set[int]) -> tuple:
+    container = isinstance(obj, (list, tuple, set, frozenset, dict))
+    # containers are compared by content (some are built here); anything else also by
+    # identity, which is stable while the mod (the cache's weak key) keeps it alive
+    parts: list[Any] = [type(obj).__qualname__] if container else [type(obj).__qualname__, id(obj)]
     if isinstance(obj, (list, tuple, set, frozenset)):
         items = sorted(obj, key=repr) if isinstance(obj, (set, frozenset)) else obj
         parts += [_state(x, depth + 1, seen) for x in items]
@@ -457,9 +467,6 @@ def _state(obj: Any, depth: int = 0, seen: set[int] | None = None) -> tuple:
         names = {n: v for n, v in names.items() if not isinstance(v, types.ModuleType)}
         parts += [_state(cells, depth + 1, seen), _state(names, depth + 1, seen)]
         parts += [_state(obj.__defaults__, depth + 1, seen)]
-    elif isinstance(obj, torch.nn.Module):
-        parts += [_state(dict(obj.state_dict(keep_vars=True)), depth + 1, seen)]
-        parts += [_state(vars(obj), depth + 1, seen)]
     elif isinstance(obj, (type, types.ModuleType, types.BuiltinFunctionType)):
         pass
     elif hasattr(obj, "__dict__"):

@@ -54,6 +54,8 @@ from typing import Literal
 
 import torch
 
+from attnkit._validate import check_float
+
 __all__ = [
     "CausalAlignment",
     "MaskMod",
@@ -380,9 +382,8 @@ def alibi(num_heads: int, slopes: torch.Tensor | None = None) -> ScoreMod:
 
 def softcap(cap: float) -> ScoreMod:
     """Soft-capping score mod: ``cap * tanh(score / cap)`` (Gemma-2 style)."""
-    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
-        raise ValueError(f"cap must be a positive number, got {cap!r}")
-    c = float(cap)
+    # finite and > 0: an infinite cap gives inf/inf = NaN, a bool is not a number
+    c = check_float(cap, "cap", minimum=0.0, min_inclusive=False)
     return _Mod(f"softcap({c})", lambda score, b, h, q, kv: c * torch.tanh(score / c))
 
 
