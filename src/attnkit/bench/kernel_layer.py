@@ -58,6 +58,7 @@ def runner(
 ) -> Runner:
     """A closure running one case of this module's targets (see the module docs)."""
     q, k, v = (torch.randn(b, h, t, d, dtype=dtype, requires_grad=backward) for _ in range(3))
+    fn: Runner
     if impl == "sdpa-dense":
         dense = _dense(pattern, t, h)
         fn = lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)  # noqa: E731
