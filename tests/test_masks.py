@@ -69,10 +69,12 @@ def test_document_mask_is_block_diagonal():
 
 
 def test_alibi_slopes_follow_the_paper():
-    torch.testing.assert_close(M.alibi_slopes(8), torch.tensor([2.0 ** -(i + 1) for i in range(8)]))
+    torch.testing.assert_close(
+        M.alibi_slopes(8), torch.tensor([2.0 ** -(i + 1) for i in range(8)], dtype=torch.float64)
+    )
     six = M.alibi_slopes(6)  # 4 from the power of two, then odd ones of the 8-head sequence
     want = [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8, 2.0**-1, 2.0**-3]
-    torch.testing.assert_close(six, torch.tensor(want))
+    torch.testing.assert_close(six, torch.tensor(want, dtype=torch.float64))
 
 
 def test_score_mods_match_loops():
@@ -137,3 +139,112 @@ def test_bad_arguments_name_the_value(factory, match):
 def test_mods_print_their_recipe():
     mod = M.and_masks(M.sliding_window(4), M.prefix_lm(2))
     assert repr(mod) == "and_masks(sliding_window(4, causal=True), prefix_lm(2))"
+
+
+# --- sizes checked before computing (issue 13: IndexError from inside a mod) -----------
+
+
+@pytest.mark.parametrize(
+    "mod, kind, match",
+    [
+        (
+            M.padding(torch.tensor([3, 4, 5])),
+            "mask_mod",
+            "lengths has 3 entries but the batch has 2",
+        ),
+        (
+            M.document(torch.zeros(2, 9, dtype=torch.long).repeat(2, 1)[:3]),
+            "mask_mod",
+            "ids has 3 rows",
+        ),
+        (
+            M.document(torch.zeros(7, dtype=torch.long)),
+            "mask_mod",
+            "ids has 7 positions but the call has 6",
+        ),
+        (M.alibi(4), "score_mod", r"4 slopes \(num_heads\) but the query has 3 heads"),
+        (
+            M.relative_bias(torch.zeros(2, 5)),
+            "score_mod",
+            r"table has 2 rows \(num_heads\) but the query has 3",
+        ),
+        (
+            M.and_masks(M.causal(), M.padding(torch.tensor([1, 2, 3]))),
+            "mask_mod",
+            "lengths has 3 entries",
+        ),
+    ],
+)
+@pytest.mark.parametrize("backend", ["auto", "reference", "sdpa", "blockwise"])
+def test_mod_built_for_other_sizes_is_a_clear_value_error_not_index_error(
+    mod, kind, match, backend
+):
+    """Regression: padding/document/alibi/relative_bias with wrong sizes raised IndexError."""
+    if kind == "score_mod" and backend == "sdpa":
+        pytest.skip("sdpa takes no score_mod")
+    q = torch.rand(2, 3, 6, 4)
+    with pytest.raises(ValueError, match=match) as err:
+        attention(q, q, q, backend=backend, **{kind: mod})
+    assert kind in str(err.value)
+
+
+def test_padding_with_one_length_broadcasts_over_the_batch():
+    q = torch.rand(2, 1, 5, 4)
+    out = attention(q, q, q, mask_mod=M.padding(torch.tensor([2])))
+    keep = torch.arange(5) < 2
+    torch.testing.assert_close(out, attention(q, q, q, mask=keep), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "blockwise"])
+def test_mask_mod_returning_the_wrong_shape_is_a_clear_value_error(backend):
+    """Regression: a mod returning the wrong shape raised a RuntimeError from inside."""
+
+    def bad_mask(b, h, q, kv):
+        return (q >= kv)[..., :-1]  # one key short
+
+    q = torch.rand(1, 2, 6, 4)
+    with pytest.raises(ValueError, match=r"mask_mod bad_mask returned shape \(1, 1, 6, 5\)"):
+        attention(q, q, q, backend=backend, mask_mod=bad_mask)
+
+
+@pytest.mark.parametrize("backend", ["reference", "blockwise"])
+def test_score_mod_returning_the_wrong_shape_is_a_clear_value_error(backend):
+    """Regression: a score mod returning the wrong shape raised a RuntimeError from inside."""
+
+    def bad_score(score, b, h, q, kv):
+        return score.sum(-1)  # drops the key dim
+
+    q = torch.rand(1, 2, 6, 4)
+    with pytest.raises(ValueError, match="score_mod bad_score returned shape"):
+        attention(q, q, q, backend=backend, score_mod=bad_score)
+
+
+def test_alibi_is_exact_in_float64():
+    """Regression: ALiBi slopes were float32, so a float64 call was only float32-accurate."""
+    heads = 12  # not a power of 2: the interleaved slopes 2^(-k/2) are irrational
+    slopes = M.alibi_slopes(heads)
+    assert slopes.dtype == torch.float64
+    assert slopes[8].item() == 2 ** (-8 * 1 / 16)  # interleaved: 2^(-0.5), exactly as in Python
+    score = torch.zeros(1, heads, 1, 2, dtype=torch.float64)
+    grids = (
+        torch.zeros(1, 1, 1, 1, dtype=torch.long),
+        torch.arange(heads).view(1, -1, 1, 1),
+        torch.zeros(1, 1, 1, 1, dtype=torch.long),
+        torch.arange(2).view(1, 1, 1, -1),
+    )
+    out = M.alibi(heads)(score, *grids)
+    assert out[0, 8, 0, 1].item() == -(2**-0.5)
+
+
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda: M.sliding_window(True), "window"),
+        (lambda: M.prefix_lm(True), "prefix"),
+        (lambda: M.alibi(True), "num_heads"),
+        (lambda: M.alibi_slopes(2.0), "num_heads"),
+    ],
+)
+def test_mods_refuse_bool_or_float_where_an_int_is_meant(make, name):
+    with pytest.raises(TypeError, match=rf"{name} must be an int"):
+        make()
