@@ -162,7 +162,7 @@ def explain(
             elif stage in ("causal", "dropout"):
                 seeded(stage)
                 p = dropout if stage == "dropout" else 0.0
-                module = CausalAttention(d_in, d_out, context_length=t, dropout=p)
+                module: torch.nn.Module = CausalAttention(d_in, d_out, context_length=t, dropout=p)
                 module.train(stage == "dropout")  # dropout acts in training mode only
                 seeded(stage)  # the dropout mask's seed, as the book seeds it before dropping
                 rec = _record(module, x)
