@@ -64,7 +64,6 @@ __all__ = [
     "and_masks",
     "causal",
     "causal_mask",
-    "check_mod_output",
     "check_mod_sizes",
     "dead_rows",
     "document",
@@ -212,9 +211,7 @@ def materialize(
         keep = position_keep(pos, kv, causal=causal is not None, window=window)  # (q, k)
     if mask_mod is not None:
         grids = index_grids(query_shape[0], query_shape[1], q_len, k_len, device)
-        m = torch.as_tensor(mask_mod(*grids), device=device)
-        check_mod_output("mask_mod", mask_mod, m, (*query_shape[:2], q_len, k_len))
-        m = m.to(torch.bool)  # (b|1, h|1, q, k)
+        m = torch.as_tensor(mask_mod(*grids), device=device).to(torch.bool)  # (b|1, h|1, q, k)
         keep = m if keep is None else keep & m
     if keep is None:
         return mask
@@ -233,7 +230,7 @@ def check_mod_sizes(
     The mods of this module that index a tensor by batch, head or position
     (:func:`padding`, :func:`document`, :func:`alibi`, :func:`relative_bias`) know
     the sizes they need; a user's plain function is not checked here (its output
-    shape is, by :func:`check_mod_output`).
+    shape is checked where it is called).
 
     Raises:
         ValueError: naming ``name``, the mod and the mismatched sizes.
@@ -243,29 +240,6 @@ def check_mod_sizes(
         problem = check(batch, heads, q_len, k_len)
         if problem is not None:
             raise ValueError(f"{name} {mod!r} does not fit this call: {problem}")
-
-
-def check_mod_output(name: str, mod: object, out: torch.Tensor, expected: tuple[int, ...]) -> None:
-    """Raise a ValueError unless a mod's output broadcasts to ``expected`` without growing.
-
-    Args:
-        name: ``"mask_mod"`` or ``"score_mod"`` (used in the message).
-        mod: the mod (its repr is used in the message).
-        out: what the mod returned.
-        expected: the shape of the index grids / scores it was called on.
-    """
-    ok = isinstance(out, torch.Tensor) and out.dim() <= len(expected)
-    if ok:
-        try:
-            ok = torch.broadcast_shapes(out.shape, expected) == torch.Size(expected)
-        except RuntimeError:
-            ok = False
-    if not ok:
-        got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(
-            f"{name} {getattr(mod, '__name__', repr(mod))} returned shape {got}, which does "
-            f"not broadcast to the {expected} it was called on"
-        )
 
 
 def dead_rows(mask: torch.Tensor) -> torch.Tensor:
