@@ -210,8 +210,10 @@ def materialize(
         pos, kv = _aligned_positions(q_len, k_len, causal or "bottom_right", device)
         keep = position_keep(pos, kv, causal=causal is not None, window=window)  # (q, k)
     if mask_mod is not None:
-        grids = index_grids(query_shape[0], query_shape[1], q_len, k_len, device)
-        m = torch.as_tensor(mask_mod(*grids), device=device).to(torch.bool)  # (b|1, h|1, q, k)
+        from attnkit.mods import eval_mask_mod
+
+        b, h = query_shape[0], query_shape[1]
+        m = eval_mask_mod(mask_mod, b, h, 0, q_len, 0, k_len, device)  # (b|1, h|1, q, k)
         keep = m if keep is None else keep & m
     if keep is None:
         return mask
@@ -263,9 +265,12 @@ class _Mod:
         fn: Callable,
         tensors: tuple[torch.Tensor, ...] = (),
         additive: bool = False,
+        grid: bool = True,
         check_sizes: Callable[[int, int, int, int], str | None] | None = None,
     ) -> None:
         self.name, self._fn, self.tensors = name, fn, tensors
+        #: attnkit's mods also run on broadcast index grids (see :mod:`attnkit.mods`)
+        self.grid = grid
         #: ``check_sizes(batch, heads, q_len, k_len) -> problem or None``: what the mod
         #: needs of a call (see :func:`check_mod_sizes`).
         self.check_sizes = check_sizes or (lambda batch, heads, q_len, k_len: None)
@@ -382,7 +387,9 @@ def and_masks(*mods: MaskMod) -> MaskMod:
             keep = keep & m(b, h, q, kv)
         return keep
 
-    return _Mod(f"and_masks({', '.join(map(repr, mods))})", fn, check_sizes=_all_sizes(mods))
+    grid = all(getattr(m, "grid", False) is True for m in mods)
+    name = f"and_masks({', '.join(map(repr, mods))})"
+    return _Mod(name, fn, grid=grid, check_sizes=_all_sizes(mods))
 
 
 def or_masks(*mods: MaskMod) -> MaskMod:
@@ -396,7 +403,9 @@ def or_masks(*mods: MaskMod) -> MaskMod:
             keep = keep | m(b, h, q, kv)
         return keep
 
-    return _Mod(f"or_masks({', '.join(map(repr, mods))})", fn, check_sizes=_all_sizes(mods))
+    grid = all(getattr(m, "grid", False) is True for m in mods)
+    name = f"or_masks({', '.join(map(repr, mods))})"
+    return _Mod(name, fn, grid=grid, check_sizes=_all_sizes(mods))
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
