@@ -74,6 +74,7 @@ __all__ = [
     "position_keep",
     "prefix_lm",
     "relative_bias",
+    "removed_keys",
     "sliding_window",
     "softcap",
     "window_mask",
@@ -242,6 +243,25 @@ def check_mod_sizes(
         problem = check(batch, heads, q_len, k_len)
         if problem is not None:
             raise ValueError(f"{name} {mod!r} does not fit this call: {problem}")
+
+
+def removed_keys(mask: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The keys ``mask`` removes for *every* query: bool ``(..., h_kv|1, l_k, 1)``.
+
+    A key shared by several query heads (GQA) counts as removed only if every one of
+    them removes it. The result broadcasts against a key ``(..., h_kv, l_k, d)``.
+
+    Args:
+        mask: a bool or float mask broadcastable to ``(..., h_q, l_q, l_k)``.
+        kv_heads: the key/value heads ``h_kv`` (1 for a key without a head dim).
+    """
+    kept = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)
+    if kept.dim() == 1:  # (l_k,)
+        return ~kept.unsqueeze(-1)
+    kept = kept.any(dim=-2)  # (..., h_q|1, l_k): kept by some query
+    if mask.dim() >= 3 and kept.shape[-2] not in (1, kv_heads):
+        kept = kept.unflatten(-2, (kv_heads, -1)).any(dim=-2)  # (..., h_kv, l_k)
+    return ~kept.unsqueeze(-1)
 
 
 def dead_rows(mask: torch.Tensor) -> torch.Tensor:
