@@ -263,3 +263,19 @@ def test_alibi_is_exact_in_float64():
 def test_mods_refuse_bool_or_float_where_an_int_is_meant(make, name):
     with pytest.raises(TypeError, match=rf"{name} must be an int"):
         make()
+
+
+@pytest.mark.parametrize("align", ["top_left", "bottom_right", None])
+@pytest.mark.parametrize("window", [None, 1, 3])
+@pytest.mark.parametrize("lq, lk", [(4, 9), (9, 4), (5, 5), (1, 7)])
+def test_reachable_keys_match_the_dense_mask(align, window, lq, lk):
+    if align is None and window is None:
+        assert M.reachable_keys(lq, lk, None, None) == (0, lk)
+        return
+    if window is None:
+        keep = M.causal_mask(lq, lk, align)
+    else:
+        keep = M.window_mask(lq, lk, window, align or "bottom_right", causal=align is not None)
+    cols = keep.any(dim=0).nonzero().flatten().tolist()
+    lo, hi = M.reachable_keys(lq, lk, align, window)
+    assert list(range(lo, hi)) == cols

@@ -23,7 +23,14 @@ from attnkit._validate import (
     check_probability,
 )
 from attnkit.block_mask import BlockMask
-from attnkit.masks import MaskMod, ScoreMod, check_mod_sizes, normalize_causal, removed_keys
+from attnkit.masks import (
+    MaskMod,
+    ScoreMod,
+    check_mod_sizes,
+    normalize_causal,
+    reachable_keys,
+    removed_keys,
+)
 
 __all__ = ["attention"]
 
@@ -105,8 +112,9 @@ def attention(
         # torch's fused kernels return NaN for scale <= 0 with is_causal: fold the scale
         # into the query (the same scores) and hand every backend a positive one.
         query, scale = query * scale, 1.0
-    if mask is not None:
-        key, value = _drop_removed_keys(mask, key, value)
+    lo, hi = reachable_keys(query.shape[-2], key.shape[-2], causal_mode, window)
+    if mask is not None or lo > 0 or hi < key.shape[-2]:
+        key, value = _drop_removed_keys(mask, lo, hi, key, value)
     call = backends.AttentionCall(
         query,
         key,
@@ -254,11 +262,15 @@ def _check_mask(
 
 
 def _drop_removed_keys(
-    mask: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+    mask: torch.Tensor | None, lo: int, hi: int, key: torch.Tensor, value: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero the keys/values ``mask`` removes for every query: masked means removed, so a
-    NaN there reaches no output and no gradient on any backend (``0 * NaN`` is NaN)."""
-    gone = removed_keys(mask, key.shape[-3] if key.dim() >= 3 else 1)  # (..., h_kv|1, s, 1)
+    """Zero the keys/values that ``mask``, or causal/window (outside ``[lo, hi)``), remove
+    for every query: masked means removed, so a NaN there reaches no output and no
+    gradient on any backend (a fused kernel would compute ``NaN - inf`` or ``0 * NaN``)."""
+    idx = torch.arange(key.shape[-2], device=key.device).unsqueeze(-1)  # (s, 1)
+    gone = (idx < lo) | (idx >= hi)
+    if mask is not None:
+        gone = gone | removed_keys(mask, key.shape[-3] if key.dim() >= 3 else 1)  # (.., s, 1)
     # The branch only skips work; under torch.compile both tensors are always filled.
     if torch.compiler.is_compiling() or bool(gone.any()):
         key, value = key.masked_fill(gone, 0.0), value.masked_fill(gone, 0.0)

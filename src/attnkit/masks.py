@@ -73,6 +73,7 @@ __all__ = [
     "padding",
     "position_keep",
     "prefix_lm",
+    "reachable_keys",
     "relative_bias",
     "removed_keys",
     "sliding_window",
@@ -133,6 +134,23 @@ def position_keep(
     if window is not None:
         keep = keep & (kv_idx > pos - window)
     return keep
+
+
+def reachable_keys(
+    q_len: int, k_len: int, causal: CausalAlignment | None, window: int | None
+) -> tuple[int, int]:
+    """The keys ``[lo, hi)`` that causal/window leave to at least one query (plain ints).
+
+    Keys outside are removed for every query (e.g. the keys after the last query with
+    ``"top_left"`` and ``Lk > Lq``, or before the first query's window).
+    """
+    if q_len == 0 or (causal is None and window is None):
+        return 0, k_len
+    offset = k_len - q_len if (causal or "bottom_right") == "bottom_right" else 0
+    first, last = offset, offset + q_len - 1  # aligned positions of the first/last query
+    lo = 0 if window is None else max(0, first - window + 1)
+    hi = last + 1 if causal is not None else last + (window or 0)  # no causal: a window
+    return min(lo, k_len), max(0, min(hi, k_len))
 
 
 def _aligned_positions(
