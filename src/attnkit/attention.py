@@ -12,6 +12,7 @@ Masking follows the one convention documented in :mod:`attnkit.masks`.
 from __future__ import annotations
 
 import math
+from typing import Literal, overload
 
 import torch
 
@@ -33,6 +34,112 @@ from attnkit.masks import (
 )
 
 __all__ = ["attention"]
+
+
+# The return type follows need_weights / return_lse (so `attention(q, k, v).shape` type-checks).
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = ...,
+    causal: bool | str = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    need_weights: Literal[False] = ...,
+    window: int | None = ...,
+    mask_mod: MaskMod | None = ...,
+    score_mod: ScoreMod | None = ...,
+    block_mask: BlockMask | None = ...,
+    sinks: torch.Tensor | None = ...,
+    return_lse: Literal[False] = ...,
+    backend: str = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = ...,
+    causal: bool | str = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    need_weights: Literal[True],
+    window: int | None = ...,
+    mask_mod: MaskMod | None = ...,
+    score_mod: ScoreMod | None = ...,
+    block_mask: BlockMask | None = ...,
+    sinks: torch.Tensor | None = ...,
+    return_lse: Literal[False] = ...,
+    backend: str = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = ...,
+    causal: bool | str = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    need_weights: Literal[False] = ...,
+    window: int | None = ...,
+    mask_mod: MaskMod | None = ...,
+    score_mod: ScoreMod | None = ...,
+    block_mask: BlockMask | None = ...,
+    sinks: torch.Tensor | None = ...,
+    return_lse: Literal[True],
+    backend: str = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = ...,
+    causal: bool | str = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    need_weights: Literal[True],
+    window: int | None = ...,
+    mask_mod: MaskMod | None = ...,
+    score_mod: ScoreMod | None = ...,
+    block_mask: BlockMask | None = ...,
+    sinks: torch.Tensor | None = ...,
+    return_lse: Literal[True],
+    backend: str = ...,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = ...,
+    causal: bool | str = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    need_weights: bool = ...,
+    window: int | None = ...,
+    mask_mod: MaskMod | None = ...,
+    score_mod: ScoreMod | None = ...,
+    block_mask: BlockMask | None = ...,
+    sinks: torch.Tensor | None = ...,
+    return_lse: bool = ...,
+    backend: str = ...,
+) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
 
 
 def attention(
