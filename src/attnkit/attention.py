@@ -378,9 +378,17 @@ def _drop_removed_keys(
     gone = (idx < lo) | (idx >= hi)
     if mask is not None:
         gone = gone | removed_keys(mask, key.shape[-3] if key.dim() >= 3 else 1)  # (.., s, 1)
-    # The branch only skips work; under torch.compile both tensors are always filled.
-    if torch.compiler.is_compiling() or bool(gone.any()):
-        key, value = key.masked_fill(gone, 0.0), value.masked_fill(gone, 0.0)
+    # On CPU (where reading a value costs no device sync) skip the copies unless a key is
+    # removed and something is not finite: a sum is a cheap test (NaN/inf propagate; an
+    # overflow only costs the copies). Elsewhere, and under torch.compile, always copy.
+    if (
+        key.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and (not bool(gone.any()) or bool(key.sum().isfinite() & value.sum().isfinite()))
+    ):
+        return key, value
+    key = torch.where(gone, 0.0, key)  # (..., h_kv, s, d)
+    value = torch.where(gone, 0.0, value)
     return key, value
 
 
