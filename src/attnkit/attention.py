@@ -167,11 +167,16 @@ def attention(
         key: ``(..., h_kv, l_k, d)``, ``h_kv`` dividing ``h_q`` (GQA; 1 = MQA).
         value: ``(..., h_kv, l_k, d_v)``.
         mask: boolean (True = may attend) or float (added to the scaled scores),
-            broadcastable to ``(..., h_q, l_q, l_k)``. See :mod:`attnkit.masks`.
+            broadcastable to ``(..., h_q, l_q, l_k)``. See :mod:`attnkit.masks`. A float
+            mask is cast to the query's dtype with finite values clamped to its range
+            (only ``-inf`` removes a key). Keys it (or causal/window alone) removes for
+            every query are zeroed first: a NaN there reaches nothing.
         causal: False, True (= ``"bottom_right"``), ``"bottom_right"`` or ``"top_left"``:
             how the causal triangle lines up when ``l_q != l_k`` (:mod:`attnkit.masks`
             draws both). Combined with ``mask`` when both are given.
-        scale: factor applied to the scores; ``1 / sqrt(d)`` by default.
+        scale: factor applied to the scores; ``1 / sqrt(d)`` by default. Any finite
+            number: ``0`` gives uniform weights over the kept keys, a negative one flips
+            the scores (honoured exactly on every backend).
         dropout_p: probability of zeroing an attention weight (after softmax), the
             kept ones scaled by ``1 / (1 - dropout_p)``. Modules pass their ``p``
             only in training mode.
