@@ -166,6 +166,26 @@ def test_bad_arguments_name_the_values():
         render(explain(["a", "b", "c"], x, stages=["simplified"]), query="z")
 
 
+@pytest.mark.parametrize(
+    "kw, err, match",
+    [
+        (dict(heads=True), TypeError, "heads must be an int, got bool"),
+        (dict(d_out=0), ValueError, "d_out must be >= 1, got 0"),
+        (dict(dropout=1.0), ValueError, "dropout must be < 1.0"),
+        (dict(dropout=False), TypeError, "dropout must be a number"),
+    ],
+)
+def test_bad_options_name_the_argument(kw, err, match):
+    """Regression: explain's hand-written checks took heads=True (bool is not an int)."""
+    with pytest.raises(err, match=match):
+        explain(["a", "b", "c"], torch.rand(3, 3), **kw)
+
+
+def test_random_embeddings_refuse_bool_dim():
+    with pytest.raises(TypeError, match="dim must be an int, got bool"):
+        resolve_sentence("the cat sat", dim=True)
+
+
 def test_inputs_tokenize_examples_and_files(tmp_path):
     assert tokenize("Hello shiny sun!") == ["Hello", "shiny", "sun"]
     with pytest.raises(ValueError, match="no tokens"):

@@ -107,8 +107,8 @@ def test_gradients_flow_with_rope_and_window():
     "kw, match",
     [
         (dict(num_kv_heads=3), r"num_heads \(4\) must be divisible by num_kv_heads \(3\)"),
-        (dict(num_kv_heads=0), "num_kv_heads must be a positive int, got 0"),
-        (dict(window=0), "window must be a positive int, got 0"),
+        (dict(num_kv_heads=0), "num_kv_heads must be >= 1, got 0"),
+        (dict(window=0), "window must be >= 1, got 0"),
     ],
 )
 def test_bad_options(kw, match):
@@ -126,3 +126,13 @@ def test_misuse_errors():
         make(rope=True)(torch.randn(1, 3, 16), torch.randn(1, 4, 16))
     with pytest.raises(ValueError, match="no GQA, rope or window"):
         make(num_kv_heads=2).to_torch()
+
+
+@pytest.mark.parametrize(
+    "kw, name", [(dict(window=True), "window"), (dict(head_dim=True), "head_dim")]
+)
+def test_kv_cache_refuses_bool_where_an_int_is_meant(kw, name):
+    """Regression: KVCache(window=True) was accepted as a window of 1."""
+    args = dict(batch_size=1, max_seq_len=8, num_kv_heads=2, head_dim=4) | kw
+    with pytest.raises(TypeError, match=rf"{name} must be an int, got bool"):
+        KVCache(**args)

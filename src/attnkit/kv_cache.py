@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from attnkit._validate import check_bool, check_int, check_optional_int
+
 __all__ = ["CrossKVCache", "KVCache"]
 
 
@@ -60,10 +62,9 @@ class KVCache(nn.Module):
             ("num_kv_heads", num_kv_heads),
             ("head_dim", head_dim),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if window is not None and (not isinstance(window, int) or window <= 0):
-            raise ValueError(f"window must be a positive int or None, got {window!r}")
+            check_int(value, name)
+        check_optional_int(window, "window")
+        check_bool(static, "static")
         self.max_seq_len, self.window, self.static = max_seq_len, window, static
         self.size = max_seq_len if window is None else min(window, max_seq_len)
         shape = (batch_size, num_kv_heads, self.size, head_dim)

@@ -105,7 +105,7 @@ def _bench_decode(backend: str, sizes: dict[str, Any], repeats: int, warmup: int
     def rewind() -> None:  # back to the prompt, so every timed step decodes token prompt_len
         model.cache_pos.fill_(prompt_len)
         for block in model.trf_blocks:
-            block.att.kv_cache.pos.fill_(prompt_len)
+            block.att.kv_cache.pos.fill_(prompt_len)  # type: ignore[union-attr,operator]
 
     compiled = torch.compile(model, fullgraph=True, backend=sizes["compiler"])
 
@@ -151,12 +151,13 @@ def run(
         ``workload, backend, shape, eager_ms, compiled_ms, speedup, compile_s, max_abs_diff``.
     """
     backends = backends or ["reference", "sdpa"]
+    sizes: dict[str, Any]
     if quick:
-        sizes: dict[str, Any] = dict(batch=1, tokens=8, d_out=16, num_heads=2)
+        sizes = dict(batch=1, tokens=8, d_out=16, num_heads=2)
         sizes.update(emb_dim=16, n_layers=1, context_length=16)
         repeats, warmup = min(repeats, 3), min(warmup, 1)
     else:
-        sizes: dict[str, Any] = dict(batch=4, tokens=64, d_out=256, num_heads=8)  # GPT: "tiny"
+        sizes = dict(batch=4, tokens=64, d_out=256, num_heads=8)  # GPT: "tiny"
     sizes["compiler"] = compiler
     rows = []
     for workload in WORKLOADS:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from attnkit._validate import check_int
 from attnkit.examples import EXAMPLES, YOUR_JOURNEY, Example
 
 __all__ = ["load_embeddings", "random_embeddings", "resolve_sentence", "tokenize"]
@@ -30,8 +31,7 @@ def tokenize(sentence: str) -> list[str]:
 
 def random_embeddings(num_tokens: int, dim: int, seed: int) -> torch.Tensor:
     """Seeded uniform ``[0, 1)`` embeddings rounded to 2 decimals, like the seeds' ``(t, dim)``."""
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
-        raise ValueError(f"dim must be a positive int, got {dim!r}")
+    check_int(dim, "dim")
     gen = torch.Generator().manual_seed(seed)
     return torch.round(torch.rand(num_tokens, dim, generator=gen) * 100) / 100  # (t, dim)
 
