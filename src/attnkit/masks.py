@@ -237,8 +237,12 @@ class _Mod:
         fn: Callable,
         tensors: tuple[torch.Tensor, ...] = (),
         additive: bool = False,
+        spec: tuple = (),
     ) -> None:
         self.name, self._fn, self.tensors = name, fn, tensors
+        #: what the mod computes, for kernels that run it in-tile (the triton backend):
+        #: ``("alibi", slopes)`` or ``("softcap", cap)``; empty for other mods.
+        self.spec = spec
         #: True when the mod adds a bias that does not depend on the score
         #: (d out / d score = 1): a backward may then skip autograd for the score.
         self.additive = additive
@@ -368,7 +372,7 @@ def alibi(num_heads: int, slopes: torch.Tensor | None = None) -> ScoreMod:
         dist = (q.to(score.dtype) - kv.to(score.dtype)).abs_()  # (.., q, kv), small
         return torch.addcmul(score, s.to(score.dtype)[h], dist, value=-1.0)
 
-    return _Mod(f"alibi({num_heads})", fn, (s,), additive=True)
+    return _Mod(f"alibi({num_heads})", fn, (s,), additive=True, spec=("alibi", s))
 
 
 def softcap(cap: float) -> ScoreMod:
@@ -376,7 +380,9 @@ def softcap(cap: float) -> ScoreMod:
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
         raise ValueError(f"cap must be a positive number, got {cap!r}")
     c = float(cap)
-    return _Mod(f"softcap({c})", lambda score, b, h, q, kv: c * torch.tanh(score / c))
+    return _Mod(
+        f"softcap({c})", lambda score, b, h, q, kv: c * torch.tanh(score / c), spec=("softcap", c)
+    )
 
 
 def relative_bias(table: torch.Tensor) -> ScoreMod:

@@ -185,3 +185,4 @@ def dispatch(name: str, call: AttentionCall) -> BackendResult:
 from attnkit.backends import blockwise as _blockwise  # noqa: E402,F401
 from attnkit.backends import reference as _reference  # noqa: E402,F401
 from attnkit.backends import sdpa as _sdpa  # noqa: E402,F401
+from attnkit.backends import triton as _triton  # noqa: E402,F401
