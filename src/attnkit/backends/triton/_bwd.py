@@ -3,7 +3,7 @@
 ``attn_bwd_dkdv``: one program per (key tile, batch x key/value head), looping over the
 query heads of its GQA group and the query tiles that can see the key tile; it writes
 dK and dV with the key/value head count (no expanded copy). ``attn_bwd_dq``: one program
-per (query tile, batch x query head), also summing the ALiBi slope gradient per tile.
+per (query tile, batch x query head), also writing the ALiBi slope gradient per row.
 ``DELTA`` is ``rowsum(dO * O) - dLSE`` (the log-sum-exp's own gradient folded in).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attnkit.backends.triton._tile import LOG2E, mma, partial_keep, score_tile
+from attnkit.backends.triton._tile import LOG2E, mma, narrow, partial_keep, score_tile
 
 
 @triton.jit
@@ -37,10 +37,10 @@ def _dkdv_tile(dk, dv, kT, vT, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, off
     if HAS_EXTRA:
         s = tl.where(extra_keep, s, float("-inf"))
     p = tl.exp2((s - lse[:, None]) * LOG2E)  # (m, n)
-    dv += mma(tl.trans(p).to(do.dtype), do, UPCAST, PREC)
+    dv += mma(narrow(tl.trans(p), do.dtype, UPCAST), do, UPCAST, PREC)
     dp = mma(do, vT, UPCAST, PREC)
     ds = p * (dp - delta[:, None]) * dmod
-    dk += mma(tl.trans(ds).to(q.dtype), q, UPCAST, PREC)
+    dk += mma(narrow(tl.trans(ds), q.dtype, UPCAST), q, UPCAST, PREC)
     return dk, dv
 
 
@@ -126,10 +126,12 @@ def attn_bwd_dkdv(
     out_n = in_n[:, None]
     dk_ptrs = (DK + pid_bh.to(tl.int64) * k_len * HEAD_D + offs_n[:, None].to(tl.int64) * HEAD_D
                + offs_d[None, :])
-    tl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=out_n & (offs_d[None, :] < HEAD_D))
+    dk = narrow(dk, DK.dtype.element_ty, UPCAST).to(DK.dtype.element_ty)
+    tl.store(dk_ptrs, dk, mask=out_n & (offs_d[None, :] < HEAD_D))
     dv_ptrs = (DV + pid_bh.to(tl.int64) * k_len * HEAD_DV + offs_n[:, None].to(tl.int64) * HEAD_DV
                + offs_dv[None, :])
-    tl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_n & (offs_dv[None, :] < HEAD_DV))
+    dv = narrow(dv, DV.dtype.element_ty, UPCAST).to(DV.dtype.element_ty)
+    tl.store(dv_ptrs, dv, mask=out_n & (offs_dv[None, :] < HEAD_DV))
 
 
 @triton.jit
@@ -154,9 +156,9 @@ def _dq_tile(dq, gslope, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, off
     ds = p * (dp - delta[:, None])  # d loss / d (modded score)
     if MOD == 1:
         dist = tl.abs(offs_m[:, None] - offs_n[None, :]).to(tl.float32)
-        gslope -= tl.sum(tl.sum(ds * dist, 1), 0)
+        gslope -= tl.sum(ds * dist, 1)
     ds = ds * dmod
-    dq += mma(ds.to(k.dtype), k, UPCAST, PREC)
+    dq += mma(narrow(ds, k.dtype, UPCAST), k, UPCAST, PREC)
     return dq, gslope
 
 
@@ -198,7 +200,7 @@ def attn_bwd_dq(
     if MOD == 1:
         slope = tl.load(SLOPES + h).to(tl.float32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    gslope = tl.zeros([1], tl.float32).sum(0)
+    gslope = tl.zeros([BLOCK_M], tl.float32)  # per-row ALiBi slope gradient
     if SPARSE:
         qb = start_m // QB
         row0 = start_m - qb * QB
@@ -239,6 +241,7 @@ def attn_bwd_dq(
     dq = dq * scale
     dq_ptrs = (DQ + pid_bh.to(tl.int64) * q_len * HEAD_D + offs_m[:, None].to(tl.int64) * HEAD_D
                + offs_d[None, :])
-    tl.store(dq_ptrs, dq.to(DQ.dtype.element_ty), mask=in_m[:, None] & (offs_d[None, :] < HEAD_D))
+    dq = narrow(dq, DQ.dtype.element_ty, UPCAST).to(DQ.dtype.element_ty)
+    tl.store(dq_ptrs, dq, mask=in_m[:, None] & (offs_d[None, :] < HEAD_D))
     if MOD == 1:
-        tl.store(GSLOPE + pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m, gslope)
+        tl.store(GSLOPE + pid_bh.to(tl.int64) * q_len + offs_m, gslope, mask=in_m)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from attnkit.backends.triton._tile import LOG2E, mma, partial_keep, score_tile
+from attnkit.backends.triton._tile import LOG2E, mma, narrow, partial_keep, score_tile
 
 
 @triton.jit
@@ -35,7 +35,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_d, offs_dv
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptrs + offs_n[:, None].to(tl.int64) * svn,
                 mask=in_k[:, None] & (offs_dv[None, :] < HEAD_DV), other=0.0)  # (n, dv)
-    acc = acc * alpha[:, None] + mma(p.to(v.dtype), v, UPCAST, PREC)
+    acc = acc * alpha[:, None] + mma(narrow(p, v.dtype, UPCAST), v, UPCAST, PREC)
     return acc, m_new, l_i
 
 
@@ -126,5 +126,6 @@ def attn_fwd(
     lse = tl.where(alive, m_i + tl.log2(l_safe) / LOG2E, float("-inf"))
     o_ptrs = (O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
               + offs_m[:, None].to(tl.int64) * som + offs_dv[None, :] * sod)
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=in_m[:, None] & (offs_dv[None, :] < HEAD_DV))
+    out = narrow(out, O.dtype.element_ty, UPCAST).to(O.dtype.element_ty)
+    tl.store(o_ptrs, out, mask=in_m[:, None] & (offs_dv[None, :] < HEAD_DV))
     tl.store(LSE + pid_bh.to(tl.int64) * q_len + offs_m, lse, mask=in_m)

@@ -24,10 +24,28 @@ MASK_FLOAT = 2
 
 @triton.jit
 def mma(a, b, UPCAST: tl.constexpr, PREC: tl.constexpr):
-    """``a @ b`` accumulated in float32 (operands upcast where the interpreter needs it)."""
+    """``a @ b`` accumulated in float32.
+
+    ``UPCAST`` (bfloat16 under the interpreter, whose bf16 ``tl.dot`` is wrong): the
+    operands, bf16 values, are multiplied in float32, which is exact for their products.
+    """
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def narrow(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
+    """``x`` rounded to ``dtype`` (round to nearest even, as a GPU does).
+
+    Under ``UPCAST`` the interpreter would truncate float32 -> bfloat16, so the rounding
+    is done on the bits and the (exactly representable) value is kept in float32.
+    """
+    if UPCAST:
+        bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+        bits = (bits + (((bits >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
 
 
 @triton.jit

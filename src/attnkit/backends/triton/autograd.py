@@ -4,7 +4,7 @@ Tensors arrive as ``(B, h, l, d)`` views (any strides: no copy of Q, K, V, and G
 reads each key/value head in place). The forward saves only the output and the
 log-sum-exp; the backward computes ``delta = rowsum(dO * O) - dLSE`` in torch, then
 runs the dK/dV and dQ kernels. Sink and ALiBi-slope gradients are reduced in torch
-from per-row / per-tile partial sums (deterministic, no atomics).
+from per-row partial sums, in float64 (deterministic, no atomics).
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def backward(
     )  # fmt: skip
     sargs, sflags, sdims = _sparse_args(plan, q, transpose=False)
     n_mb = triton.cdiv(l_q, block_m)
-    gslope = torch.zeros(bsz * h_q * n_mb, dtype=torch.float32, device=q.device)
+    gslope = torch.zeros(bsz * h_q * l_q, dtype=torch.float32, device=q.device)
     grid = (n_mb, bsz * h_q)
     _bwd.attn_bwd_dq[grid](
         q, k, v, d_out, lse, delta, dq, gslope, margs[0], slope_arg, *sargs,
@@ -151,7 +151,8 @@ def backward(
         h_q, h_q // h_kv, l_q, l_k, plan.shift, plan.window, plan.scale, plan.cap, *sdims,
         **sizes, **flags, **sflags,
     )  # fmt: skip
-    d_slopes = gslope.view(bsz, h_q, n_mb).sum((0, 2)) if slopes is not None else None
+    # per-row partial sums, reduced in float64 (a sum over b * l_q * l_k terms)
+    d_slopes = gslope.view(bsz, h_q, l_q).double().sum((0, 2)) if slopes is not None else None
     return dq, dk, dv, d_slopes, delta
 
 
@@ -183,7 +184,7 @@ class TritonAttention(torch.autograd.Function):
         if sinks_k is not None and ctx.needs_input_grad[4]:
             # the sink's weight is exp(sink - lse); its "value" is zero, so dS = -p * delta
             p_sink = torch.exp(sinks_k.view(1, -1, 1) - lse)  # (B, h_q, l_q)
-            d_sinks = -(p_sink * delta).sum((0, 2))
+            d_sinks = -(p_sink.double() * delta).sum((0, 2))
             d_sinks = d_sinks.to(device=ctx.sinks.device, dtype=ctx.sinks.dtype)
         if d_slopes is not None and ctx.needs_input_grad[5]:
             d_slopes = d_slopes.to(device=ctx.slopes.device, dtype=ctx.slopes.dtype)

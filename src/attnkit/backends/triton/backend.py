@@ -160,14 +160,19 @@ def build_plan(call: AttentionCall, q4: torch.Tensor) -> "_autograd.KernelPlan":
     )
 
 
-def triton_attention(call: AttentionCall) -> BackendResult:
-    """Run ``call`` on the Triton kernels (see the module docs)."""
+def run(call: AttentionCall, sinks: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (..., h, t, d_v), lse (..., h, t) float32)`` of ``call`` on the Triton kernels."""
     from attnkit.backends.triton.autograd import TritonAttention
 
     q4, k4, v4 = _as_4d(call.query), _as_4d(call.key), _as_4d(call.value)
     plan = build_plan(call, q4)
     _, _, slopes = P.score_mod_spec(call.score_mod)  # type: ignore[misc]
-    sinks = getattr(call, "sinks", None)
     out, lse = TritonAttention.apply(plan, q4, k4, v4, sinks, slopes)
     out = out.reshape(*call.query.shape[:-1], call.value.shape[-1])  # (..., h, t, d_v)
+    return out, lse.reshape(call.query.shape[:-1])
+
+
+def triton_attention(call: AttentionCall) -> BackendResult:
+    """Run ``call`` on the Triton kernels (see the module docs)."""
+    out, _ = run(call, getattr(call, "sinks", None))
     return out, None
