@@ -27,7 +27,6 @@ pytest.importorskip("triton")
 
 from attnkit import attention, backends  # noqa: E402
 from attnkit import masks as M  # noqa: E402
-from attnkit.backends import AttentionCall  # noqa: E402
 from attnkit.backends.triton import backend as TB  # noqa: E402
 from attnkit.backends.triton import plan as P  # noqa: E402
 
@@ -63,24 +62,6 @@ def plain(q, k, v, *, keep, bias=None, cap=None, sinks=None, scale=None):
     if sinks is not None:
         w = w[..., :-1]
     return w @ v, lse
-
-
-def _attention(q, k, v, *, sinks=None, **kw):
-    """``attention(..., backend="triton", sinks=, return_lse=True)`` (through the backend
-    until the functional core takes sinks and return_lse)."""
-    import inspect
-
-    if "return_lse" in inspect.signature(attention).parameters:
-        return attention(q, k, v, backend="triton", sinks=sinks, return_lse=True, **kw)
-    from attnkit.attention import _check_mask
-    from attnkit.masks import normalize_causal
-
-    call = AttentionCall(
-        q, k, v, _check_mask(kw.pop("mask", None), q, k), normalize_causal(kw.pop("causal", False)),
-        kw.pop("scale", None) or 1 / math.sqrt(q.shape[-1]), 0.0, False, **kw,
-    )  # fmt: skip
-    assert TB.supports(call) is None, TB.supports(call)
-    return TB.run(call, sinks)
 
 
 def make_case(case, b, h, lq, lk, gen):
@@ -189,7 +170,7 @@ def run_case(dtype, case, lq, lk, heads, *, b=2, d=16, dv=None, sinks=False, lse
             kw["score_mod"] = M.alibi(hq, ps.pop(0))
         if "mask" in kw:
             kw["mask"] = kw["mask"].to(xs[0].device)
-        return _attention(*xs, **kw)
+        return attention(*xs, backend="triton", return_lse=True, **kw)
 
     ref = grads(reference, torch.float64, "cpu")
     base = grads(reference, dtype, "cpu")

@@ -21,6 +21,7 @@ import torch
 
 from attnkit.backends import AttentionCall, BackendResult
 from attnkit.backends.triton import plan as P
+from attnkit.block_mask import create_block_mask
 
 #: (BLOCK_M, BLOCK_N) of the forward and backward kernels by head dim on a GPU (not tuned:
 #: no GPU was available when they were written).
@@ -51,10 +52,6 @@ def _triton_missing() -> str | None:
     return None
 
 
-def _block_mask(call: AttentionCall):  # noqa: ANN202 - attnkit.BlockMask once it exists
-    return getattr(call, "block_mask", None)
-
-
 def supports(call: AttentionCall) -> str | None:
     """Why the triton backend cannot run ``call`` (None when it can)."""
     missing = _triton_missing()
@@ -80,7 +77,12 @@ def supports(call: AttentionCall) -> str | None:
             f"the triton kernels run only the score mods they compile in-tile "
             f"(attnkit.masks.alibi, softcap), got {call.score_mod!r}"
         )
-    bm = _block_mask(call)
+    bm = call.block_mask
+    if bm is not None and call.mask_mod is not None:
+        return (
+            "the triton kernels take a mask_mod or a block_mask, not both "
+            "(build one block mask from attnkit.masks.and_masks of the two)"
+        )
     if bm is not None:
         for name in ("Q_BLOCK_SIZE", "KV_BLOCK_SIZE"):
             size = getattr(bm, name)
@@ -128,20 +130,15 @@ def build_plan(call: AttentionCall, q4: torch.Tensor) -> "_autograd.KernelPlan":
     mod, cap, _ = P.score_mod_spec(call.score_mod)  # type: ignore[misc]
     align = call.causal or "bottom_right"
     sparse = None
-    bm = _block_mask(call)
-    if bm is not None:
-        sparse = P.sparse_tables(
-            bm.block_kind, bm.mask_mod, call.q_len, call.k_len, bm.Q_BLOCK_SIZE,
-            bm.KV_BLOCK_SIZE, q4.device,
+    bm = call.block_mask
+    if bm is None and call.mask_mod is not None:  # the plan, built once for this call
+        size = max(*fwd_blocks, *bwd_blocks)
+        bm = create_block_mask(
+            call.mask_mod, q4.shape[0], q4.shape[1], call.q_len, call.k_len,
+            block_size=size, device=q4.device,
         )  # fmt: skip
-    elif call.mask_mod is not None:
-        qb = min(fwd_blocks[0], bwd_blocks[0])
-        kb = min(fwd_blocks[1], bwd_blocks[1])
-        qb = kb = max(qb, kb)
-        kind = P.classify(
-            call.mask_mod, q4.shape[0], q4.shape[1], call.q_len, call.k_len, qb, kb, q4.device
-        )
-        sparse = P.sparse_tables(kind, call.mask_mod, call.q_len, call.k_len, qb, kb, q4.device)
+    if bm is not None:
+        sparse = P.sparse_tables(bm, q4.device)
     return _autograd.KernelPlan(
         causal=call.causal is not None,
         shift=call.k_len - call.q_len if align == "bottom_right" else 0,
@@ -174,5 +171,5 @@ def run(call: AttentionCall, sinks: torch.Tensor | None) -> tuple[torch.Tensor, 
 
 def triton_attention(call: AttentionCall) -> BackendResult:
     """Run ``call`` on the Triton kernels (see the module docs)."""
-    out, _ = run(call, getattr(call, "sinks", None))
-    return out, None
+    out, lse = run(call, call.sinks)
+    return out, None, (lse if call.return_lse else None)

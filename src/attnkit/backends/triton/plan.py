@@ -17,12 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnkit.masks import MaskMod
-
-EMPTY, PARTIAL, FULL = 0, 1, 2
-
-#: Partial tiles evaluated per ``mask_mod`` call when packing (bounds the temporaries).
-PACK_CHUNK = 1024
+from attnkit.block_mask import EMPTY, BlockMask
 
 
 @dataclass
@@ -60,86 +55,22 @@ def _lists(nonempty: torch.Tensor, part_id: torch.Tensor) -> tuple[torch.Tensor,
     return num.contiguous(), idx.contiguous(), part.contiguous()
 
 
-def sparse_tables(
-    block_kind: torch.Tensor,
-    mask_mod: MaskMod | None,
-    q_len: int,
-    k_len: int,
-    q_block: int,
-    kv_block: int,
-    device: torch.device,
-) -> SparseTables:
-    """Build the iteration lists and pack the PARTIAL tiles' keep bits.
-
-    Args:
-        block_kind: int8 ``(Bm, Hm, n_qb, n_kb)`` of EMPTY / PARTIAL / FULL.
-        mask_mod: the predicate evaluated on the PARTIAL tiles (absolute positions).
-        q_len, k_len: the call's lengths (indices past them are clamped: the kernels
-            mask those positions anyway).
-        q_block, kv_block: the block sizes ``block_kind`` was built with.
-        device: where the kernels run.
-    """
-    kind = block_kind.to(device=device, dtype=torch.int8)
+def sparse_tables(block_mask: BlockMask, device: torch.device) -> SparseTables:
+    """Build the kernels' iteration lists from ``block_mask`` (its stored partial tiles are
+    used as they are: the ``mask_mod`` is not evaluated again)."""
+    kind = block_mask.block_kind.to(device=device, dtype=torch.int8)  # (Bk, Hk, n_qb, n_kb)
     bm, hm, n_qb, n_kb = kind.shape
     nonempty = kind != EMPTY
-    partial = kind == PARTIAL
-    coords = partial.nonzero()  # (P, 4): b, h, qb, kb
-    part_id = torch.full(kind.shape, -1, dtype=torch.int32, device=device)
-    part_id[partial] = torch.arange(coords.shape[0], dtype=torch.int32, device=device)
+    part_id = block_mask.partial_index.to(device=device, dtype=torch.int32)  # -1: not PARTIAL
     kv_num, kv_idx, kv_part = _lists(nonempty, part_id)
     q_num, q_idx, q_part = _lists(nonempty.transpose(-1, -2), part_id.transpose(-1, -2))
-    part = torch.empty(coords.shape[0], q_block, kv_block, dtype=torch.uint8, device=device)
-    if coords.shape[0]:
-        if mask_mod is None:
-            raise ValueError("a block mask with PARTIAL tiles needs its mask_mod")
-        rows = torch.arange(q_block, device=device).view(1, -1, 1)
-        cols = torch.arange(kv_block, device=device).view(1, 1, -1)
-        for lo in range(0, coords.shape[0], PACK_CHUNK):
-            c = coords[lo : lo + PACK_CHUNK]
-            b, h = c[:, 0].view(-1, 1, 1), c[:, 1].view(-1, 1, 1)
-            q_idx_t = (c[:, 2].view(-1, 1, 1) * q_block + rows).clamp(max=q_len - 1)
-            kv_idx_t = (c[:, 3].view(-1, 1, 1) * kv_block + cols).clamp(max=k_len - 1)
-            keep = torch.as_tensor(mask_mod(b, h, q_idx_t, kv_idx_t), device=device)
-            part[lo : lo + PACK_CHUNK] = keep.expand(c.shape[0], q_block, kv_block).to(torch.uint8)
+    part = block_mask.partial_masks.to(device=device, dtype=torch.uint8).contiguous()
+    if part.shape[0] == 0:  # a valid pointer for the kernels, never read
+        part = torch.zeros(1, 1, 1, dtype=torch.uint8, device=device)
     return SparseTables(
-        kv_num, kv_idx, kv_part, q_num, q_idx, q_part, part, bm, hm, n_qb, n_kb, q_block, kv_block
-    )
-
-
-def classify(
-    mask_mod: MaskMod,
-    batch: int,
-    heads: int,
-    q_len: int,
-    k_len: int,
-    q_block: int,
-    kv_block: int,
-    device: torch.device,
-) -> torch.Tensor:
-    """EMPTY / PARTIAL / FULL of every tile of ``mask_mod``, one row of query blocks at a time.
-
-    Returns:
-        int8 ``(batch, heads, n_qb, n_kb)``.
-    """
-    n_qb, n_kb = -(-q_len // q_block), -(-k_len // kv_block)
-    kind = torch.empty(batch, heads, n_qb, n_kb, dtype=torch.int8, device=device)
-    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
-    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
-    kv = torch.arange(n_kb * kv_block, device=device).view(1, 1, 1, -1)
-    kv_in = kv < k_len
-    for qb in range(n_qb):
-        q = torch.arange(qb * q_block, (qb + 1) * q_block, device=device).view(1, 1, -1, 1)
-        inside = (q < q_len) & kv_in  # (1, 1, q_block, n_kb * kv_block)
-        keep = torch.as_tensor(mask_mod(b, h, q.clamp(max=q_len - 1), kv.clamp(max=k_len - 1)))
-        keep = keep.to(device=device, dtype=torch.bool).expand(batch, heads, q_block, -1)
-        tiles = (keep & inside).reshape(batch, heads, q_block, n_kb, kv_block)
-        holes = (~keep & inside).reshape(batch, heads, q_block, n_kb, kv_block)
-        anyk = tiles.any(-1).any(2)  # (b, h, n_kb)
-        full = ~holes.any(-1).any(2)
-        kind[:, :, qb] = torch.where(
-            anyk, torch.where(full, FULL, PARTIAL), EMPTY
-        ).to(torch.int8)
-    return kind
+        kv_num, kv_idx, kv_part, q_num, q_idx, q_part, part, bm, hm, n_qb, n_kb,
+        block_mask.Q_BLOCK_SIZE, block_mask.KV_BLOCK_SIZE,
+    )  # fmt: skip
 
 
 ModSpec = tuple[int, float, "torch.Tensor | None"]
