@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from attnkit import attention, backends  # noqa: E402
+from attnkit import attention, backends, create_block_mask  # noqa: E402
 from attnkit import masks as M  # noqa: E402
 from attnkit.backends.triton import backend as TB  # noqa: E402
 from attnkit.backends.triton import plan as P  # noqa: E402
@@ -101,6 +101,17 @@ def make_case(case, b, h, lq, lk, gen):
         keep = (ids[:lq].view(-1, 1) == ids[:lk].view(1, -1)) & (j <= i)
         mod = M.and_masks(M.document(ids), M.causal())
         return {"mask_mod": mod}, keep.view(1, 1, lq, lk), None
+    if case in ("block_mask", "block_mask16"):
+        # per batch element and head: batch 1 pads its keys, odd heads are causal
+        def mod(b, h, q, kv):
+            return (kv < lk - 7 * b) & ((kv <= q + shift) | (h % 2 == 0))
+
+        size = (32, 64) if case == "block_mask" else 16
+        bm = create_block_mask(mod, b, h, lq, lk, block_size=size, device=DEVICE)
+        hh = torch.arange(h).view(1, -1, 1, 1)
+        bb = torch.arange(b).view(-1, 1, 1, 1)
+        keep = (j < lk - 7 * bb) & ((j <= i + shift) | (hh % 2 == 0))
+        return {"block_mask": bm}, keep, None
     if case == "alibi":
         slopes = M.alibi_slopes(h).requires_grad_(True)
         return {"score_mod": M.alibi(h, slopes), "causal": True}, keep & (j <= i + shift), (
@@ -114,7 +125,7 @@ def make_case(case, b, h, lq, lk, gen):
 
 CASES = [
     "none", "causal_tl", "causal_br", "window", "window_sym", "bool", "dead_rows", "float",
-    "padding", "document", "alibi", "softcap",
+    "padding", "document", "block_mask", "block_mask16", "alibi", "softcap",
 ]  # fmt: skip
 
 
@@ -211,6 +222,7 @@ CI_CASES = [
     ("dead_rows", torch.float16, 53, 37, "mha", {}),
     ("alibi", torch.float32, 40, 40, "gqa", {"sinks": True, "lse_grad": True}),
     ("document", torch.float32, 50, 50, "gqa", {}),
+    ("block_mask", torch.float32, 45, 70, "gqa", {"sinks": True}),
     ("softcap", torch.bfloat16, 33, 33, "mha", {"sinks": True}),
     ("float", torch.float32, 29, 47, "mqa", {"lse_grad": True}),
     ("causal_tl", torch.float32, 47, 29, "gqa", {"d": 40, "dv": 24}),
@@ -241,3 +253,152 @@ def test_matrix_full(case, dtype, shape):
 @pytest.mark.parametrize("d", [16, 24, 64, 80, 128, 256])
 def test_head_dims(d):
     run_case(torch.float32, "causal_br", 33, 33, HEADS["gqa"], b=1, d=d)
+
+
+def _qkv(b=2, hq=4, hkv=2, lq=40, lk=40, d=16, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(SEED + 7)
+    return [
+        torch.randn(b, h, n, d, generator=gen, dtype=dtype).to(DEVICE)
+        for h, n in ((hq, lq), (hkv, lk), (hkv, lk))
+    ]
+
+
+def test_strided_expanded_and_low_rank_inputs():
+    """(b, t, h, d) views, a batch-1 key/value broadcast, and rank-3 / rank-2 inputs."""
+    q, k, v = _qkv(b=2, hq=4, hkv=2, lq=37, lk=37)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # strides of a (b, t, h, d) layout
+    kt = k[:1].expand(2, -1, -1, -1)  # stride 0 over the batch
+    vt = v[:1].expand(2, -1, -1, -1)
+    got = attention(qt, kt, vt, causal=True, backend="triton")
+    want = attention(qt, kt, vt, causal=True, backend="reference")
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+    got3 = attention(q[0], k[0], v[0], window=5, backend="triton")  # (h, t, d)
+    torch.testing.assert_close(got3, attention(q[0], k[0], v[0], window=5), atol=2e-6, rtol=2e-6)
+    got2 = attention(q[0, 0], k[0, 0], v[0, 0], causal=True, backend="triton")  # (t, d)
+    want2 = attention(q[0, 0], k[0, 0], v[0, 0], causal=True, backend="reference")
+    torch.testing.assert_close(got2, want2, atol=2e-6, rtol=2e-6)
+
+
+def test_gqa_reads_key_value_heads_in_place(monkeypatch):
+    """No repeat_interleave / expand copy of K, V: dK, dV come back with the kv head count."""
+    q, k, v = (t.requires_grad_(True) for t in _qkv(hq=4, hkv=1, lq=33, lk=33))
+
+    def boom(*args, **kwargs):
+        raise AssertionError("K/V were copied per query head")
+
+    monkeypatch.setattr(torch.Tensor, "repeat_interleave", boom)
+    out = attention(q, k, v, causal=True, backend="triton")
+    dk, dv = torch.autograd.grad(out.sum(), (k, v))
+    assert dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_empty_tiles_are_never_read():
+    """NaN keys/values in tiles no query may see leave out, dQ finite and dK, dV zero there:
+    the kernels skip those tiles (a visited tile would spread 0 * NaN = NaN)."""
+    q, k, v = _qkv(b=1, hq=2, hkv=2, lq=32, lk=96)
+    k[:, :, 48:] = float("nan")
+    v[:, :, 48:] = float("nan")
+    for kwargs in (
+        {"causal": "top_left"},  # key tiles past the last query's tile
+        {"block_mask": create_block_mask(lambda b, h, q_, kv: kv < 40, None, None, 32, 96,
+                                         block_size=16, device=DEVICE)},
+    ):  # fmt: skip
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        out = attention(qq, kk, vv, backend="triton", **kwargs)
+        dq, dk, dv = torch.autograd.grad(out.sum(), (qq, kk, vv))
+        assert torch.isfinite(out).all() and torch.isfinite(dq).all()
+        assert (dk[:, :, 48:] == 0).all() and (dv[:, :, 48:] == 0).all()
+        ref = attention(q[..., :48, :].clone(), k[:, :, :48], v[:, :, :48], backend="reference",
+                        **({"causal": "top_left"} if "causal" in kwargs else {
+                            "mask_mod": lambda b, h, q_, kv: kv < 40}))  # fmt: skip
+        torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+
+
+def test_sparse_tables_list_only_non_empty_tiles():
+    """Per query block: the non-empty key blocks in order, FULL ones marked -1; the
+    transposed lists hold the same pairs."""
+    ids = torch.tensor([0] * 40 + [1] * 24)
+    bm = create_block_mask(M.document(ids), None, None, 64, 64, block_size=16)
+    t = P.sparse_tables(bm, torch.device("cpu"))
+    kind = bm.block_kind[0, 0]
+    pairs, tpairs = set(), set()
+    for qb in range(t.n_qb):
+        n = int(t.kv_num[qb])
+        idx = t.kv_idx[qb * t.n_kb : qb * t.n_kb + n].tolist()
+        part = t.kv_part[qb * t.n_kb : qb * t.n_kb + n].tolist()
+        assert idx == sorted(idx)
+        for kb, pid in zip(idx, part, strict=True):
+            assert int(kind[qb, kb]) != P.EMPTY
+            assert (pid == -1) == (int(kind[qb, kb]) == 2)
+            pairs.add((qb, kb))
+    for kb in range(t.n_kb):
+        n = int(t.q_num[kb])
+        tpairs |= {(qb, kb) for qb in t.q_idx[kb * t.n_qb : kb * t.n_qb + n].tolist()}
+    assert pairs == tpairs == {tuple(x) for x in (kind != P.EMPTY).nonzero().tolist()}
+    # document 0 (0-39) covers blocks 0-2, document 1 (40-63) blocks 2-3: 9 + 4 - 1 shared
+    assert len(pairs) == 12
+    assert int((t.kv_part == -1)[: t.n_qb * t.n_kb].sum()) - (t.n_qb * t.n_kb - 12) == 5  # FULL
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason"),
+    [
+        ({"dropout_p": 0.1}, "dropout"),
+        ({"need_weights": True}, "weights"),
+        ({"score_mod": lambda s, b, h, q, kv: s * 2}, "score mods"),
+        ({"mask": torch.zeros(40, 40, requires_grad=True)}, "float mask"),
+        ({"dtype": torch.float64}, "float64"),
+        ({"d": 320}, "head dims"),
+        ({"mask_mod": M.causal(), "block_mask": "bm"}, "not both"),
+    ],
+    ids=["dropout", "weights", "score_mod", "mask_grad", "float64", "head_dim", "mod+block"],
+)
+def test_refusals_say_why(kwargs, reason):
+    """Named, triton raises with the reason; auto runs the call elsewhere."""
+    kwargs = dict(kwargs)
+    q, k, v = _qkv(dtype=kwargs.pop("dtype", torch.float32), d=kwargs.pop("d", 16))
+    if kwargs.get("block_mask") == "bm":
+        kwargs["block_mask"] = create_block_mask(M.causal(), None, None, 40, 40, block_size=16)
+    if "mask" in kwargs:
+        kwargs["mask"] = kwargs["mask"].to(DEVICE)
+    with pytest.raises(ValueError, match=reason):
+        attention(q, k, v, backend="triton", **kwargs)
+    if "block_mask" not in kwargs:
+        attention(q, k, v, **kwargs)  # auto finds a backend that can
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    q, k, v = _qkv()
+    monkeypatch.setattr(TB, "interpreting", lambda: False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        attention(q.cpu(), k.cpu(), v.cpu(), backend="triton")
+
+
+def test_auto_order_prefers_triton_on_cuda_for_kernel_calls():
+    """On CUDA: triton first for mods, windows, sinks and block masks, else right after sdpa;
+    on CPU auto never picks it."""
+    from types import SimpleNamespace
+
+    def call(cuda, **kw):
+        fields = dict(window=None, mask_mod=None, block_mask=None, score_mod=None, sinks=None)
+        fields.update(kw)
+        return SimpleNamespace(query=SimpleNamespace(is_cuda=cuda), k_len=64, **fields)
+
+    assert backends.auto_order(call(True, window=8))[0] == "triton"
+    assert backends.auto_order(call(True, sinks=torch.zeros(2)))[0] == "triton"
+    assert backends.auto_order(call(True, score_mod=M.softcap(5.0)))[0] == "triton"
+    assert backends.auto_order(call(True))[:2] == ["sdpa", "triton"]
+    assert "triton" not in backends.auto_order(call(False, window=8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_auto_runs_triton_for_a_window():
+    q, k, v = _qkv(lq=300, lk=300, dtype=torch.bfloat16)
+    out = attention(q, k, v, causal=True, window=64)
+    ref = attention(q, k, v, causal=True, window=64, backend="reference")
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    assert backends.select("auto", _call_of(q, k, v, window=64)).name == "triton"
+
+
+def _call_of(q, k, v, **kw):
+    return backends.AttentionCall(q, k, v, None, "bottom_right", 0.25, 0.0, False, **kw)
