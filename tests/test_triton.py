@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 
@@ -25,10 +23,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from attnkit import attention, backends, create_block_mask  # noqa: E402
-from attnkit import masks as M  # noqa: E402
-from attnkit.backends.triton import backend as TB  # noqa: E402
-from attnkit.backends.triton import plan as P  # noqa: E402
+from attnkit import attention, backends, create_block_mask
+from attnkit import masks as M
+from attnkit.backends.triton import backend as TB
+from attnkit.backends.triton import plan as P
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -114,9 +112,13 @@ def make_case(case, b, h, lq, lk, gen):
         return {"block_mask": bm}, keep, None
     if case == "alibi":
         slopes = M.alibi_slopes(h).requires_grad_(True)
-        return {"score_mod": M.alibi(h, slopes), "causal": True}, keep & (j <= i + shift), (
-            "alibi",
-            slopes,
+        return (
+            {"score_mod": M.alibi(h, slopes), "causal": True},
+            keep & (j <= i + shift),
+            (
+                "alibi",
+                slopes,
+            ),
         )
     if case == "softcap":
         return {"score_mod": M.softcap(2.0)}, keep, ("softcap", 2.0)
@@ -157,7 +159,9 @@ def run_case(dtype, case, lq, lk, heads, *, b=2, d=16, dv=None, sinks=False, lse
             ps[-1].requires_grad_(True)
         out, lse = fn(xs, ps)
         loss_out = [out] + ([lse] if d_lse is not None else [])
-        loss_grad = [d_out.to(device, dt)] + ([d_lse.to(device, lse.dtype)] if d_lse is not None else [])
+        loss_grad = [d_out.to(device, dt)] + (
+            [d_lse.to(device, lse.dtype)] if d_lse is not None else []
+        )
         gs = torch.autograd.grad(loss_out, xs + ps, loss_grad)
         return [out, lse, *gs]
 
@@ -186,8 +190,10 @@ def run_case(dtype, case, lq, lk, heads, *, b=2, d=16, dv=None, sinks=False, lse
     ref = grads(reference, torch.float64, "cpu")
     base = grads(reference, dtype, "cpu")
     got = grads(ours, dtype, DEVICE)
-    names = ["out", "lse", "dq", "dk", "dv"] + ["dsinks"] * bool(sinks) + ["dslopes"] * (
-        slopes is not None
+    names = (
+        ["out", "lse", "dq", "dk", "dv"]
+        + ["dsinks"] * bool(sinks)
+        + ["dslopes"] * (slopes is not None)
     )
     dead = ~keep.any(-1)  # (b, h, lq)
     for name, r, p, o in zip(names, ref, base, got, strict=True):

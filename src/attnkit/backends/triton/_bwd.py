@@ -14,6 +14,8 @@ import triton.language as tl
 
 from attnkit.backends.triton._tile import LOG2E, mma, narrow, partial_keep, score_tile
 
+# Kernel signatures are kept dense (one line per group of arguments), not one per line.
+# fmt: off
 
 @triton.jit
 def _dkdv_tile(dk, dv, kT, vT, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_n, offs_d,
@@ -245,3 +247,4 @@ def attn_bwd_dq(
     tl.store(dq_ptrs, dq, mask=in_m[:, None] & (offs_d[None, :] < HEAD_D))
     if MOD == 1:
         tl.store(GSLOPE + pid_bh.to(tl.int64) * q_len + offs_m, gslope, mask=in_m)
+# fmt: on

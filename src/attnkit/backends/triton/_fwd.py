@@ -12,6 +12,8 @@ import triton.language as tl
 
 from attnkit.backends.triton._tile import LOG2E, mma, narrow, partial_keep, score_tile
 
+# Kernel signatures are kept dense (one line per group of arguments), not one per line.
+# fmt: off
 
 @triton.jit
 def _fwd_tile(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_d, offs_dv, h, q_len, k_len,
@@ -129,3 +131,4 @@ def attn_fwd(
     out = narrow(out, O.dtype.element_ty, UPCAST).to(O.dtype.element_ty)
     tl.store(o_ptrs, out, mask=in_m[:, None] & (offs_dv[None, :] < HEAD_DV))
     tl.store(LSE + pid_bh.to(tl.int64) * q_len + offs_m, lse, mask=in_m)
+# fmt: on

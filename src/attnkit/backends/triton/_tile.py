@@ -10,6 +10,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# Kernel signatures are kept dense (one line per group of arguments), not one per line.
+# fmt: off
+
 LOG2E = 1.4426950408889634
 
 #: score mods the kernels run (``MOD`` constexpr)
@@ -113,3 +116,4 @@ def partial_keep(part_ptr, part, row0, col0, QB: tl.constexpr, KB: tl.constexpr,
     cols = col0 + tl.arange(0, BLOCK_N)
     ptrs = part_ptr + part.to(tl.int64) * (QB * KB) + rows[:, None] * KB + cols[None, :]
     return tl.load(ptrs) != 0
+# fmt: on

@@ -9,33 +9,11 @@ from per-row partial sums, in float64 (deterministic, no atomics).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 
 from attnkit.backends.triton import _bwd, _fwd
-from attnkit.backends.triton.plan import SparseTables
-
-
-@dataclass
-class KernelPlan:
-    """The call as the kernels see it (built once per call by the backend)."""
-
-    causal: bool
-    shift: int
-    window: int  # 0 = no window
-    mask: torch.Tensor | None  # (B|bcast, h|bcast, l_q, l_k) view, uint8 or float
-    mask_kind: int
-    mod: int
-    cap: float
-    scale: float
-    sparse: SparseTables | None
-    fwd_blocks: tuple[int, int]
-    bwd_blocks: tuple[int, int]
-    num_warps: int
-    num_stages: int
-    interpret: bool
+from attnkit.backends.triton.plan import KernelPlan
 
 
 def _common_args(plan: KernelPlan, q: torch.Tensor) -> tuple[list, dict]:
@@ -55,7 +33,9 @@ def _common_args(plan: KernelPlan, q: torch.Tensor) -> tuple[list, dict]:
     return [mask, *mstrides], flags
 
 
-def _sparse_args(plan: KernelPlan, q: torch.Tensor, transpose: bool) -> tuple[list, dict]:
+def _sparse_args(
+    plan: KernelPlan, q: torch.Tensor, transpose: bool
+) -> tuple[list, dict, tuple[int, int, int, int]]:
     sp = plan.sparse
     if sp is None:
         dummy = torch.zeros(1, dtype=torch.int32, device=q.device)
@@ -177,9 +157,7 @@ class TritonAttention(torch.autograd.Function):
         q, k, v, out, lse, sinks_k, slopes_k = ctx.saved_tensors
         if d_out is None:
             d_out = torch.zeros_like(out)
-        dq, dk, dv, d_slopes, delta = backward(
-            ctx.plan, q, k, v, out, lse, d_out, d_lse, slopes_k
-        )
+        dq, dk, dv, d_slopes, delta = backward(ctx.plan, q, k, v, out, lse, d_out, d_lse, slopes_k)
         d_sinks = None
         if sinks_k is not None and ctx.needs_input_grad[4]:
             # the sink's weight is exp(sink - lse); its "value" is zero, so dS = -p * delta

@@ -120,10 +120,8 @@ def _blocks(d: int, interpret: bool) -> tuple[tuple[int, int], tuple[int, int]]:
     return GPU_BLOCKS[256]
 
 
-def build_plan(call: AttentionCall, q4: torch.Tensor) -> "_autograd.KernelPlan":
+def build_plan(call: AttentionCall, q4: torch.Tensor) -> P.KernelPlan:
     """Everything the kernels are specialised on, worked out once for ``call``."""
-    from attnkit.backends.triton import autograd as _autograd
-
     interpret = interpreting() or q4.device.type == "cpu"
     fwd_blocks, bwd_blocks = _blocks(max(q4.shape[-1], call.value.shape[-1]), interpret)
     mask, mask_kind = _mask_4d(call, q4)
@@ -139,7 +137,7 @@ def build_plan(call: AttentionCall, q4: torch.Tensor) -> "_autograd.KernelPlan":
         )  # fmt: skip
     if bm is not None:
         sparse = P.sparse_tables(bm, q4.device)
-    return _autograd.KernelPlan(
+    return P.KernelPlan(
         causal=call.causal is not None,
         shift=call.k_len - call.q_len if align == "bottom_right" else 0,
         window=call.window or 0,

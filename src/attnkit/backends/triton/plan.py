@@ -73,6 +73,26 @@ def sparse_tables(block_mask: BlockMask, device: torch.device) -> SparseTables:
     )  # fmt: skip
 
 
+@dataclass
+class KernelPlan:
+    """The call as the kernels see it (built once per call by the backend)."""
+
+    causal: bool
+    shift: int
+    window: int  # 0 = no window
+    mask: torch.Tensor | None  # (B|bcast, h|bcast, l_q, l_k) view, uint8 or float
+    mask_kind: int
+    mod: int
+    cap: float
+    scale: float
+    sparse: SparseTables | None
+    fwd_blocks: tuple[int, int]
+    bwd_blocks: tuple[int, int]
+    num_warps: int
+    num_stages: int
+    interpret: bool
+
+
 ModSpec = tuple[int, float, "torch.Tensor | None"]
 
 
