@@ -196,7 +196,8 @@ def _check(pattern: str, q, k, v, ids) -> float:
         kw = {"block_mask": create_block_mask(mod, None, None, n, n, device=q.device)}
     with torch.no_grad():
         ours = cast(torch.Tensor, attention(qs, ks, vs, backend="triton", **kw))
-        ref = cast(torch.Tensor, attention(qs.float(), ks.float(), vs.float(), **kw))
+        ref = attention(qs.float(), ks.float(), vs.float(), backend="reference", **kw)
+        ref = cast(torch.Tensor, ref)
     return float((ours.float() - ref).abs().max())
 
 
