@@ -22,7 +22,7 @@ def _dkdv_tile(dk, dv, kT, vT, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, off
                offs_dv, h, q_len, k_len, shift, window, scale, cap, slope, mask_ptr, smm, smn,
                sqm, sdom, extra_keep, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
                BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-               MASK: tl.constexpr, MOD: tl.constexpr, HAS_EXTRA: tl.constexpr,
+               MASK: tl.constexpr, MOD: tl.constexpr, LIBDEVICE: tl.constexpr, HAS_EXTRA: tl.constexpr,
                UPCAST: tl.constexpr, PREC: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     in_m = offs_m < q_len
@@ -35,7 +35,7 @@ def _dkdv_tile(dk, dv, kT, vT, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, off
     delta = tl.load(delta_ptr + offs_m, mask=in_m, other=0.0)
     qk = mma(q, kT, UPCAST, PREC)
     s, dmod = score_tile(qk, offs_m, offs_n, h, q_len, k_len, shift, window, scale, cap, slope,
-                         mask_ptr, smm, smn, CAUSAL, WINDOW, MASK, MOD)
+                         mask_ptr, smm, smn, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE)
     if HAS_EXTRA:
         s = tl.where(extra_keep, s, float("-inf"))
     p = tl.exp2((s - lse[:, None]) * LOG2E)  # (m, n)
@@ -53,7 +53,7 @@ def attn_bwd_dkdv(
     smb, smh, smm, smn,
     num_heads, num_kv_heads, groups, q_len, k_len, shift, window, scale, cap,
     sp_b, sp_h, n_qb, n_kb,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr, MOD: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr, MOD: tl.constexpr, LIBDEVICE: tl.constexpr,
     SPARSE: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
@@ -101,13 +101,13 @@ def attn_bwd_dkdv(
                             dk, dv, kT, vT, q_ptrs, do_ptrs, lse_ptr, delta_ptr, qb * QB + sub,
                             offs_n, offs_d, offs_dv, h, q_len, k_len, shift, window, scale, cap,
                             slope, mask_ptr, smm, smn, sqm, sdom, extra, HEAD_D, HEAD_DV,
-                            BLOCK_M, CAUSAL, WINDOW, MASK, MOD, True, UPCAST, PREC)
+                            BLOCK_M, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE, True, UPCAST, PREC)
                     else:
                         dk, dv = _dkdv_tile(
                             dk, dv, kT, vT, q_ptrs, do_ptrs, lse_ptr, delta_ptr, qb * QB + sub,
                             offs_n, offs_d, offs_dv, h, q_len, k_len, shift, window, scale, cap,
                             slope, mask_ptr, smm, smn, sqm, sdom, 0, HEAD_D, HEAD_DV,
-                            BLOCK_M, CAUSAL, WINDOW, MASK, MOD, False, UPCAST, PREC)
+                            BLOCK_M, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE, False, UPCAST, PREC)
         else:
             lo = 0
             hi = q_len
@@ -122,7 +122,7 @@ def attn_bwd_dkdv(
                 dk, dv = _dkdv_tile(
                     dk, dv, kT, vT, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_n, offs_d,
                     offs_dv, h, q_len, k_len, shift, window, scale, cap, slope, mask_ptr, smm,
-                    smn, sqm, sdom, 0, HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, WINDOW, MASK, MOD,
+                    smn, sqm, sdom, 0, HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE,
                     False, UPCAST, PREC)
     dk = dk * scale
     out_n = in_n[:, None]
@@ -140,7 +140,7 @@ def attn_bwd_dkdv(
 def _dq_tile(dq, gslope, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_d, offs_dv, h,
              q_len, k_len, shift, window, scale, cap, slope, mask_ptr, smm, smn, skn, svn,
              extra_keep, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-             CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr, MOD: tl.constexpr,
+             CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr, MOD: tl.constexpr, LIBDEVICE: tl.constexpr,
              HAS_EXTRA: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     in_n = offs_n < k_len
@@ -150,7 +150,7 @@ def _dq_tile(dq, gslope, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, off
                  mask=in_n[None, :] & (offs_dv[:, None] < HEAD_DV), other=0.0)  # (dv, n)
     qk = mma(q, tl.trans(k), UPCAST, PREC)
     s, dmod = score_tile(qk, offs_m, offs_n, h, q_len, k_len, shift, window, scale, cap, slope,
-                         mask_ptr, smm, smn, CAUSAL, WINDOW, MASK, MOD)
+                         mask_ptr, smm, smn, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE)
     if HAS_EXTRA:
         s = tl.where(extra_keep, s, float("-inf"))
     p = tl.exp2((s - lse[:, None]) * LOG2E)
@@ -171,7 +171,7 @@ def attn_bwd_dq(
     smb, smh, smm, smn,
     num_heads, groups, q_len, k_len, shift, window, scale, cap,
     sp_b, sp_h, n_qb, n_kb,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr, MOD: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr, MOD: tl.constexpr, LIBDEVICE: tl.constexpr,
     SPARSE: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
@@ -218,13 +218,13 @@ def attn_bwd_dq(
                         dq, gslope, q, do, lse, delta, k_ptrs, v_ptrs, kb * KB + sub, offs_m,
                         offs_d, offs_dv, h, q_len, k_len, shift, window, scale, cap, slope,
                         mask_ptr, smm, smn, skn, svn, extra, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL,
-                        WINDOW, MASK, MOD, True, UPCAST, PREC)
+                        WINDOW, MASK, MOD, LIBDEVICE, True, UPCAST, PREC)
                 else:
                     dq, gslope = _dq_tile(
                         dq, gslope, q, do, lse, delta, k_ptrs, v_ptrs, kb * KB + sub, offs_m,
                         offs_d, offs_dv, h, q_len, k_len, shift, window, scale, cap, slope,
                         mask_ptr, smm, smn, skn, svn, 0, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL,
-                        WINDOW, MASK, MOD, False, UPCAST, PREC)
+                        WINDOW, MASK, MOD, LIBDEVICE, False, UPCAST, PREC)
     else:
         lo = 0
         hi = k_len
@@ -239,7 +239,7 @@ def attn_bwd_dq(
             dq, gslope = _dq_tile(
                 dq, gslope, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_d, offs_dv,
                 h, q_len, k_len, shift, window, scale, cap, slope, mask_ptr, smm, smn, skn, svn,
-                0, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, WINDOW, MASK, MOD, False, UPCAST, PREC)
+                0, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE, False, UPCAST, PREC)
     dq = dq * scale
     dq_ptrs = (DQ + pid_bh.to(tl.int64) * q_len * HEAD_D + offs_m[:, None].to(tl.int64) * HEAD_D
                + offs_d[None, :])

@@ -19,7 +19,7 @@ from attnkit.backends.triton._tile import LOG2E, mma, narrow, partial_keep, scor
 def _fwd_tile(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_d, offs_dv, h, q_len, k_len,
               shift, window, scale, cap, slope, mask_ptr, smm, smn, skn, svn, extra_keep,
               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr,
-              CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr, MOD: tl.constexpr,
+              CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr, MOD: tl.constexpr, LIBDEVICE: tl.constexpr,
               HAS_EXTRA: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     in_k = offs_n < k_len
@@ -27,7 +27,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_d, offs_dv
                 mask=in_k[None, :] & (offs_d[:, None] < HEAD_D), other=0.0)  # (d, n)
     qk = mma(q, k, UPCAST, PREC)
     s, _ = score_tile(qk, offs_m, offs_n, h, q_len, k_len, shift, window, scale, cap, slope,
-                      mask_ptr, smm, smn, CAUSAL, WINDOW, MASK, MOD)
+                      mask_ptr, smm, smn, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE)
     if HAS_EXTRA:
         s = tl.where(extra_keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -48,7 +48,7 @@ def attn_fwd(
     smb, smh, smm, smn,
     num_heads, groups, q_len, k_len, shift, window, scale, cap,
     sp_b, sp_h, n_qb, n_kb,
-    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr, MOD: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr, MOD: tl.constexpr, LIBDEVICE: tl.constexpr,
     HAS_SINKS: tl.constexpr, SPARSE: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
@@ -91,13 +91,13 @@ def attn_fwd(
                     acc, m_i, l_i = _fwd_tile(
                         acc, m_i, l_i, q, k_ptrs, v_ptrs, kb * KB + sub, offs_m, offs_d, offs_dv,
                         h, q_len, k_len, shift, window, scale, cap, slope, mask_ptr, smm, smn,
-                        skn, svn, extra, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, WINDOW, MASK, MOD,
+                        skn, svn, extra, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE,
                         True, UPCAST, PREC)
                 else:
                     acc, m_i, l_i = _fwd_tile(
                         acc, m_i, l_i, q, k_ptrs, v_ptrs, kb * KB + sub, offs_m, offs_d, offs_dv,
                         h, q_len, k_len, shift, window, scale, cap, slope, mask_ptr, smm, smn,
-                        skn, svn, 0, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, WINDOW, MASK, MOD,
+                        skn, svn, 0, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE,
                         False, UPCAST, PREC)
     else:
         lo = 0
@@ -113,7 +113,7 @@ def attn_fwd(
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_d, offs_dv, h, q_len,
                 k_len, shift, window, scale, cap, slope, mask_ptr, smm, smn, skn, svn, 0,
-                HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, WINDOW, MASK, MOD, False, UPCAST, PREC)
+                HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE, False, UPCAST, PREC)
 
     if HAS_SINKS:  # the sink joins the normaliser; its share of the output is dropped
         sink = tl.load(SINKS + h).to(tl.float32)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 # Kernel signatures are kept dense (one line per group of arguments), not one per line.
 # fmt: off
@@ -52,6 +53,21 @@ def narrow(x, dtype: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _tanh(x, LIBDEVICE: tl.constexpr):
+    """tanh to a few ulps: libdevice's on a GPU; under the interpreter (which has no
+    libdevice) ``expm1(2|x|) / (expm1(2|x|) + 2)`` with Kahan's accurate expm1."""
+    if LIBDEVICE:
+        return libdevice.tanh(x)
+    ax = tl.minimum(tl.abs(x), 10.0)  # tanh(10) rounds to 1 in float32
+    y = 2.0 * ax
+    u = tl.exp(y)
+    one = u == 1.0
+    em1 = tl.where(one, y, (u - 1.0) * y / tl.log(tl.where(one, 2.0, u)))
+    t = em1 / (em1 + 2.0)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
 def score_tile(
     qk,
     offs_m,
@@ -71,6 +87,7 @@ def score_tile(
     WINDOW: tl.constexpr,
     MASK: tl.constexpr,
     MOD: tl.constexpr,
+    LIBDEVICE: tl.constexpr,
 ):
     """Return ``(s, dmod)``: the tile's final scores (``-inf`` where masked) and
     ``d s / d (scaled score)`` of the score mod (1 without a mod).
@@ -84,8 +101,8 @@ def score_tile(
     if MOD == 1:  # ALiBi: s - slope * |q - kv|
         dist = tl.abs(offs_m[:, None] - offs_n[None, :]).to(tl.float32)
         s = s - slope * dist
-    if MOD == 2:  # softcap: cap * tanh(s / cap), tanh written with exp (stable at +-inf)
-        th = 1.0 - 2.0 / (tl.exp2(s * (2.0 * LOG2E / cap)) + 1.0)
+    if MOD == 2:  # softcap: cap * tanh(s / cap)
+        th = _tanh(s / cap, LIBDEVICE)
         s = cap * th
         dmod = 1.0 - th * th
     keep = (offs_n[None, :] < k_len) & (offs_m[:, None] < q_len)

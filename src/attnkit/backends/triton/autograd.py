@@ -25,6 +25,7 @@ def _common_args(plan: KernelPlan, q: torch.Tensor) -> tuple[list, dict]:
         WINDOW=plan.window > 0,
         MASK=plan.mask_kind,
         MOD=plan.mod,
+        LIBDEVICE=not plan.interpret,
         BLOCK_D=max(16, triton.next_power_of_2(q.shape[-1])),
         HEAD_D=q.shape[-1],
         UPCAST=plan.interpret and q.dtype == torch.bfloat16,
