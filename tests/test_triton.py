@@ -408,3 +408,23 @@ def test_cuda_auto_runs_triton_for_a_window():
 
 def _call_of(q, k, v, **kw):
     return backends.AttentionCall(q, k, v, None, "bottom_right", 0.25, 0.0, False, **kw)
+
+
+@pytest.mark.parametrize(
+    ("qshape", "kshape"),
+    [((1, 2, 5, 8), (1, 2, 7, 8)), ((2, 3, 2, 5, 16), (2, 3, 1, 6, 16)), ((1, 2, 5, 16), (1, 2, 0, 16)),
+     ((1, 2, 0, 16), (1, 2, 7, 16))],
+    ids=["head_dim_8", "rank5_gqa", "no_keys", "no_queries"],
+)  # fmt: skip
+def test_edge_sizes(qshape, kshape):
+    """Tiny head dims, extra batch dims, and empty key or query sets (zeros, lse -inf)."""
+    q = torch.randn(qshape, device=DEVICE, requires_grad=True)
+    k = torch.randn(kshape, device=DEVICE, requires_grad=True)
+    out, lse = attention(q, k, k, causal=True, backend="triton", return_lse=True)
+    ref, ref_lse = attention(q, k, k, causal=True, backend="reference", return_lse=True)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-6, rtol=2e-6)
+    got = torch.autograd.grad(out.sum(), (q, k))
+    want = torch.autograd.grad(ref.sum(), (q, k))
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=5e-6, rtol=5e-6)

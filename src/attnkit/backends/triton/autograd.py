@@ -73,6 +73,8 @@ def forward(
     sargs, sflags, sdims = _sparse_args(plan, q, transpose=False)
     block_m, block_n = _blocks(plan, plan.fwd_blocks)
     grid = (triton.cdiv(l_q, block_m), bsz * h_q)
+    if min(grid) == 0:  # nothing to compute (no key: the kernel still writes zeros, -inf)
+        return out, lse
     _fwd.attn_fwd[grid](
         q, k, v, out, lse, margs[0],
         sinks if sinks is not None else lse, slopes if slopes is not None else lse,
@@ -116,22 +118,27 @@ def backward(
     slope_arg = slopes if slopes is not None else lse
     sargs, sflags, sdims = _sparse_args(plan, q, transpose=True)
     grid = (triton.cdiv(l_k, block_n), bsz * h_kv)
-    _bwd.attn_bwd_dkdv[grid](
-        q, k, v, d_out, lse, delta, dk, dv, margs[0], slope_arg, *sargs,
-        *q.stride(), *k.stride(), *v.stride(), *d_out.stride(), *margs[1:],
-        h_q, h_kv, h_q // h_kv, l_q, l_k, plan.shift, plan.window, plan.scale, plan.cap, *sdims,
-        **sizes, **flags, **sflags,
-    )  # fmt: skip
+    if min(grid) == 0 or l_q == 0:  # no key or no query: dK, dV are empty or zero
+        dk.zero_()
+        dv.zero_()
+    else:
+        _bwd.attn_bwd_dkdv[grid](
+            q, k, v, d_out, lse, delta, dk, dv, margs[0], slope_arg, *sargs,
+            *q.stride(), *k.stride(), *v.stride(), *d_out.stride(), *margs[1:],
+            h_q, h_kv, h_q // h_kv, l_q, l_k, plan.shift, plan.window, plan.scale, plan.cap,
+            *sdims, **sizes, **flags, **sflags,
+        )  # fmt: skip
     sargs, sflags, sdims = _sparse_args(plan, q, transpose=False)
     n_mb = triton.cdiv(l_q, block_m)
     gslope = torch.zeros(bsz * h_q * l_q, dtype=torch.float32, device=q.device)
     grid = (n_mb, bsz * h_q)
-    _bwd.attn_bwd_dq[grid](
-        q, k, v, d_out, lse, delta, dq, gslope, margs[0], slope_arg, *sargs,
-        *q.stride(), *k.stride(), *v.stride(), *d_out.stride(), *margs[1:],
-        h_q, h_q // h_kv, l_q, l_k, plan.shift, plan.window, plan.scale, plan.cap, *sdims,
-        **sizes, **flags, **sflags,
-    )  # fmt: skip
+    if min(grid) > 0:
+        _bwd.attn_bwd_dq[grid](
+            q, k, v, d_out, lse, delta, dq, gslope, margs[0], slope_arg, *sargs,
+            *q.stride(), *k.stride(), *v.stride(), *d_out.stride(), *margs[1:],
+            h_q, h_q // h_kv, l_q, l_k, plan.shift, plan.window, plan.scale, plan.cap, *sdims,
+            **sizes, **flags, **sflags,
+        )  # fmt: skip
     # per-row partial sums, reduced in float64 (a sum over b * l_q * l_k terms)
     d_slopes = gslope.view(bsz, h_q, l_q).double().sum((0, 2)) if slopes is not None else None
     return dq, dk, dv, d_slopes, delta

@@ -14,6 +14,7 @@ of two of at least 16.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -97,7 +98,7 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
         return t.unsqueeze(0).unsqueeze(0)
     if t.dim() == 3:
         return t.unsqueeze(0)
-    return t.reshape(-1, *t.shape[-3:])
+    return t.reshape(math.prod(t.shape[:-3]), *t.shape[-3:])
 
 
 def _mask_4d(call: AttentionCall, q4: torch.Tensor) -> tuple[torch.Tensor | None, int]:
