@@ -428,3 +428,25 @@ def test_edge_sizes(qshape, kshape):
     want = torch.autograd.grad(ref.sum(), (q, k))
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, atol=5e-6, rtol=5e-6)
+
+
+def test_a_block_mask_that_does_not_cover_its_scores_is_refused():
+    """The kernels follow the block tables unchecked: a plan of the wrong size is refused."""
+    from attnkit.block_mask import BlockMask
+
+    kind = torch.full((1, 1, 1, 2), 2, dtype=torch.int8)  # one tile row for 45 queries of 32
+    bm = BlockMask(
+        mask_mod=None, B=None, H=None, Q_LEN=45, KV_LEN=45, Q_BLOCK_SIZE=32, KV_BLOCK_SIZE=32,
+        block_kind=kind, partial_index=torch.full(kind.shape, -1),
+        partial_masks=torch.zeros(0, 32, 32, dtype=torch.bool),
+    )  # fmt: skip
+    call = backends.AttentionCall(*_qkv(lq=45, lk=45), None, None, 0.25, 0.0, False, block_mask=bm)
+    assert "does not cover" in TB.supports(call)
+
+
+def test_padding_mask_mod_gets_every_tile_row():
+    """A grid mod that ignores q_idx (padding) still yields one tile row per query block."""
+    q, k, v = _qkv(lq=45, lk=45)
+    mod = M.padding(torch.tensor([45, 15]))
+    got = attention(q, k, v, mask_mod=mod, backend="triton")
+    torch.testing.assert_close(got, attention(q, k, v, mask_mod=mod, backend="reference"))

@@ -22,7 +22,9 @@ import torch
 
 from attnkit.backends import AttentionCall, BackendResult
 from attnkit.backends.triton import plan as P
-from attnkit.block_mask import create_block_mask
+from attnkit.block_mask import BlockMask, create_block_mask
+from attnkit.masks import MaskMod
+from attnkit.mods import is_grid_mod
 
 #: (BLOCK_M, BLOCK_N) of the forward and backward kernels by head dim on a GPU (not tuned:
 #: no GPU was available when they were written).
@@ -89,7 +91,41 @@ def supports(call: AttentionCall) -> str | None:
             size = getattr(bm, name)
             if size < 16 or size & (size - 1):
                 return f"the triton kernels need block sizes that are powers of two >= 16, got {name}={size}"
+        return _plan_mismatch(bm)
     return None
+
+
+def _plan_mismatch(bm: BlockMask) -> str | None:
+    """Why the kernels cannot trust ``bm``'s tables (their reads follow them unchecked)."""
+    tiles = (-(-bm.Q_LEN // bm.Q_BLOCK_SIZE), -(-bm.KV_LEN // bm.KV_BLOCK_SIZE))
+    if tuple(bm.block_kind.shape[-2:]) != tiles or bm.partial_index.shape != bm.block_kind.shape:
+        return (
+            f"block_mask's block_kind {tuple(bm.block_kind.shape)} does not cover its "
+            f"{bm.Q_LEN} x {bm.KV_LEN} scores in {bm.Q_BLOCK_SIZE} x {bm.KV_BLOCK_SIZE} tiles"
+        )
+    if tuple(bm.partial_masks.shape[1:]) != (bm.Q_BLOCK_SIZE, bm.KV_BLOCK_SIZE):
+        return f"block_mask's partial tiles have shape {tuple(bm.partial_masks.shape[1:])}"
+    return None
+
+
+class _FullGrid:
+    """A grid mask mod whose result always spans the query and key grids.
+
+    ``create_block_mask`` counts the tile rows from the mod's result, so a mod that does
+    not depend on ``q_idx`` (``padding``) would otherwise come back one row tall.
+    """
+
+    grid = True
+
+    def __init__(self, mod: MaskMod) -> None:
+        self.mod = mod
+
+    def __call__(self, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor):
+        out = torch.as_tensor(self.mod(b, h, q, kv), device=q.device)
+        return out.expand(torch.broadcast_shapes(out.shape, q.shape, kv.shape))
+
+    def __repr__(self) -> str:
+        return repr(self.mod)
 
 
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
@@ -132,9 +168,10 @@ def build_plan(call: AttentionCall, q4: torch.Tensor) -> P.KernelPlan:
     bm = call.block_mask
     if bm is None and call.mask_mod is not None:  # the plan, built once for this call
         size = max(*fwd_blocks, *bwd_blocks)
+        mod = _FullGrid(call.mask_mod) if is_grid_mod(call.mask_mod) else call.mask_mod
         bm = create_block_mask(
-            call.mask_mod, q4.shape[0], q4.shape[1], call.q_len, call.k_len,
-            block_size=size, device=q4.device,
+            mod, q4.shape[0], q4.shape[1], call.q_len, call.k_len, block_size=size,
+            device=q4.device,
         )  # fmt: skip
     if bm is not None:
         sparse = P.sparse_tables(bm, q4.device)
