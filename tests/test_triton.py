@@ -326,6 +326,7 @@ def test_sparse_tables_list_only_non_empty_tiles():
     ids = torch.tensor([0] * 40 + [1] * 24)
     bm = create_block_mask(M.document(ids), None, None, 64, 64, block_size=16)
     t = P.sparse_tables(bm, torch.device("cpu"))
+    assert P.sparse_tables(bm, torch.device("cpu")) is t  # built once per mask and device
     kind = bm.block_kind[0, 0]
     pairs, tpairs = set(), set()
     for qb in range(t.n_qb):

@@ -12,6 +12,7 @@ Torch only: this module imports no triton, so the plan can be tested anywhere.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -55,9 +56,23 @@ def _lists(nonempty: torch.Tensor, part_id: torch.Tensor) -> tuple[torch.Tensor,
     return num.contiguous(), idx.contiguous(), part.contiguous()
 
 
+#: The tables built for each block mask (per device): a block mask reused by every layer
+#: and step is turned into tables once.
+_TABLES: weakref.WeakKeyDictionary[BlockMask, dict[torch.device, SparseTables]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def sparse_tables(block_mask: BlockMask, device: torch.device) -> SparseTables:
-    """Build the kernels' iteration lists from ``block_mask`` (its stored partial tiles are
-    used as they are: the ``mask_mod`` is not evaluated again)."""
+    """The kernels' iteration lists for ``block_mask`` (built once per mask and device; its
+    stored partial tiles are used as they are: the ``mask_mod`` is not evaluated again)."""
+    per_device = _TABLES.setdefault(block_mask, {})
+    if device not in per_device:
+        per_device[device] = _build_tables(block_mask, device)
+    return per_device[device]
+
+
+def _build_tables(block_mask: BlockMask, device: torch.device) -> SparseTables:
     kind = block_mask.block_kind.to(device=device, dtype=torch.int8)  # (Bk, Hk, n_qb, n_kb)
     bm, hm, n_qb, n_kb = kind.shape
     nonempty = kind != EMPTY
