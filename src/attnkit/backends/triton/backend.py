@@ -22,9 +22,7 @@ import torch
 
 from attnkit.backends import AttentionCall, BackendResult
 from attnkit.backends.triton import plan as P
-from attnkit.block_mask import BlockMask, create_block_mask
-from attnkit.masks import MaskMod
-from attnkit.mods import is_grid_mod
+from attnkit.block_mask import BlockMask, cached_block_mask
 
 #: (BLOCK_M, BLOCK_N) of the forward and backward kernels by head dim on a GPU (not tuned:
 #: no GPU was available when they were written).
@@ -108,26 +106,6 @@ def _plan_mismatch(bm: BlockMask) -> str | None:
     return None
 
 
-class _FullGrid:
-    """A grid mask mod whose result always spans the query and key grids.
-
-    ``create_block_mask`` counts the tile rows from the mod's result, so a mod that does
-    not depend on ``q_idx`` (``padding``) would otherwise come back one row tall.
-    """
-
-    grid = True
-
-    def __init__(self, mod: MaskMod) -> None:
-        self.mod = mod
-
-    def __call__(self, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor):
-        out = torch.as_tensor(self.mod(b, h, q, kv), device=q.device)
-        return out.expand(torch.broadcast_shapes(out.shape, q.shape, kv.shape))
-
-    def __repr__(self) -> str:
-        return repr(self.mod)
-
-
 def _as_4d(t: torch.Tensor) -> torch.Tensor:
     """``(..., h, l, d)`` as ``(B, h, l, d)`` (a view where the strides allow)."""
     if t.dim() == 2:
@@ -166,11 +144,10 @@ def build_plan(call: AttentionCall, q4: torch.Tensor) -> P.KernelPlan:
     align = call.causal or "bottom_right"
     sparse = None
     bm = call.block_mask
-    if bm is None and call.mask_mod is not None:  # the plan, built once for this call
+    if bm is None and call.mask_mod is not None:  # the plan, built once (and cached)
         size = max(*fwd_blocks, *bwd_blocks)
-        mod = _FullGrid(call.mask_mod) if is_grid_mod(call.mask_mod) else call.mask_mod
-        bm = create_block_mask(
-            mod, q4.shape[0], q4.shape[1], call.q_len, call.k_len, block_size=size,
+        bm = cached_block_mask(
+            call.mask_mod, q4.shape[0], q4.shape[1], call.q_len, call.k_len, block_size=size,
             device=q4.device,
         )  # fmt: skip
     if bm is not None:
