@@ -134,21 +134,21 @@ def _check(case):
         )
 
 
-_SETTINGS = dict(
+_BASE = settings(
     derandomize=True,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
 
-@settings(max_examples=5, **_SETTINGS)
+@settings(_BASE, max_examples=5)
 @given(cases())
 def test_fuzz_triton_against_float64(case):
     _check(case)
 
 
 @pytest.mark.slow
-@settings(max_examples=150, **_SETTINGS)
+@settings(_BASE, max_examples=150)
 @given(cases())
 def test_fuzz_triton_against_float64_many(case):
     _check(case)
