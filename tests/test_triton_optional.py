@@ -45,3 +45,13 @@ def test_attnkit_works_without_triton():
     result = _run(code)
     assert result.returncode == 0, result.stderr
     assert "refused: unknown attention backend 'triton'" in result.stdout
+
+
+def test_gpu_extra_and_dev_declare_triton():
+    import tomllib
+
+    project = tomllib.loads((SRC.parent / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert any(r.startswith("triton>=") for r in extras["gpu"])
+    assert any(r.startswith("triton>=") for r in extras["dev"])
+    assert not any(r.startswith("triton") for r in project["dependencies"])
