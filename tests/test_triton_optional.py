@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
@@ -48,8 +50,7 @@ def test_attnkit_works_without_triton():
 
 
 def test_gpu_extra_and_dev_declare_triton():
-    import tomllib
-
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     project = tomllib.loads((SRC.parent / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     assert any(r.startswith("triton>=") for r in extras["gpu"])
