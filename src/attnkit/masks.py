@@ -307,6 +307,7 @@ class _Mod:
         additive: bool = False,
         grid: bool = True,
         check_sizes: Callable[[int, int, int, int], str | None] | None = None,
+        spec: tuple = (),
     ) -> None:
         self.name, self._fn, self.tensors = name, fn, tensors
         #: attnkit's mods also run on broadcast index grids (see :mod:`attnkit.mods`)
@@ -314,6 +315,9 @@ class _Mod:
         #: ``check_sizes(batch, heads, q_len, k_len) -> problem or None``: what the mod
         #: needs of a call (see :func:`check_mod_sizes`).
         self.check_sizes = check_sizes or (lambda batch, heads, q_len, k_len: None)
+        #: what the mod computes, for kernels that run it in-tile (the triton backend):
+        #: ``("alibi", slopes)`` or ``("softcap", cap)``; empty for other mods.
+        self.spec = spec
         #: True when the mod adds a bias that does not depend on the score
         #: (d out / d score = 1): a backward may then skip autograd for the score.
         self.additive = additive
@@ -487,14 +491,18 @@ def alibi(num_heads: int, slopes: torch.Tensor | None = None) -> ScoreMod:
         dist = (q.to(score.dtype) - kv.to(score.dtype)).abs_()  # (.., q, kv), small
         return torch.addcmul(score, s.to(score.dtype)[h], dist, value=-1.0)
 
-    return _Mod(f"alibi({num_heads})", fn, (s,), additive=True, check_sizes=sizes)
+    return _Mod(
+        f"alibi({num_heads})", fn, (s,), additive=True, check_sizes=sizes, spec=("alibi", s)
+    )
 
 
 def softcap(cap: float) -> ScoreMod:
     """Soft-capping score mod: ``cap * tanh(score / cap)`` (Gemma-2 style)."""
     # finite and > 0: an infinite cap gives inf/inf = NaN, a bool is not a number
     c = check_float(cap, "cap", minimum=0.0, min_inclusive=False)
-    return _Mod(f"softcap({c})", lambda score, b, h, q, kv: c * torch.tanh(score / c))
+    return _Mod(
+        f"softcap({c})", lambda score, b, h, q, kv: c * torch.tanh(score / c), spec=("softcap", c)
+    )
 
 
 def relative_bias(table: torch.Tensor) -> ScoreMod:
