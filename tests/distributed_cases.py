@@ -1,0 +1,280 @@
+"""The cases run on spawned gloo ranks by tests/test_distributed.py (see distributed_harness).
+
+Every case draws float64 inputs on rank 0, broadcasts them, runs the distributed call
+on this rank's shards, unshards, and compares with single-process ``attnkit.attention``
+on the whole sequence. It returns the largest absolute differences; the tests assert.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import attnkit
+from attnkit import masks
+from attnkit.distributed import (
+    context_parallel_attention,
+    record_traffic,
+    shard,
+    unshard,
+)
+
+MASKS = ("full", "causal", "causal_gqa", "mqa", "window", "window_sym", "documents", "alibi")
+HAS_LSE = "return_lse" in inspect.signature(attnkit.attention).parameters
+
+
+def _bcast(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        dist.broadcast(t, 0)
+
+
+def _doc_ids(t: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(t)
+    cuts = torch.rand(t, generator=g) < 0.25
+    cuts[0] = False
+    return torch.cumsum(cuts.long(), 0)  # (t,) increasing document ids
+
+
+def _options(kind: str, t: int, h_q: int) -> dict[str, Any]:
+    if kind in ("causal", "causal_gqa", "mqa"):
+        return {"causal": True}
+    if kind == "window":
+        return {"causal": True, "window": 3}
+    if kind == "window_sym":
+        return {"window": 4}
+    if kind == "documents":
+        return {"causal": True, "mask_mod": masks.document(_doc_ids(t))}
+    if kind == "alibi":
+        return {"causal": True, "score_mod": masks.alibi(h_q)}
+    return {}
+
+
+def _ref_lse(q, k, opts: dict[str, Any]) -> torch.Tensor:
+    """Log-sum-exp of the masked scores, written out densely (independent of attnkit)."""
+    _b, h, t, d = q.shape
+    k = k.repeat_interleave(h // k.shape[1], 1)
+    s = torch.einsum("bhtd,bhsd->bhts", q, k) / math.sqrt(d)
+    i = torch.arange(t).view(-1, 1)
+    j = torch.arange(t).view(1, -1)
+    keep = torch.ones(t, t, dtype=torch.bool)
+    if opts.get("causal"):
+        keep &= j <= i
+    if opts.get("window") is not None:
+        w = opts["window"]
+        keep &= (j > i - w) & ((j <= i) if opts.get("causal") else (j < i + w))
+    if "mask_mod" in opts:
+        ids = _doc_ids(t)
+        keep &= ids.view(-1, 1) == ids.view(1, -1)
+    if "score_mod" in opts:
+        slopes = masks.alibi_slopes(h).double().view(1, h, 1, 1)
+        s = s - slopes * (i - j).abs()
+    return torch.logsumexp(s.masked_fill(~keep, float("-inf")), -1)
+
+
+def attention_case(strategy: str, layout: str, kind: str, t: int):
+    def run(rank: int, world: int) -> dict[str, Any]:
+        b, h_q, d = 2, 6, 8
+        h_kv = {"causal_gqa": 2, "mqa": 1}.get(kind, h_q)
+        g = torch.Generator().manual_seed(t * 7 + len(kind))
+        q, k, v, gout = (
+            torch.randn(b, hh, t, d, generator=g, dtype=torch.float64)
+            for hh in (h_q, h_kv, h_kv, h_q)
+        )
+        glse = torch.randn(b, h_q, t, generator=g, dtype=torch.float64)
+        _bcast(q, k, v, gout, glse)
+        opts = _options(kind, t, h_q)
+        want_lse = strategy == "ring" or HAS_LSE
+        # single process, whole sequence
+        qr, kr, vr = (x.clone().requires_grad_(True) for x in (q, k, v))
+        ref = attnkit.attention(qr, kr, vr, **opts)
+        (ref * gout).sum().backward()
+        # distributed
+        ql, kl, vl = (shard(x, 2, layout=layout).requires_grad_(True) for x in (q, k, v))
+        res = context_parallel_attention(
+            ql, kl, vl, layout=layout, strategy=strategy, return_lse=want_lse, **opts
+        )
+        out_l, lse_l = res if want_lse else (res, None)
+        (out_l * shard(gout, 2, layout=layout)).sum().backward()
+        errs = {
+            "out": (unshard(out_l.detach(), 2, layout=layout) - ref.detach()).abs().max().item(),
+            "dq": (unshard(ql.grad, 2, layout=layout) - qr.grad).abs().max().item(),
+            "dk": (unshard(kl.grad, 2, layout=layout) - kr.grad).abs().max().item(),
+            "dv": (unshard(vl.grad, 2, layout=layout) - vr.grad).abs().max().item(),
+            "local_len": ql.shape[2],
+        }
+        if lse_l is not None:
+            full = unshard(lse_l.detach(), 2, layout=layout)
+            errs["lse"] = (full - _ref_lse(q, k, opts)).abs().max().item()
+        return errs
+
+    return run
+
+
+def lse_grad_case(strategy: str, layout: str):
+    """A loss on the log-sum-exp too: its gradient reaches q and k."""
+
+    def run(rank: int, world: int) -> dict[str, Any]:
+        b, h, t, d = 1, 6, 4 * world + 1, 8
+        g = torch.Generator().manual_seed(5)
+        q, k, v, gout = (
+            torch.randn(b, h, t, d, generator=g, dtype=torch.float64) for _ in range(4)
+        )
+        glse = torch.randn(b, h, t, generator=g, dtype=torch.float64)
+        _bcast(q, k, v, gout, glse)
+        qr, kr, vr = (x.clone().requires_grad_(True) for x in (q, k, v))
+        ref = attnkit.attention(qr, kr, vr, causal=True)
+        lse_ref = _ref_lse(qr, kr, {"causal": True})
+        ((ref * gout).sum() + (lse_ref * glse).sum()).backward()
+        ql, kl, vl = (shard(x, 2, layout=layout).requires_grad_(True) for x in (q, k, v))
+        out_l, lse_l = context_parallel_attention(
+            ql, kl, vl, layout=layout, strategy=strategy, causal=True, return_lse=True
+        )
+        loss = (out_l * shard(gout, 2, layout=layout)).sum()
+        (loss + (lse_l * shard(glse, 2, layout=layout)).sum()).backward()
+        return {
+            name: (unshard(a.grad, 2, layout=layout) - r.grad).abs().max().item()
+            for name, a, r in (("dq", ql, qr), ("dk", kl, kr), ("dv", vl, vr))
+        }
+
+    return run
+
+
+def sinks_case(strategy: str):
+    def run(rank: int, world: int) -> dict[str, Any]:
+        b, h, t, d = 1, 6, 6 * world, 8
+        g = torch.Generator().manual_seed(11)
+        q, k, v, gout = (
+            torch.randn(b, h, t, d, generator=g, dtype=torch.float64) for _ in range(4)
+        )
+        sinks = torch.randn(h, generator=g, dtype=torch.float64)
+        _bcast(q, k, v, gout, sinks)
+        qr, kr, vr, sr = (x.clone().requires_grad_(True) for x in (q, k, v, sinks))
+        # the sink as one extra key of score `sink` and value 0, written out here
+        s = torch.einsum("bhtd,bhsd->bhts", qr, kr) / math.sqrt(d)
+        s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+        s = torch.cat([s, sr.view(1, h, 1, 1).expand(b, h, t, 1)], -1)
+        ref = torch.softmax(s, -1)[..., :t] @ vr
+        (ref * gout).sum().backward()
+        ql, kl, vl = (shard(x, 2).requires_grad_(True) for x in (q, k, v))
+        sl = sinks.clone().requires_grad_(True)
+        out_l = context_parallel_attention(ql, kl, vl, strategy=strategy, causal=True, sinks=sl)
+        (out_l * shard(gout, 2)).sum().backward()
+        d_sinks = sl.grad.clone()
+        dist.all_reduce(d_sinks)
+        return {
+            "out": (unshard(out_l.detach(), 2) - ref.detach()).abs().max().item(),
+            "dq": (unshard(ql.grad, 2) - qr.grad).abs().max().item(),
+            "dk": (unshard(kl.grad, 2) - kr.grad).abs().max().item(),
+            "dv": (unshard(vl.grad, 2) - vr.grad).abs().max().item(),
+            "dsinks": (d_sinks - sr.grad).abs().max().item(),
+        }
+
+    return run
+
+
+def traffic_case(layout: str, kind: str):
+    """Messages and bytes each rank sends, forward and backward."""
+
+    def run(rank: int, world: int) -> dict[str, Any]:
+        b, h, t, d = 1, 2, 8 * world, 4
+        q, k, v = (torch.randn(b, h, t, d, dtype=torch.float64) for _ in range(3))
+        _bcast(q, k, v)
+        opts = {"causal": {"causal": True}, "full": {}, "window": {"causal": True, "window": 2}}[
+            kind
+        ]
+        ql, kl, vl = (shard(x, 2, layout=layout).requires_grad_(True) for x in (q, k, v))
+        with record_traffic() as log:
+            out = context_parallel_attention(ql, kl, vl, layout=layout, **opts)
+            out.sum().backward()
+        kv = [(m.step, m.peer, m.nbytes) for m in log.select("kv", "forward")]
+        return {
+            "kv_forward": kv,
+            "kv_backward": [(m.step, m.peer, m.nbytes) for m in log.select("kv", "backward")],
+            "dkv": [(m.step, m.peer, m.nbytes) for m in log.select("dkv")],
+            "block_bytes": (kl.numel() + vl.numel()) * kl.element_size(),
+            "rank": rank,
+        }
+
+    def gather(rank: int, world: int) -> dict[str, Any]:
+        mine = run(rank, world)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, mine)
+        return {"ranks": everyone}
+
+    return gather
+
+
+def refusal_case(rank: int, world: int) -> dict[str, Any]:
+    """Clear errors, raised identically on every rank."""
+    out: dict[str, Any] = {}
+    q = torch.zeros(1, world + 1, 2 * world, 4)
+    try:
+        context_parallel_attention(q, q, q, strategy="all_to_all")
+    except ValueError as err:
+        out["heads"] = str(err)
+    try:
+        shard(torch.zeros(2 * world - 1), 0)
+    except ValueError as err:
+        out["short"] = str(err)
+    # lengths where contiguous and zigzag shards differ: W=2, T=7 gives 4+3 vs 3+4
+    x = shard(torch.zeros({2: 7, 3: 16}[world], 3), 0, layout="contiguous")
+    try:
+        unshard(x, 0, layout="zigzag")
+    except ValueError as err:
+        out["layout_mismatch"] = str(err)
+    try:
+        context_parallel_attention(q, q, q, strategy="rings")
+    except ValueError as err:
+        out["strategy"] = str(err)
+    try:
+        context_parallel_attention(q, q, q, window=True)
+    except TypeError as err:
+        out["window_bool"] = str(err)
+    slopes = torch.ones(world + 1, requires_grad=True)
+    try:
+        context_parallel_attention(q, q, q, score_mod=masks.alibi(world + 1, slopes))
+    except ValueError as err:
+        out["ring_mod_grad"] = str(err)
+    return out
+
+
+def unshard_grad_case(rank: int, world: int) -> dict[str, Any]:
+    """unshard is a gather: the gradient is the sum over ranks of theirs."""
+    x = torch.arange(5.0 * world, dtype=torch.float64)
+    xl = shard(x, 0).requires_grad_(True)
+    full = unshard(xl, 0)
+    weights = torch.arange(5.0 * world, dtype=torch.float64) * (rank + 1)
+    (full * weights).sum().backward()
+    expected = shard(torch.arange(5.0 * world, dtype=torch.float64), 0) * sum(range(1, world + 1))
+    return {
+        "roundtrip": (full.detach() - x).abs().max().item(),
+        "grad": (xl.grad - expected).abs().max().item(),
+        "positions": shard(torch.arange(5 * world), 0).tolist(),
+    }
+
+
+def lengths_for(world: int) -> dict[str, int]:
+    return {"even": 6 * world, "uneven": 4 * world + 3}
+
+
+def attention_suite(world: int) -> dict[str, Any]:
+    cases: dict[str, Any] = {}
+    for strategy in ("ring", "all_to_all"):
+        for layout in ("zigzag", "contiguous"):
+            for kind in MASKS:
+                for lname, t in lengths_for(world).items():
+                    cases[f"{strategy}-{layout}-{kind}-{lname}"] = attention_case(
+                        strategy, layout, kind, t
+                    )
+            cases[f"lse_grad-{strategy}-{layout}"] = lse_grad_case(strategy, layout)
+        cases[f"sinks-{strategy}"] = sinks_case(strategy)
+    for layout in ("zigzag", "contiguous"):
+        for kind in ("full", "causal", "window"):
+            cases[f"traffic-{layout}-{kind}"] = traffic_case(layout, kind)
+    cases["refusals"] = refusal_case
+    cases["unshard_grad"] = unshard_grad_case
+    return cases
