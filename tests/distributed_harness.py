@@ -13,6 +13,7 @@ import datetime
 import os
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -43,8 +44,11 @@ def _worker(rank: int, world: int, port: int, out: str, suite: str) -> None:
     module, name = suite.rsplit(":", 1)
     cases: dict[str, Case] = getattr(importlib.import_module(module), name)(world)
     results: dict[str, Any] = {}
+    seconds: dict[str, float] = {}  # per case, for whoever tunes the suite
+    results["_seconds"] = seconds
     try:
         for key, fn in cases.items():
+            t0 = time.perf_counter()
             try:
                 results[key] = fn(rank, world)
             except Exception as err:  # reported to the parent, asserted there
@@ -71,8 +75,6 @@ def run_suite(suite: str, world: int, timeout: float = 240.0) -> dict[str, Any]:
             start_method="spawn",
         )
         try:
-            import time
-
             deadline = time.monotonic() + timeout
             while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
                 if time.monotonic() > deadline:

@@ -176,3 +176,14 @@ def test_no_process_group_is_a_clear_error():
         context_parallel_attention(q, q, q)
     with pytest.raises(RuntimeError, match="process group"):
         shard(q, 2)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_to_all"])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("variant", list(cases.GPT_VARIANTS))
+def test_gpt_training_step_w2_equals_w1(results, strategy, layout, variant):
+    res = _ok(results[2][f"gpt-{strategy}-{layout}-{variant}"])
+    assert res["loss"] < 1e-12, res
+    assert res["grad"] < 1e-12, res
+    assert res["losses"] < 1e-12, res
+    assert res["params"] < 1e-12, res
