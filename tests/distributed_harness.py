@@ -56,6 +56,7 @@ def _worker(rank: int, world: int, port: int, out: str, suite: str) -> None:
                     "error": f"{type(err).__name__}: {err}",
                     "tb": traceback.format_exc(),
                 }
+            seconds[key] = time.perf_counter() - t0
         if rank == 0:
             torch.save(results, Path(out) / "results.pt")
         dist.barrier()
