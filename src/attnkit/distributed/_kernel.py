@@ -1,6 +1,6 @@
-"""The kernel layer's segment API, as the ring uses it (one merge, shared with blockwise)."""
+"""The kernel layer's segment API, as the ring uses it: one merge, shared with blockwise."""
 
-from attnkit.distributed._segment_fallback import (
+from attnkit.backends.blockwise import (
     SegmentMask,
     merge_partials,
     segment_backward,

@@ -165,8 +165,8 @@ def ring_forward(plan: RingPlan, q, k, v, sinks, group: Group):
             o, lse = _kernel.segment_forward(
                 q_parts[qi], k_parts[ki], v_parts[ki], plan.segment(qc, kc), scale=plan.scale
             )
-            if outs[qi] is None:
-                outs[qi], lses[qi] = o, lse
+            if outs[qi] is None:  # half precision merges in float32, as the lse
+                outs[qi], lses[qi] = o.to(lse.dtype), lse
             else:
                 outs[qi], lses[qi] = _kernel.merge_partials(outs[qi], lses[qi], o, lse)
     b, h, t = q.shape[0], q.shape[1], q.shape[2]
@@ -185,12 +185,15 @@ def ring_forward(plan: RingPlan, q, k, v, sinks, group: Group):
     return out.to(q.dtype), lse
 
 
-def ring_backward(plan: RingPlan, q, k, v, out, lse, grad_out, group: Group):
-    """``(dq, dk, dv)`` of this rank's shards; ``out``/``lse`` are the merged totals."""
+def ring_backward(plan: RingPlan, q, k, v, out, lse, grad_out, grad_lse, group: Group):
+    """``(dq, dk, dv)`` of this rank's shards; ``out``/``lse`` are the merged totals and
+    ``grad_lse`` the gradient of the merged log-sum-exp (or None)."""
     r, w = plan.rank, plan.world
     q_parts = _chunks(q, plan.layout.chunks(r))
     o_parts, g_parts = _chunks(out, plan.layout.chunks(r)), _chunks(grad_out, plan.layout.chunks(r))
-    l_parts = list(torch.split(lse, [c.length for c in plan.layout.chunks(r)], dim=2))
+    lens = [c.length for c in plan.layout.chunks(r)]
+    l_parts = list(torch.split(lse, lens, dim=2))
+    gl_parts = [None] * len(lens) if grad_lse is None else list(torch.split(grad_lse, lens, dim=2))
     dq_parts = [torch.zeros_like(p) for p in q_parts]
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     pending: list[tuple[list, torch.Tensor | None]] = []  # (works, buffer to add on arrival)
@@ -209,7 +212,7 @@ def ring_backward(plan: RingPlan, q, k, v, out, lse, grad_out, group: Group):
         sends = []
         if kb is not None and vb is not None:
             dk_block, dv_block = _block_grads(
-                plan, origin, q_parts, o_parts, l_parts, g_parts, kb, vb, dq_parts
+                plan, origin, (q_parts, o_parts, l_parts, g_parts, gl_parts), kb, vb, dq_parts
             )
             if origin == r:
                 dk.add_(dk_block)
@@ -228,8 +231,11 @@ def ring_backward(plan: RingPlan, q, k, v, out, lse, grad_out, group: Group):
     return torch.cat(dq_parts, 2), dk, dv
 
 
-def _block_grads(plan: RingPlan, origin: int, q_parts, o_parts, l_parts, g_parts, kb, vb, dq_parts):
-    """dK/dV of ``origin``'s block from this rank's queries (dQ added into ``dq_parts``)."""
+def _block_grads(plan: RingPlan, origin: int, rows, kb, vb, dq_parts):
+    """dK/dV of ``origin``'s block from this rank's queries (dQ added into ``dq_parts``).
+
+    ``rows``: this rank's chunks of q, the merged out and lse, and their gradients."""
+    q_parts, o_parts, l_parts, g_parts, gl_parts = rows
     k_parts = _chunks(kb, plan.layout.chunks(origin))
     v_parts = _chunks(vb, plan.layout.chunks(origin))
     dk_parts = [torch.zeros_like(p) for p in k_parts]
@@ -244,15 +250,12 @@ def _block_grads(plan: RingPlan, origin: int, q_parts, o_parts, l_parts, g_parts
             g_parts[qi],
             plan.segment(qc, kc),
             scale=plan.scale,
+            grad_lse=gl_parts[qi],
         )
         dq_parts[qi] += g_q
         dk_parts[ki] += g_k
         dv_parts[ki] += g_v
     return torch.cat(dk_parts, 2), torch.cat(dv_parts, 2)
-
-
-def _with_zero_column(x: torch.Tensor) -> torch.Tensor:
-    return torch.cat([x, x.new_zeros(*x.shape[:-1], 1)], -1)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -270,24 +273,15 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):  # type: ignore[override]
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        d, d_v = q.shape[-1], v.shape[-1]
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        delta = (grad_out * out).sum(-1)  # (b, h, t)
-        if grad_lse is not None:
-            # d lse adds P * dlse to dS; the flash backward's dS = P * (dP - delta), with
-            # delta = rowsum(dO * O). One more column, zero in Q, K, V, one in O and
-            # -dlse in dO, turns delta into delta - dlse and leaves every score alone.
-            q, k, v = _with_zero_column(q), _with_zero_column(k), _with_zero_column(v)
-            out = torch.cat([out, torch.ones_like(out[..., :1])], -1)
-            grad_out = torch.cat([grad_out, -grad_lse.unsqueeze(-1).to(grad_out.dtype)], -1)
         with torch.no_grad():
-            dq, dk, dv = ring_backward(ctx.plan, q, k, v, out, lse, grad_out, ctx.group)
-        dq, dk, dv = dq[..., :d], dk[..., :d], dv[..., :d_v]
+            dq, dk, dv = ring_backward(ctx.plan, q, k, v, out, lse, grad_out, grad_lse, ctx.group)
         d_sinks = None
         if sinks is not None and ctx.needs_input_grad[5]:
             # lse = log(sum exp(s) + exp(sink)): d lse / d sink = p_sink, d out / d sink =
             # -p_sink * out. This rank's rows only: all-reduce it like any parameter.
+            delta = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # (b, h, t)
             p_sink = torch.exp(sinks.to(lse.dtype).view(1, -1, 1) - lse)  # (b, h, t)
             coeff = -delta if grad_lse is None else grad_lse - delta
             d_sinks = (p_sink * coeff).sum((0, 2)).to(sinks.dtype)
