@@ -258,6 +258,53 @@ def unshard_grad_case(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def low_precision_case(strategy: str, dtype: torch.dtype):
+    """flash-attn's rule: error against float64 at most 2x plain math's in the same dtype."""
+
+    def run(rank: int, world: int) -> dict[str, Any]:
+        b, h_q, h_kv, t, d = 2, 6, 2, 24 * world + 5, 16
+        g = torch.Generator().manual_seed(21)
+        q, k, v, gout = (
+            torch.randn(b, hh, t, d, generator=g, dtype=torch.float64)
+            for hh in (h_q, h_kv, h_kv, h_q)
+        )
+        _bcast(q, k, v, gout)
+
+        def plain(q, k, v):  # the same math, written out, in the inputs' dtype
+            kk, vv = (x.repeat_interleave(h_q // h_kv, 1) for x in (k, v))
+            s = (q @ kk.transpose(-2, -1)) / math.sqrt(d)
+            s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+            return torch.softmax(s.float(), -1).to(q.dtype) @ vv
+
+        def grads(fn, dt, ranks=1):
+            xs = [x.detach().to(dt).clone().requires_grad_(True) for x in (q, k, v)]
+            out = fn(*xs)
+            # every rank computes the same loss on the unsharded output: unshard's
+            # gradient sums the ranks' (a gather), so each counts 1/W
+            ((out.double() * gout).sum() / ranks).backward()
+            if ranks > 1:  # each rank's full-size grads hold its own positions only
+                for x in xs:
+                    dist.all_reduce(x.grad)
+            return [out.detach().double()] + [x.grad.double() for x in xs]
+
+        exact = grads(plain, torch.float64)
+        base = grads(plain, dtype)
+
+        def ours(qf, kf, vf):
+            ql, kl, vl = (shard(x, 2) for x in (qf, kf, vf))
+            out_l = context_parallel_attention(ql, kl, vl, strategy=strategy, causal=True)
+            return unshard(out_l, 2)
+
+        mine = grads(ours, dtype, world)
+        names = ("out", "dq", "dk", "dv")
+        return {
+            n: ((m - e).abs().max().item(), (p - e).abs().max().item())
+            for n, m, p, e in zip(names, mine, base, exact, strict=True)
+        }
+
+    return run
+
+
 def lengths_for(world: int) -> dict[str, int]:
     return {"even": 6 * world, "uneven": 4 * world + 3}
 
@@ -273,6 +320,8 @@ def attention_suite(world: int) -> dict[str, Any]:
                     )
             cases[f"lse_grad-{strategy}-{layout}"] = lse_grad_case(strategy, layout)
         cases[f"sinks-{strategy}"] = sinks_case(strategy)
+        for dtype in (torch.float32, torch.bfloat16):
+            cases[f"dtype-{strategy}-{dtype}"] = low_precision_case(strategy, dtype)
     for layout in ("zigzag", "contiguous"):
         for kind in ("full", "causal", "window"):
             cases[f"traffic-{layout}-{kind}"] = traffic_case(layout, kind)

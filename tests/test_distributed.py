@@ -70,6 +70,18 @@ def test_sinks(results, world, strategy):
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("strategy", ["ring", "all_to_all"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_error_at_most_twice_plain_math(results, world, strategy, dtype):
+    """Against float64, the split computation's error in float32/bfloat16 is at most
+    2x that of plain math in the same dtype (plus a tiny epsilon), outputs and grads."""
+    res = _ok(results[world][f"dtype-{strategy}-{dtype}"])
+    eps = {torch.float32: 1e-6, torch.bfloat16: 1e-3}[dtype]
+    for name, (ours, plain) in res.items():
+        assert ours <= 2 * plain + eps, (name, ours, plain)
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_full_ring_sends_one_block_per_step(results, world):
     """Without a mask every rank sends its neighbour one K/V block at each of the W-1
     steps that have a next block, forward and backward, and its dK/dV shares back."""
