@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -140,32 +140,47 @@ def record_traffic() -> Iterator[Traffic]:
 
 
 def exchange(
-    sends: list[tuple[torch.Tensor, int, str]],
-    recvs: list[tuple[torch.Tensor, int, str]],
+    sends: Sequence[tuple[tuple[torch.Tensor, ...], int, str]],
+    recvs: Sequence[tuple[tuple[torch.Tensor, ...], int, str]],
     *,
     group: Group,
     phase: str,
     step: int,
 ) -> list[dist.Work]:
-    """Post sends ``(tensor, group_peer, kind)`` and receives with ``batch_isend_irecv``.
+    """Post sends and receives ``(tensors, group_peer, kind)`` with ``batch_isend_irecv``.
 
-    Returns the pending works (empty when there is nothing to do); the caller waits.
-    Sends are recorded by :func:`record_traffic`. Each kind has its own tag, so a
-    ``kv`` block and a ``dkv`` block between the same two ranks never match each other.
+    One item is one message (a K/V block is its K and its V, sent as two tensors with
+    their own tags, so no packing copy is made). Returns the pending works (empty when
+    there is nothing to do); the caller waits. Sends are recorded by
+    :func:`record_traffic`.
     """
     ops = []
     log = _TRAFFIC.get()
-    for tensor, peer, kind in sends:
-        ops.append(dist.P2POp(dist.isend, tensor, global_rank(group, peer), group, tag=_TAGS[kind]))
-        if log is not None:
-            log.messages.append(
-                Message(kind, phase, step, peer, tensor.numel() * tensor.element_size())
+    for tensors, peer, kind in sends:
+        for i, tensor in enumerate(tensors):
+            ops.append(
+                dist.P2POp(dist.isend, tensor, global_rank(group, peer), group, _TAGS[kind] + i)
             )
-    for tensor, peer, kind in recvs:
-        ops.append(dist.P2POp(dist.irecv, tensor, global_rank(group, peer), group, tag=_TAGS[kind]))
+        if log is not None:
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
+            log.messages.append(Message(kind, phase, step, peer, nbytes))
+    for tensors, peer, kind in recvs:
+        for i, tensor in enumerate(tensors):
+            ops.append(
+                dist.P2POp(dist.irecv, tensor, global_rank(group, peer), group, _TAGS[kind] + i)
+            )
     if not ops:
         return []
     return list(dist.batch_isend_irecv(ops))
 
 
-_TAGS = {"kv": 11, "dkv": 12}
+_TAGS = {"kv": 10, "dkv": 20}  # + the tensor's index in its message
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a local group of spawned processes)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

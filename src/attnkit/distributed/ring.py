@@ -101,14 +101,7 @@ class RingPlan:
         )
 
 
-def _pack(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """K and V as one flat buffer: one message per block."""
-    return torch.cat([k.reshape(-1), v.reshape(-1)])
-
-
-def _unpack(buf: torch.Tensor, k_shape, v_shape) -> tuple[torch.Tensor, torch.Tensor]:
-    nk = k_shape.numel()
-    return buf[:nk].view(k_shape), buf[nk:].view(v_shape)
+Block = tuple[torch.Tensor, torch.Tensor]  # (k, v) of one rank's positions
 
 
 def _block_shapes(k: torch.Tensor, v: torch.Tensor, length: int):
@@ -116,130 +109,172 @@ def _block_shapes(k: torch.Tensor, v: torch.Tensor, length: int):
     return torch.Size((b, hk, length, k.shape[-1])), torch.Size((b, hk, length, v.shape[-1]))
 
 
-def _ring_steps(plan: RingPlan, k, v, group: Group, phase: str):
-    """Yield ``(step, origin, k_block, v_block)`` for every step, moving the blocks round
-    the ring; the blocks are None where this rank does not compute (its queries see
-    none of ``origin``'s keys). The next transfer is in flight during each yield."""
-    r, w = plan.rank, plan.world
-    block: torch.Tensor | None = _pack(k, v)
-    for s in range(w):
+class _Ring:
+    """Moves K/V blocks round the ring, one step at a time.
+
+    ``begin(s)`` posts the transfer of step ``s + 1`` (this block onward, the next one
+    in) and returns the block to compute on now (None where this rank's queries see
+    none of it); ``end()`` waits for the transfer. Between the two the caller computes,
+    so the transfer overlaps the compute; it drops its block before ``end()`` so that
+    only two blocks (this one and the next) are ever held.
+    """
+
+    def __init__(self, plan: RingPlan, k, v, group: Group, phase: str) -> None:
+        self.plan, self.group, self.phase = plan, group, phase
+        self.k, self.v = k, v
+        # the wire takes dense tensors (a no-op for zigzag shards, which are concatenated)
+        self.block: Block | None = (k.contiguous(), v.contiguous())
+        self.next: Block | None = None
+        self.works: list = []
+
+    def begin(self, s: int) -> tuple[int, Block | None]:
+        plan, r, w = self.plan, self.plan.rank, self.plan.world
         origin = (r - s) % w
-        nxt, works = None, []
         if s + 1 < w:
             # travels(origin, s) implies the block arrived: a rank further on needs it.
-            sends = [(block, (r + 1) % w, "kv")] if plan.travels(origin, s) else []
+            sends = [(self.block, (r + 1) % w, "kv")] if plan.travels(origin, s) else []
             src = (r - s - 1) % w
             recvs = []
             if plan.travels(src, s):
-                ks, vs = _block_shapes(k, v, plan.layout.local_len(src))
-                nxt = k.new_empty(ks.numel() + vs.numel())
-                recvs.append((nxt, (r - 1) % w, "kv"))
-            works = exchange(sends, recvs, group=group, phase=phase, step=s)  # type: ignore[arg-type]
-        if block is not None and plan.needed[r][origin]:
-            ks, vs = _block_shapes(k, v, plan.layout.local_len(origin))
-            kb, vb = _unpack(block, ks, vs)
-            yield s, origin, kb, vb
-        else:
-            yield s, origin, None, None
-        for work in works:
+                ks, vs = _block_shapes(self.k, self.v, plan.layout.local_len(src))
+                self.next = (self.k.new_empty(ks), self.v.new_empty(vs))
+                recvs.append((self.next, (r - 1) % w, "kv"))
+            self.works = exchange(
+                sends,  # type: ignore[arg-type]
+                recvs,
+                group=self.group,
+                phase=self.phase,
+                step=s,
+            )
+        block = self.block if plan.needed[r][origin] else None
+        return origin, block
+
+    def drop(self) -> None:
+        """This step's block is no longer needed here (it may still be on its way out)."""
+        self.block = None
+
+    def end(self) -> None:
+        for work in self.works:
             work.wait()
-        block = nxt
+        self.block, self.next, self.works = self.next, None, []
 
 
-def _chunks(x: torch.Tensor, chunks: list[Chunk]) -> list[torch.Tensor]:
+def _views(x: torch.Tensor, chunks: list[Chunk]) -> list[torch.Tensor]:
     return list(torch.split(x, [c.length for c in chunks], dim=2))
 
 
 def ring_forward(plan: RingPlan, q, k, v, sinks, group: Group):
     """``(out (b, h, t, d_v), lse (b, h, t))`` of this rank's queries over the whole ring."""
-    r = plan.rank
-    q_parts = _chunks(q, plan.layout.chunks(r))
+    r, w = plan.rank, plan.world
+    q_parts = _views(q, plan.layout.chunks(r))
     outs: list[torch.Tensor | None] = [None] * len(q_parts)
     lses: list[torch.Tensor | None] = [None] * len(q_parts)
-    for _, origin, kb, vb in _ring_steps(plan, k, v, group, "forward"):
-        if kb is None:
-            continue
-        k_parts = _chunks(kb, plan.layout.chunks(origin))
-        v_parts = _chunks(vb, plan.layout.chunks(origin))
-        for qi, qc, ki, kc in plan.pairs(r, origin):
-            o, lse = _kernel.segment_forward(
-                q_parts[qi], k_parts[ki], v_parts[ki], plan.segment(qc, kc), scale=plan.scale
-            )
-            if outs[qi] is None:  # half precision merges in float32, as the lse
-                outs[qi], lses[qi] = o.to(lse.dtype), lse
-            else:
-                outs[qi], lses[qi] = _kernel.merge_partials(outs[qi], lses[qi], o, lse)
+    ring = _Ring(plan, k, v, group, "forward")
+    for s in range(w):
+        origin, block = ring.begin(s)
+        if block is not None:
+            k_parts = _views(block[0], plan.layout.chunks(origin))
+            v_parts = _views(block[1], plan.layout.chunks(origin))
+            for qi, qc, ki, kc in plan.pairs(r, origin):
+                o, lse = _kernel.segment_forward(
+                    q_parts[qi], k_parts[ki], v_parts[ki], plan.segment(qc, kc), scale=plan.scale
+                )
+                acc_o, acc_l = outs[qi], lses[qi]
+                if acc_o is None or acc_l is None:  # half precision merges in float32
+                    outs[qi], lses[qi] = o.to(lse.dtype), lse
+                else:
+                    outs[qi], lses[qi] = _kernel.merge_partials(acc_o, acc_l, o, lse)
+            del block, k_parts, v_parts
+        ring.drop()
+        ring.end()
     b, h, t = q.shape[0], q.shape[1], q.shape[2]
-    out_parts, lse_parts = [], []
-    for qi, qp in enumerate(q_parts):
-        o, lse = outs[qi], lses[qi]
-        if o is None:  # a chunk no key reaches (only a mask could do this; kept general)
-            o = q.new_zeros(b, h, qp.shape[2], v.shape[-1])
-            lse = q.new_full((b, h, qp.shape[2]), float("-inf"))
-        out_parts.append(o)
-        lse_parts.append(lse)
-    out, lse = torch.cat(out_parts, 2), torch.cat(lse_parts, 2)  # (b, h, t, d_v), (b, h, t)
-    if sinks is not None:  # a sink is a partial with output 0 and log-sum-exp = its logit
-        sink_lse = sinks.to(lse.dtype).view(1, h, 1).expand(b, h, t)
-        out, lse = _kernel.merge_partials(out, lse, torch.zeros_like(out), sink_lse)
-    return out.to(q.dtype), lse
+    lse_dtype = next((x.dtype for x in lses if x is not None), q.dtype)
+    out = q.new_empty(b, h, t, v.shape[-1])  # (b, h, t, d_v)
+    lse_all = q.new_full((b, h, t), float("-inf"), dtype=lse_dtype)  # (b, h, t)
+    chunks = plan.layout.chunks(r)
+    for qi, (o_view, l_view) in enumerate(
+        zip(_views(out, chunks), _views(lse_all.unsqueeze(-1), chunks), strict=True)
+    ):
+        o_acc, l_acc = outs[qi], lses[qi]
+        outs[qi] = lses[qi] = None
+        if o_acc is None or l_acc is None:  # a chunk no key reaches (a mask could do this)
+            o, lse = q.new_zeros(o_view.shape, dtype=lse_dtype), l_view[..., 0]
+        else:
+            o, lse = o_acc, l_acc
+        if sinks is not None:  # a sink is a partial with output 0 and lse = its logit
+            sink_lse = sinks.to(lse.dtype).view(1, h, 1).expand_as(lse)
+            o, lse = _kernel.merge_partials(o, lse, torch.zeros((), dtype=o.dtype), sink_lse)
+        o_view.copy_(o)
+        l_view.copy_(lse.unsqueeze(-1))
+    return out, lse_all
 
 
 def ring_backward(plan: RingPlan, q, k, v, out, lse, grad_out, grad_lse, group: Group):
     """``(dq, dk, dv)`` of this rank's shards; ``out``/``lse`` are the merged totals and
-    ``grad_lse`` the gradient of the merged log-sum-exp (or None)."""
+    ``grad_lse`` the gradient of the merged log-sum-exp (or None).
+
+    Memory: besides the shards, the block being computed on, the next one, and the
+    dK/dV share of a block (sent straight back to its owner) or of this rank's own
+    block (received from the rank that holds it).
+    """
     r, w = plan.rank, plan.world
-    q_parts = _chunks(q, plan.layout.chunks(r))
-    o_parts, g_parts = _chunks(out, plan.layout.chunks(r)), _chunks(grad_out, plan.layout.chunks(r))
-    lens = [c.length for c in plan.layout.chunks(r)]
-    l_parts = list(torch.split(lse, lens, dim=2))
-    gl_parts = [None] * len(lens) if grad_lse is None else list(torch.split(grad_lse, lens, dim=2))
-    dq_parts = [torch.zeros_like(p) for p in q_parts]
+    chunks = plan.layout.chunks(r)
+    rows = (
+        _views(q, chunks),
+        _views(out, chunks),
+        list(torch.split(lse, [c.length for c in chunks], dim=2)),
+        _views(grad_out, chunks),
+        [None] * len(chunks)
+        if grad_lse is None
+        else list(torch.split(grad_lse, [c.length for c in chunks], dim=2)),
+    )
+    dq = torch.zeros_like(q)
+    dq_parts = _views(dq, chunks)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    pending: list[tuple[list, torch.Tensor | None]] = []  # (works, buffer to add on arrival)
-
-    def settle(upto: int) -> None:
-        while len(pending) > upto:
-            works, buf = pending.pop(0)
-            for work in works:
-                work.wait()
-            if buf is not None:
-                g_k, g_v = _unpack(buf, k.shape, v.shape)
-                dk.add_(g_k)
-                dv.add_(g_v)
-
-    for s, origin, kb, vb in _ring_steps(plan, k, v, group, "backward"):
+    ring = _Ring(plan, k, v, group, "backward")
+    for s in range(w):
+        origin, block = ring.begin(s)
         sends = []
-        if kb is not None and vb is not None:
-            dk_block, dv_block = _block_grads(
-                plan, origin, (q_parts, o_parts, l_parts, g_parts, gl_parts), kb, vb, dq_parts
+        if block is not None:
+            # this rank's own block accumulates in place; another's in a share to send
+            share = (
+                (dk, dv)
+                if origin == r
+                else (block[0].new_zeros(block[0].shape), block[1].new_zeros(block[1].shape))
             )
-            if origin == r:
-                dk.add_(dk_block)
-                dv.add_(dv_block)
-            else:  # this rank's share of origin's dK/dV goes straight back to it
-                sends.append((_pack(dk_block, dv_block), origin, "dkv"))
-        # ... and the share of this rank's block from the rank holding it at this step.
+            _block_grads(plan, origin, rows, block, share, dq_parts)
+            if origin != r:
+                sends.append((share, origin, "dkv"))
+            del block, share
+        ring.drop()
+        # ... and this rank's own block's share from the rank holding it at this step.
         holder = (r + s) % w
         recvs, buf = [], None
         if holder != r and plan.needed[holder][r]:
-            buf = k.new_empty(k.numel() + v.numel())
+            buf = (k.new_empty(k.shape), v.new_empty(v.shape))  # dense, for the wire
             recvs.append((buf, holder, "dkv"))
-        pending.append((exchange(sends, recvs, group=group, phase="backward", step=s), buf))
-        settle(1)  # the previous step's dK/dV have had this step's compute to arrive
-    settle(0)
-    return torch.cat(dq_parts, 2), dk, dv
+        works = exchange(sends, recvs, group=group, phase="backward", step=s)  # type: ignore[arg-type]
+        del sends
+        ring.end()
+        for work in works:
+            work.wait()
+        if buf is not None:
+            dk.add_(buf[0])
+            dv.add_(buf[1])
+            del buf
+    return dq, dk, dv
 
 
-def _block_grads(plan: RingPlan, origin: int, rows, kb, vb, dq_parts):
-    """dK/dV of ``origin``'s block from this rank's queries (dQ added into ``dq_parts``).
+def _block_grads(plan: RingPlan, origin: int, rows, block: Block, share: Block, dq_parts):
+    """Add the gradients of this rank's queries against ``origin``'s block: dQ into
+    ``dq_parts``, dK/dV into ``share``.
 
     ``rows``: this rank's chunks of q, the merged out and lse, and their gradients."""
     q_parts, o_parts, l_parts, g_parts, gl_parts = rows
-    k_parts = _chunks(kb, plan.layout.chunks(origin))
-    v_parts = _chunks(vb, plan.layout.chunks(origin))
-    dk_parts = [torch.zeros_like(p) for p in k_parts]
-    dv_parts = [torch.zeros_like(p) for p in v_parts]
+    k_parts = _views(block[0], plan.layout.chunks(origin))
+    v_parts = _views(block[1], plan.layout.chunks(origin))
+    dk_parts = _views(share[0], plan.layout.chunks(origin))
+    dv_parts = _views(share[1], plan.layout.chunks(origin))
     for qi, qc, ki, kc in plan.pairs(plan.rank, origin):
         g_q, g_k, g_v = _kernel.segment_backward(
             q_parts[qi],
@@ -252,10 +287,9 @@ def _block_grads(plan: RingPlan, origin: int, rows, kb, vb, dq_parts):
             scale=plan.scale,
             grad_lse=gl_parts[qi],
         )
-        dq_parts[qi] += g_q
-        dk_parts[ki] += g_k
-        dv_parts[ki] += g_v
-    return torch.cat(dk_parts, 2), torch.cat(dv_parts, 2)
+        dq_parts[qi].add_(g_q)
+        dk_parts[ki].add_(g_k)
+        dv_parts[ki].add_(g_v)
 
 
 class _RingAttention(torch.autograd.Function):
