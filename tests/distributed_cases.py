@@ -305,7 +305,27 @@ def low_precision_case(strategy: str, dtype: torch.dtype):
     return run
 
 
+def small_tiles_case(kind: str):
+    """The ring with tiles of 2 positions: every chunk pair is cut into many calls."""
+    inner = attention_case("ring", "zigzag", kind, 31)
+
+    def run(rank: int, world: int) -> dict[str, Any]:
+        from attnkit.distributed import ring
+
+        saved, ring.TILE = ring.TILE, 2
+        try:
+            return inner(rank, world)
+        finally:
+            ring.TILE = saved
+
+    return run
+
+
 def lengths_for(world: int) -> dict[str, int]:
+    """Lengths per world size: W = 3 runs the uneven one only (start-up dominates the
+    suite's time, but three ranks on two cores make every case slower)."""
+    if world == 3:
+        return {"uneven": 4 * world + 3}
     return {"even": 6 * world, "uneven": 4 * world + 3}
 
 
@@ -321,10 +341,13 @@ def attention_suite(world: int) -> dict[str, Any]:
             cases[f"lse_grad-{strategy}-{layout}"] = lse_grad_case(strategy, layout)
         cases[f"sinks-{strategy}"] = sinks_case(strategy)
         for dtype in (torch.float32, torch.bfloat16):
-            cases[f"dtype-{strategy}-{dtype}"] = low_precision_case(strategy, dtype)
+            if world == 2:
+                cases[f"dtype-{strategy}-{dtype}"] = low_precision_case(strategy, dtype)
     for layout in ("zigzag", "contiguous"):
         for kind in ("full", "causal", "window"):
             cases[f"traffic-{layout}-{kind}"] = traffic_case(layout, kind)
+    for kind in ("causal_gqa", "window", "documents"):
+        cases[f"tiles-{kind}"] = small_tiles_case(kind)
     cases["refusals"] = refusal_case
     cases["unshard_grad"] = unshard_grad_case
     if world == 2:  # the GPT steps ride on the same spawn: start-up dominates

@@ -97,6 +97,7 @@ class _HeadShifted:
         self.mod, self.offset = mod, offset
         self.tensors = getattr(mod, "tensors", ())
         self.additive = getattr(mod, "additive", False)
+        self.grid = getattr(mod, "grid", False)  # attnkit's own mods take index grids
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         *lead, b, h, q, kv = args

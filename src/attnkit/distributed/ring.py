@@ -4,8 +4,9 @@ Rank ``r`` keeps its query shard. At step ``s`` it holds the K/V block of rank
 ``o = r - s`` (mod W); before computing on it, it posts the block onward to ``r + 1``
 and the receive of the next one from ``r - 1`` (``batch_isend_irecv``), so the
 transfer overlaps the compute. Each (query chunk, key chunk) pair whose positions a
-causal mask or window leaves non-empty is one call of the kernel layer's
-``segment_forward``; the partials merge through ``merge_partials`` (the blockwise
+causal mask or window leaves non-empty is cut into tiles of at most :data:`TILE`
+positions (so a call's temporaries stay small), one call of the kernel layer's
+``segment_forward`` per tile pair; the partials merge through ``merge_partials`` (the blockwise
 kernel's one merge)::
 
     step 0      step 1      step 2          W = 3, one K/V block per rank and step
@@ -32,6 +33,10 @@ from attnkit.distributed.layout import Chunk, Layout
 from attnkit.masks import MaskMod, ScoreMod
 
 __all__ = ["RingPlan", "ring_attention"]
+
+
+#: Positions per tile of a kernel call (query rows and keys alike).
+TILE = 2048
 
 
 def pair_empty(qc: Chunk, kc: Chunk, causal: bool, window: int | None) -> bool:
@@ -68,14 +73,26 @@ class RingPlan:
     def world(self) -> int:
         return self.layout.world_size
 
+    def tiles(self, rank: int) -> list[tuple[int, Chunk]]:
+        """``rank``'s shard cut into tiles of at most :data:`TILE` positions:
+        ``(offset in the shard, global positions)``. Each kernel call covers one tile
+        pair, so its temporaries stay tile-sized whatever the shard's length."""
+        out, offset = [], 0
+        for c in self.layout.chunks(rank):
+            for start in range(c.start, c.stop, TILE):
+                piece = Chunk(start, min(TILE, c.stop - start))
+                out.append((offset, piece))
+                offset += piece.length
+        return out
+
     def pairs(self, dest: int, origin: int) -> list[tuple[int, Chunk, int, Chunk]]:
-        """Non-empty ``(q_index, q_chunk, k_index, k_chunk)`` pairs of ``dest``'s queries
-        against ``origin``'s keys; indices count chunks in the shards' order."""
+        """Non-empty ``(q_offset, q_tile, k_offset, k_tile)`` pairs of ``dest``'s query
+        tiles against ``origin``'s key tiles (offsets in the shards)."""
         out = []
-        for qi, qc in enumerate(self.layout.chunks(dest)):
-            for ki, kc in enumerate(self.layout.chunks(origin)):
+        for qo, qc in self.tiles(dest):
+            for ko, kc in self.tiles(origin):
                 if not pair_empty(qc, kc, self.causal, self.window):
-                    out.append((qi, qc, ki, kc))
+                    out.append((qo, qc, ko, kc))
         return out
 
     @cached_property
@@ -159,53 +176,46 @@ class _Ring:
         self.block, self.next, self.works = self.next, None, []
 
 
-def _views(x: torch.Tensor, chunks: list[Chunk]) -> list[torch.Tensor]:
-    return list(torch.split(x, [c.length for c in chunks], dim=2))
-
-
 def ring_forward(plan: RingPlan, q, k, v, sinks, group: Group):
     """``(out (b, h, t, d_v), lse (b, h, t))`` of this rank's queries over the whole ring."""
     r, w = plan.rank, plan.world
-    q_parts = _views(q, plan.layout.chunks(r))
-    outs: list[torch.Tensor | None] = [None] * len(q_parts)
-    lses: list[torch.Tensor | None] = [None] * len(q_parts)
+    acc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # query tile offset -> (out, lse)
     ring = _Ring(plan, k, v, group, "forward")
     for s in range(w):
         origin, block = ring.begin(s)
         if block is not None:
-            k_parts = _views(block[0], plan.layout.chunks(origin))
-            v_parts = _views(block[1], plan.layout.chunks(origin))
-            for qi, qc, ki, kc in plan.pairs(r, origin):
+            for qo, qc, ko, kc in plan.pairs(r, origin):
                 o, lse = _kernel.segment_forward(
-                    q_parts[qi], k_parts[ki], v_parts[ki], plan.segment(qc, kc), scale=plan.scale
+                    q.narrow(2, qo, qc.length),
+                    block[0].narrow(2, ko, kc.length),
+                    block[1].narrow(2, ko, kc.length),
+                    plan.segment(qc, kc),
+                    scale=plan.scale,
                 )
-                acc_o, acc_l = outs[qi], lses[qi]
-                if acc_o is None or acc_l is None:  # half precision merges in float32
-                    outs[qi], lses[qi] = o.to(lse.dtype), lse
+                if qo not in acc:  # half precision merges in float32, as the lse
+                    acc[qo] = (o.to(lse.dtype), lse)
                 else:
-                    outs[qi], lses[qi] = _kernel.merge_partials(acc_o, acc_l, o, lse)
-            del block, k_parts, v_parts
+                    acc[qo] = _kernel.merge_partials(*acc[qo], o, lse)
+            del block
         ring.drop()
         ring.end()
     b, h, t = q.shape[0], q.shape[1], q.shape[2]
-    lse_dtype = next((x.dtype for x in lses if x is not None), q.dtype)
-    out = q.new_empty(b, h, t, v.shape[-1])  # (b, h, t, d_v)
+    lse_dtype = next((x[1].dtype for x in acc.values()), q.dtype)
+    out = q.new_zeros(b, h, t, v.shape[-1])  # (b, h, t, d_v); rows no key reaches stay 0
     lse_all = q.new_full((b, h, t), float("-inf"), dtype=lse_dtype)  # (b, h, t)
-    chunks = plan.layout.chunks(r)
-    for qi, (o_view, l_view) in enumerate(
-        zip(_views(out, chunks), _views(lse_all.unsqueeze(-1), chunks), strict=True)
-    ):
-        o_acc, l_acc = outs[qi], lses[qi]
-        outs[qi] = lses[qi] = None
-        if o_acc is None or l_acc is None:  # a chunk no key reaches (a mask could do this)
-            o, lse = q.new_zeros(o_view.shape, dtype=lse_dtype), l_view[..., 0]
+    for qo, qc in plan.tiles(r):
+        if qo in acc:
+            o, lse = acc.pop(qo)
+        elif sinks is not None:
+            o = q.new_zeros(b, h, qc.length, v.shape[-1], dtype=lse_dtype)
+            lse = lse_all.narrow(2, qo, qc.length)
         else:
-            o, lse = o_acc, l_acc
+            continue
         if sinks is not None:  # a sink is a partial with output 0 and lse = its logit
             sink_lse = sinks.to(lse.dtype).view(1, h, 1).expand_as(lse)
             o, lse = _kernel.merge_partials(o, lse, torch.zeros((), dtype=o.dtype), sink_lse)
-        o_view.copy_(o)
-        l_view.copy_(lse.unsqueeze(-1))
+        out.narrow(2, qo, qc.length).copy_(o)
+        lse_all.narrow(2, qo, qc.length).copy_(lse)
     return out, lse_all
 
 
@@ -218,18 +228,8 @@ def ring_backward(plan: RingPlan, q, k, v, out, lse, grad_out, grad_lse, group: 
     block (received from the rank that holds it).
     """
     r, w = plan.rank, plan.world
-    chunks = plan.layout.chunks(r)
-    rows = (
-        _views(q, chunks),
-        _views(out, chunks),
-        list(torch.split(lse, [c.length for c in chunks], dim=2)),
-        _views(grad_out, chunks),
-        [None] * len(chunks)
-        if grad_lse is None
-        else list(torch.split(grad_lse, [c.length for c in chunks], dim=2)),
-    )
+    rows = (q, out, lse, grad_out, grad_lse)
     dq = torch.zeros_like(q)
-    dq_parts = _views(dq, chunks)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     ring = _Ring(plan, k, v, group, "backward")
     for s in range(w):
@@ -242,7 +242,7 @@ def ring_backward(plan: RingPlan, q, k, v, out, lse, grad_out, grad_lse, group: 
                 if origin == r
                 else (block[0].new_zeros(block[0].shape), block[1].new_zeros(block[1].shape))
             )
-            _block_grads(plan, origin, rows, block, share, dq_parts)
+            _block_grads(plan, origin, rows, block, share, dq)
             if origin != r:
                 sends.append((share, origin, "dkv"))
             del block, share
@@ -265,31 +265,28 @@ def ring_backward(plan: RingPlan, q, k, v, out, lse, grad_out, grad_lse, group: 
     return dq, dk, dv
 
 
-def _block_grads(plan: RingPlan, origin: int, rows, block: Block, share: Block, dq_parts):
+def _block_grads(plan: RingPlan, origin: int, rows, block: Block, share: Block, dq) -> None:
     """Add the gradients of this rank's queries against ``origin``'s block: dQ into
-    ``dq_parts``, dK/dV into ``share``.
+    ``dq``, dK/dV into ``share``.
 
-    ``rows``: this rank's chunks of q, the merged out and lse, and their gradients."""
-    q_parts, o_parts, l_parts, g_parts, gl_parts = rows
-    k_parts = _views(block[0], plan.layout.chunks(origin))
-    v_parts = _views(block[1], plan.layout.chunks(origin))
-    dk_parts = _views(share[0], plan.layout.chunks(origin))
-    dv_parts = _views(share[1], plan.layout.chunks(origin))
-    for qi, qc, ki, kc in plan.pairs(plan.rank, origin):
+    ``rows``: this rank's q, the merged out and lse, and their gradients (or None)."""
+    q, out, lse, grad_out, grad_lse = rows
+    for qo, qc, ko, kc in plan.pairs(plan.rank, origin):
+        n, m = qc.length, kc.length
         g_q, g_k, g_v = _kernel.segment_backward(
-            q_parts[qi],
-            k_parts[ki],
-            v_parts[ki],
-            o_parts[qi],
-            l_parts[qi],
-            g_parts[qi],
+            q.narrow(2, qo, n),
+            block[0].narrow(2, ko, m),
+            block[1].narrow(2, ko, m),
+            out.narrow(2, qo, n),
+            lse.narrow(2, qo, n),
+            grad_out.narrow(2, qo, n),
             plan.segment(qc, kc),
             scale=plan.scale,
-            grad_lse=gl_parts[qi],
+            grad_lse=None if grad_lse is None else grad_lse.narrow(2, qo, n),
         )
-        dq_parts[qi].add_(g_q)
-        dk_parts[ki].add_(g_k)
-        dv_parts[ki].add_(g_v)
+        dq.narrow(2, qo, n).add_(g_q)
+        share[0].narrow(2, ko, m).add_(g_k)
+        share[1].narrow(2, ko, m).add_(g_v)
 
 
 class _RingAttention(torch.autograd.Function):
