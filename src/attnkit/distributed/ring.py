@@ -36,7 +36,7 @@ __all__ = ["RingPlan", "ring_attention"]
 
 
 #: Positions per tile of a kernel call (query rows and keys alike).
-TILE = 2048
+TILE = 1024
 
 
 def pair_empty(qc: Chunk, kc: Chunk, causal: bool, window: int | None) -> bool:
