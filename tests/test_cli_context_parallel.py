@@ -55,11 +55,11 @@ def test_needs_torchrun(tmp_path, capsys, monkeypatch):
     assert err.count("\n") == 1 and "launch with torchrun" in err, err
 
 
-def test_all_to_all_heads_refusal(tmp_path, capsys, torchrun_env):
+def test_all_to_all_strategy_flag(tmp_path, capsys, torchrun_env):
     argv = [*ARGS, "--steps", "2", "--out", str(tmp_path / "x"), "--context-parallel"]
-    argv += ["--cp-strategy", "all_to_all", "--n-heads", "4"]
-    assert main(argv) == 0  # 4 heads over one rank: fine
-    capsys.readouterr()
+    argv += ["--cp-strategy", "all_to_all", "--cp-layout", "contiguous", "--n-heads", "4"]
+    assert main(argv) == 0
+    assert "strategy all_to_all, layout contiguous" in capsys.readouterr().out
 
 
 @pytest.mark.slow
