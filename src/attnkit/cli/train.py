@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from attnkit.cli import CliError
+from attnkit.cli._context_parallel import add_arguments as add_context_parallel_arguments
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -31,6 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--n-kv-heads", type=int, default=None)
     m.add_argument("--window", type=int, default=None)
     m.add_argument("--rope", action="store_true")
+    add_context_parallel_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -77,6 +79,11 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(
                 f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
             )
+    fit = train
+    if args.context_parallel:  # under torchrun: each rank holds a shard of every sequence
+        from attnkit.cli._context_parallel import context_parallel_trainer
+
+        fit = context_parallel_trainer(args)
     out = Path(args.out)
     torch.manual_seed(args.seed)
     model, opt_state, start, losses, meta = None, None, 0, [], {}
@@ -127,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         if step % args.save_every == 0 or step == args.steps:
             save(step)
 
-    train(
+    fit(
         model,
         lambda: data.batch(args.batch_size, g),
         args.steps,
