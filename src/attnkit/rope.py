@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["RotaryEmbedding", "apply_rope", "rope_tables"]
+__all__ = ["RotaryEmbedding", "apply_rope", "rope_tables", "rope_values"]
 
 
 def rope_tables(
@@ -42,8 +42,21 @@ def rope_tables(
     return angles.cos().float(), angles.sin().float()
 
 
+def rope_values(
+    positions: torch.Tensor, head_dim: int, theta: float = 10000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``(*positions.shape, head_dim)`` float32, for any integer
+    positions (negative or past a table's end), computed in float64 like the tables."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
+    inv_freq = theta ** -(exponent / head_dim)  # (head_dim / 2,)
+    angles = positions.to(torch.float64)[..., None] * inv_freq  # (..., head_dim / 2)
+    angles = torch.cat((angles, angles), dim=-1)  # (..., head_dim)
+    return angles.cos().float(), angles.sin().float()
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (``(..., t, head_dim)``) by per-position tables ``cos``/``sin`` (``(t, head_dim)``)."""
+    """Rotate ``x`` ``(..., t, head_dim)`` by ``cos``/``sin`` broadcastable to it
+    (``(t, head_dim)``, or ``(b, 1, t, head_dim)`` for per-row positions)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     rotated = torch.cat((-x2, x1), dim=-1)  # (..., t, head_dim)
