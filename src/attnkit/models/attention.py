@@ -25,6 +25,7 @@ from attnkit import trace
 from attnkit._validate import check_int, check_optional_int, check_probability
 from attnkit.attention import attention
 from attnkit.kv_cache import KVCache
+from attnkit.modules._common import check_backend
 from attnkit.rope import apply_rope
 
 __all__ = ["AttentionInputs", "CausalSelfAttention"]
@@ -109,7 +110,7 @@ class CausalSelfAttention(nn.Module):
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = d_out // num_heads
         self.window = check_optional_int(window, "window")
-        self.backend = backend
+        self.backend = check_backend(backend)
         kv_out = num_kv_heads * self.head_dim
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, kv_out, bias=qkv_bias)

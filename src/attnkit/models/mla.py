@@ -35,6 +35,7 @@ from attnkit import trace
 from attnkit._validate import check_int, check_optional_int, check_probability
 from attnkit.attention import attention
 from attnkit.kv_cache import KVCache
+from attnkit.modules._common import check_backend
 from attnkit.models.attention import AttentionInputs, rotate
 
 __all__ = ["MultiHeadLatentAttention"]
@@ -84,7 +85,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.d_in, self.d_out, self.num_heads = d_in, d_out, num_heads
         self.head_dim = d_out // num_heads
         self.window = check_optional_int(window, "window")
-        self.backend = backend
+        self.backend = check_backend(backend)
         h, d = num_heads, self.head_dim
         self.W_query = nn.Linear(d_in, h * (d + rope_dim), bias=qkv_bias)
         self.W_dkv = nn.Linear(d_in, kv_rank + rope_dim, bias=qkv_bias)
