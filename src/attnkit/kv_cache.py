@@ -132,8 +132,9 @@ class KVCache(nn.Module):
         (-1 marks an empty slot)."""
         t = input_pos.shape[0]
         if self.window is None:
-            if self.static:
-                return torch.arange(self.size, device=input_pos.device)
+            if self.static:  # the whole buffer; slots not written yet are empty (-1)
+                slots = torch.arange(self.size, device=input_pos.device)
+                return torch.where(slots <= input_pos[-1], slots, -1)
             return torch.arange(int(input_pos[-1]) + 1, device=input_pos.device)
         if t == 1:
             return self._slot_times(input_pos[-1] + 1)

@@ -43,15 +43,18 @@ def rope_tables(
 
 
 def rope_values(
-    positions: torch.Tensor, head_dim: int, theta: float = 10000.0
+    positions: torch.Tensor,
+    head_dim: int,
+    theta: float = 10000.0,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)``, each ``(*positions.shape, head_dim)`` float32, for any integer
+    """``(cos, sin)``, each ``(*positions.shape, head_dim)`` in ``dtype``, for any integer
     positions (negative or past a table's end), computed in float64 like the tables."""
     exponent = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
     inv_freq = theta ** -(exponent / head_dim)  # (head_dim / 2,)
     angles = positions.to(torch.float64)[..., None] * inv_freq  # (..., head_dim / 2)
     angles = torch.cat((angles, angles), dim=-1)  # (..., head_dim)
-    return angles.cos().float(), angles.sin().float()
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
