@@ -3,6 +3,7 @@ layer patterns, StreamingLLM, argument errors, presets, HF GPT-2 weight mapping.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -66,7 +67,8 @@ def test_chunked_prefill_equals_one_shot(name, static):
         model.setup_cache(2, 23, static=static)
         bounds = [0, 9, 11, 12, 18, *range(19, 24)]
         chunks = [
-            model(tokens[:, a:b], input_pos=torch.arange(a, b)) for a, b in zip(bounds, bounds[1:])
+            model(tokens[:, a:b], input_pos=torch.arange(a, b))
+            for a, b in itertools.pairwise(bounds)
         ]
         model.delete_cache()
     torch.testing.assert_close(torch.cat(chunks, 1), full, atol=1e-5, rtol=1e-5)

@@ -62,9 +62,7 @@ def test_interop_errors():
     with pytest.raises(ValueError, match=r"kdim \(5\) and vdim \(5\) must equal embed_dim \(8\)"):
         from_torch_mha(nn.MultiheadAttention(8, 2, kdim=5, vdim=5), context_length=4)
     with pytest.raises(ValueError, match="add_bias_kv"):
-        from_torch_mha(
-            nn.MultiheadAttention(8, 2, add_bias_kv=True), context_length=4
-        )
+        from_torch_mha(nn.MultiheadAttention(8, 2, add_bias_kv=True), context_length=4)
     with pytest.raises(TypeError, match="nn.MultiheadAttention"):
         from_torch_mha(nn.Linear(2, 2), context_length=4)
     with pytest.raises(ValueError, match="d_in == d_out"):

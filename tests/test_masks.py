@@ -38,7 +38,10 @@ CASES = {
     "causal_tl": (M.causal("top_left"), lambda b, h, i, j: j <= i),
     "causal_br": (M.causal("bottom_right", 11, 13), lambda b, h, i, j: j <= i + 2),
     "window": (M.sliding_window(3, alignment="top_left"), lambda b, h, i, j: i - 3 < j <= i),
-    "window_br": (M.sliding_window(3, True, "bottom_right", 11, 13), lambda b, h, i, j: i - 1 < j <= i + 2),
+    "window_br": (
+        M.sliding_window(3, True, "bottom_right", 11, 13),
+        lambda b, h, i, j: i - 1 < j <= i + 2,
+    ),
     "window_sym": (
         M.sliding_window(3, causal=False, alignment="top_left"),
         lambda b, h, i, j: abs(i - j) < 3,

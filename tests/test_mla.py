@@ -39,7 +39,9 @@ def ref_mla(layer: MultiHeadLatentAttention, x: torch.Tensor, window: int | None
     k_rope = ref_rotate(k_r, pos)[:, None].expand(b, h, t, rd)
     q = torch.cat((q[..., :d], ref_rotate(q[..., d:], pos)), -1)
     k = torch.cat((k_nope, k_rope), -1)
-    keep = torch.tensor([[j <= i and (window is None or i - j < window) for j in range(t)] for i in range(t)])
+    keep = torch.tensor(
+        [[j <= i and (window is None or i - j < window) for j in range(t)] for i in range(t)]
+    )
     ctx, _ = ref_attention(q, k, v, mask=keep, scale=1 / math.sqrt(d + rd))
     out = ctx.transpose(1, 2).reshape(b, t, h * d)
     return out @ layer.out_proj.weight.double().T + layer.out_proj.bias.double()

@@ -51,6 +51,9 @@ class KVCache(nn.Module):
         device: buffer device.
     """
 
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor | None
+
     def __init__(
         self,
         batch_size: int,
@@ -82,7 +85,7 @@ class KVCache(nn.Module):
             self.max_seq_len is None or self.sink_tokens + window < self.max_seq_len
         )
         self.window = window if ring else None  # a window as long as the cache is no ring
-        self.size = self.sink_tokens + window if ring else int(self.max_seq_len or 0)
+        self.size = self.sink_tokens + window if ring and window else int(self.max_seq_len or 0)
         shape = (batch_size, num_kv_heads, self.size, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), False)
         v_shape = (*shape[:-1], value_dim)

@@ -122,9 +122,12 @@ def position_keep(
         window: keep only ``pos - window < kv_idx`` (and, without ``causal``,
             ``kv_idx < pos + window``); None for no window.
     """
-    if not causal and window is None:
+    if causal:
+        keep = kv_idx <= pos
+    elif window is None:
         raise ValueError("position_keep needs causal=True or a window")
-    keep = kv_idx <= pos if causal else kv_idx < pos + window
+    else:
+        keep = kv_idx < pos + window
     if window is not None:
         keep = keep & (kv_idx > pos - window)
     return keep

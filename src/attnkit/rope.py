@@ -78,6 +78,9 @@ class RotaryEmbedding(nn.Module):
         theta: the base of the frequencies (10000 in the RoPE paper, 500000 in Llama 3).
     """
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0) -> None:
         super().__init__()
         cos, sin = rope_tables(head_dim, max_seq_len, theta)
@@ -87,7 +90,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ``(b, h, t, head_dim)`` for the absolute ``positions`` ``(t,)``."""
-        return apply_rope(x, self.cos[positions], self.sin[positions])
+        return apply_rope(x, self.cos[positions], self.sin[positions])  # (t, head_dim) each
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, theta={self.theta}"

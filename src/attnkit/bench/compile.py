@@ -151,7 +151,7 @@ def run(
         sizes.update(emb_dim=16, n_layers=1, context_length=16)
         repeats, warmup = min(repeats, 3), min(warmup, 1)
     else:
-        sizes: dict[str, Any] = dict(batch=4, tokens=64, d_out=256, num_heads=8)  # GPT: "tiny"
+        sizes = dict(batch=4, tokens=64, d_out=256, num_heads=8)  # GPT: "tiny"
     sizes["compiler"] = compiler
     rows = []
     for workload in WORKLOADS:

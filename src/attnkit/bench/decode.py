@@ -66,7 +66,7 @@ def kv_memory_table(preset: str = "gpt2-small", context: int = 4096) -> dict[str
         with torch.device("meta"):
             model = GPT(cfg)
             model.setup_cache(1, context)
-        measured = sum(c.nbytes() for c in model.caches or ())  # type: ignore[misc]
+        measured = sum(c.nbytes() for c in model.caches or ())  # type: ignore[operator]
         if measured != kv_cache_bytes(cfg, context):  # pragma: no cover - a bug in one or the other
             raise RuntimeError(f"{name}: allocated {measured} B, formula says otherwise")
         table[name] = measured / 2**20
@@ -207,7 +207,8 @@ def run(
         if hf is not None:
             res[f"{name}_hf_tok_s"] = rows * new_tokens / t_hf
             res[f"{name}_vs_hf"] = t_hf / t_ours
-            res[f"{name}_hf_tokens_identical"] = bool(torch.equal(out_hf, out_ours))
+            same = out_hf is not None and torch.equal(out_hf, out_ours)
+            res[f"{name}_hf_tokens_identical"] = bool(same)
     t_unc, out_unc = _time(lambda: model.generate(prompt, uncached_tokens, use_cache=False))
     cached = model.generate(prompt, uncached_tokens)
     res["b1_uncached_tok_s"] = uncached_tokens / t_unc

@@ -17,6 +17,7 @@ Shapes: b batch, t new tokens, s keys, h query heads, h_kv key/value heads, d he
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -99,7 +100,9 @@ class CausalSelfAttention(nn.Module):
         check_int(d_in, "d_in")
         check_int(d_out, "d_out")
         check_int(num_heads, "num_heads")
-        num_kv_heads = num_heads if num_kv_heads is None else check_int(num_kv_heads, "num_kv_heads")
+        num_kv_heads = (
+            num_heads if num_kv_heads is None else check_int(num_kv_heads, "num_kv_heads")
+        )
         if d_out % num_heads:
             raise ValueError(f"d_out ({d_out}) must be divisible by num_heads ({num_heads})")
         if num_heads % num_kv_heads:
@@ -149,7 +152,7 @@ class CausalSelfAttention(nn.Module):
         trace.emit("queries", q)
         trace.emit("keys", k)
         trace.emit("values", v)
-        kwargs = {} if self.sinks is None else {"sinks": self.sinks}
+        kwargs: dict[str, Any] = {} if self.sinks is None else {"sinks": self.sinks}
         ctx = attention(
             q,
             k,
@@ -161,6 +164,7 @@ class CausalSelfAttention(nn.Module):
             backend=self.backend,
             **kwargs,
         )  # (b, h, t, d)
+        assert isinstance(ctx, torch.Tensor)  # no weights were asked for
         out = self.out_proj(ctx.transpose(1, 2).reshape(b, t, self.d_out))  # (b, t, d_out)
         trace.emit("output", out)
         return out

@@ -111,9 +111,7 @@ def generate(
             raise ValueError("streaming takes no padding: generate rows of equal length")
         attention_mask = None
         if t0 > cfg.context_length:
-            raise ValueError(
-                f"prompt ({t0} tokens) exceeds context_length ({cfg.context_length})"
-            )
+            raise ValueError(f"prompt ({t0} tokens) exceeds context_length ({cfg.context_length})")
     elif total > cfg.context_length:
         raise ValueError(
             f"prompt ({t0} tokens) + max_new_tokens ({max_new_tokens}) exceeds "

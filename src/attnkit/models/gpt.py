@@ -119,7 +119,9 @@ class GPT(nn.Module):
         self.pos_emb = None if cfg.rope else nn.Embedding(cfg.context_length, cfg.emb_dim)
         # The one RoPE table of the model (non-persistent: not in the state dict).
         self.rope = (
-            RotaryEmbedding(cfg.rope_dim(), cfg.context_length, cfg.rope_theta) if cfg.rope else None
+            RotaryEmbedding(cfg.rope_dim(), cfg.context_length, cfg.rope_theta)
+            if cfg.rope
+            else None
         )
         self.drop_emb = nn.Dropout(cfg.drop_rate)
         self.windows = cfg.windows()
@@ -196,7 +198,8 @@ class GPT(nn.Module):
         ref = self.tok_emb.weight
         caches = []
         for block, w in zip(self.trf_blocks, self.windows, strict=True):
-            heads, k_dim, v_dim = block.att.cache_shape()
+            att: CausalSelfAttention | MultiHeadLatentAttention = block.att  # type: ignore[assignment]
+            heads, k_dim, v_dim = att.cache_shape()
             if self.streaming is None:
                 geometry: dict = dict(max_seq_len=length, window=w)
             elif w is None or w >= self.streaming[1]:  # global: sinks + the window
@@ -304,4 +307,3 @@ class GPT(nn.Module):
             generator=generator,
             streaming=streaming,
         )
-

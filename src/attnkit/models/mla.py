@@ -27,6 +27,7 @@ compute the same function (tests compare them with a float64 expanded reference)
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,8 +36,8 @@ from attnkit import trace
 from attnkit._validate import check_int, check_optional_int, check_probability
 from attnkit.attention import attention
 from attnkit.kv_cache import KVCache
-from attnkit.modules._common import check_backend
 from attnkit.models.attention import AttentionInputs, rotate
+from attnkit.modules._common import check_backend
 
 __all__ = ["MultiHeadLatentAttention"]
 
@@ -139,7 +140,7 @@ class MultiHeadLatentAttention(nn.Module):
         trace.emit("latents", lat)
         w_ukv = self.W_ukv.weight.view(h, 2, d, r)  # (h, [k, v], d, r)
         kwargs = {} if self.sinks is None else {"sinks": self.sinks}
-        common = dict(
+        common: dict[str, Any] = dict(
             mask=inputs.mask,
             causal=inputs.causal if inputs.mask is None else False,
             window=inputs.window if inputs.mask is None else None,
@@ -152,6 +153,7 @@ class MultiHeadLatentAttention(nn.Module):
             q_lat = torch.einsum("bhtd,hdr->bhtr", q_nope, w_ukv[:, 0])  # (b, h, t, r)
             query = torch.cat((q_lat, q_rope), dim=-1)  # (b, h, t, r + rope)
             ctx_lat = attention(query, lat, lat[..., :r], **common)  # (b, h, t, r), MQA
+            assert isinstance(ctx_lat, torch.Tensor)  # no weights were asked for
             ctx = torch.einsum("bhtr,hdr->bhtd", ctx_lat, w_ukv[:, 1])  # (b, h, t, d)
         else:
             c, k_rope = lat.split((r, self.rope_dim), dim=-1)
@@ -160,7 +162,9 @@ class MultiHeadLatentAttention(nn.Module):
             k_nope, v = k_nope.transpose(1, 2), v.transpose(1, 2)  # (b, h, s, d)
             k = torch.cat((k_nope, k_rope.expand(-1, h, -1, -1)), dim=-1)  # (b, h, s, d + rope)
             query = torch.cat((q_nope, q_rope), dim=-1)
-            ctx = attention(query, k, v, **common)  # (b, h, t, d)
+            expanded = attention(query, k, v, **common)  # (b, h, t, d)
+            assert isinstance(expanded, torch.Tensor)
+            ctx = expanded
         out = self.out_proj(ctx.transpose(1, 2).reshape(b, t, self.d_out))  # (b, t, d_out)
         trace.emit("output", out)
         return out

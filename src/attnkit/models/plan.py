@@ -79,12 +79,15 @@ def _check_input_pos(input_pos: torch.Tensor, t: int) -> None:
     if not isinstance(input_pos, torch.Tensor) or input_pos.is_floating_point():
         raise TypeError("input_pos must be an integer tensor of time indices")
     if input_pos.shape != (t,):
-        raise ValueError(f"input_pos must have shape ({t},) like idx's tokens, got {tuple(input_pos.shape)}")
-    if not torch.compiler.is_compiling():
-        if int(input_pos[0]) < 0 or (t > 1 and not bool((input_pos.diff() == 1).all())):
-            raise ValueError(
-                f"input_pos must be consecutive non-negative time indices, got {input_pos.tolist()}"
-            )
+        raise ValueError(
+            f"input_pos must have shape ({t},) like idx's tokens, got {tuple(input_pos.shape)}"
+        )
+    if not torch.compiler.is_compiling() and (
+        int(input_pos[0]) < 0 or (t > 1 and not bool((input_pos.diff() == 1).all()))
+    ):
+        raise ValueError(
+            f"input_pos must be consecutive non-negative time indices, got {input_pos.tolist()}"
+        )
 
 
 def _check_mask(mask: torch.Tensor, b: int, end: int | None) -> torch.Tensor:
@@ -107,11 +110,15 @@ def _check_mask(mask: torch.Tensor, b: int, end: int | None) -> torch.Tensor:
     count = real.sum(1, keepdim=True)
     times = torch.arange(end, device=mask.device)
     if not bool((real == ((times >= first) & (times < first + count))).all()):
-        raise ValueError("attention_mask: each row's tokens must be contiguous (left or right padding)")
+        raise ValueError(
+            "attention_mask: each row's tokens must be contiguous (left or right padding)"
+        )
     return mask.bool()
 
 
-def _stream_positions(times: torch.Tensor, end: torch.Tensor, stream: tuple[int, int]) -> torch.Tensor:
+def _stream_positions(
+    times: torch.Tensor, end: torch.Tensor, stream: tuple[int, int]
+) -> torch.Tensor:
     """StreamingLLM positions: sinks keep theirs, later tokens shift so the newest sits
     at ``sink_tokens + window - 1`` (relative distances among them unchanged)."""
     n, w = stream
@@ -145,7 +152,8 @@ def plan_forward(
     if eager and stream is None:
         limit = model.cfg.context_length
         if caches is not None:
-            limit = min(limit, caches[0].max_seq_len or limit)  # type: ignore[operator]
+            first: KVCache = caches[0]  # type: ignore[assignment]
+            limit = min(limit, first.max_seq_len or limit)
         if end_i is not None and end_i > limit:
             raise ValueError(f"{end_i} tokens exceed context_length={limit}")
     key_real = None
@@ -191,7 +199,9 @@ def _layer_inputs(
     eager: bool,
 ) -> AttentionInputs:
     t = input_pos.shape[0]
-    if key_real is None and (cache is None or (cache.window is None and not cache.static and eager)):
+    if key_real is None and (
+        cache is None or (cache.window is None and not cache.static and eager)
+    ):
         # The keys are exactly the times 0 .. end - 1 (or the call's own tokens):
         # bottom-right causal (and window) is exact; one query sees every earlier key.
         return AttentionInputs(input_pos, rope, causal=t > 1 or cache is None, window=window)

@@ -187,7 +187,7 @@ class MultiHeadAttention(nn.Module):
             need_weights=need_weights,
             backend=self.backend,
         )
-        heads, weights = result if need_weights else (result, None)  # (b, h, t, head_dim)
+        heads, weights = result if isinstance(result, tuple) else (result, None)  # (b, h, t, d)
         concat = heads.transpose(1, 2).reshape(b, t, self.d_out)  # (b, t, d_out)
         trace.emit("concat", concat)
         out = self.out_proj(concat)  # (b, t, d_out)
@@ -195,7 +195,7 @@ class MultiHeadAttention(nn.Module):
         if unbatched:
             out = out.squeeze(0)
             weights = None if weights is None else weights.squeeze(0)
-        return (out, weights) if need_weights else out
+        return (out, weights) if weights is not None else out
 
     def _project_kv(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, s, _ = source.shape
