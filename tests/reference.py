@@ -57,3 +57,49 @@ def ref_attention(
     denom = e.sum(-1, keepdim=True)
     w = torch.where(denom > 0, e / torch.where(denom > 0, denom, torch.ones_like(denom)), e)
     return w @ v, w
+
+
+def ref_attention_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(context, lse) in float64, differentiable; 4-D ``(b, h, t, d)`` inputs.
+
+    ``keep`` bool and ``bias`` float broadcast to ``(b, h, t, s)``; ``sinks`` ``(h,)``
+    logits join every row's normaliser and their weight is dropped. A row with no key
+    (and no sink) gets zeros and ``lse = -inf``. Written out: max, exp, sum, log.
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    if k.shape[1] != q.shape[1]:  # GQA: query head i reads kv head i // g
+        g = q.shape[1] // k.shape[1]
+        idx = torch.tensor([i // g for i in range(q.shape[1])])
+        k, v = k.index_select(1, idx), v.index_select(1, idx)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = torch.einsum("bhtd,bhsd->bhts", q, k) * scale
+    if bias is not None:
+        s = s + bias.double()
+    kept = torch.isfinite(s)
+    if keep is not None:
+        kept = kept & keep
+    cols = [s]
+    kept_cols = [kept]
+    if sinks is not None:
+        sink = sinks.double().view(1, -1, 1, 1).expand(s.shape[0], -1, s.shape[2], 1)
+        cols.append(sink)
+        kept_cols.append(torch.isfinite(sink))
+    s_all, k_all = torch.cat(cols, -1), torch.cat(kept_cols, -1)
+    neg = torch.full_like(s_all, -math.inf)
+    s_all = torch.where(k_all, s_all, neg)
+    m = s_all.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    e = torch.where(k_all, torch.exp(s_all - m), torch.zeros_like(s_all))
+    den = e.sum(-1, keepdim=True)
+    safe = torch.where(den > 0, den, torch.ones_like(den))
+    w = torch.where(den > 0, e / safe, torch.zeros_like(e))[..., : s.shape[-1]]
+    lse = torch.where(den > 0, m + torch.log(safe), torch.full_like(den, -math.inf))
+    return w @ v, lse.squeeze(-1)

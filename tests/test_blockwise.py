@@ -8,9 +8,8 @@ import torch
 
 from attnkit import attention, backends
 from attnkit import masks as M
-from attnkit.backends import _fused_tiles, _tiles
-from attnkit.backends import blockwise as blockwise_backend
-from attnkit.backends.blockwise import score_mod_tensors
+from attnkit.backends.blockwise import flash_cpu, score_mod_tensors, torch_tiles
+from attnkit.backends.blockwise import plan as _tiles
 from tests.conftest import TOL
 from tests.reference import ref_attention
 
@@ -25,16 +24,15 @@ def _qkv(b=1, hq=4, hkv=4, lq=64, lk=64, d=8, dtype=torch.float64, grad=True):
 
 
 def _count_tiles(monkeypatch) -> list[tuple[int, int, int, int]]:
-    """Record the tiles the pure-PyTorch engine computes (forced for the test)."""
-    monkeypatch.setattr(blockwise_backend, "ENGINE", "tiles")
+    """Record the tiles the pure-PyTorch engine ("blockwise-tiles") computes."""
     seen: list[tuple[int, int, int, int]] = []
-    original = _tiles.TilePlan.scores
+    original = torch_tiles._scores
 
-    def spy(self, q5, k5, q0, q1, k0, k1, acc):
-        seen.append((q0, q1, k0, k1))
-        return original(self, q5, k5, q0, q1, k0, k1, acc)
+    def spy(plan, q5, k5, q0, q1, tile, acc):
+        seen.append((q0, q1, tile.k0, tile.k1))
+        return original(plan, q5, k5, q0, q1, tile, acc)
 
-    monkeypatch.setattr(_tiles.TilePlan, "scores", spy)
+    monkeypatch.setattr(torch_tiles, "_scores", spy)
     return seen
 
 
@@ -50,7 +48,7 @@ def test_empty_tiles_are_skipped(monkeypatch, kwargs, expected):
     monkeypatch.setattr(_tiles, "BLOCK_K", 32)
     seen = _count_tiles(monkeypatch)
     q, k, v = _qkv(lq=256, lk=256, grad=False)
-    out = attention(q, k, v, backend="blockwise", **kwargs)
+    out = attention(q, k, v, backend="blockwise-tiles", **kwargs)
     assert len(seen) == expected
     ref = attention(q, k, v, backend="reference", **kwargs)
     torch.testing.assert_close(out, ref, **TOL[torch.float64])
@@ -64,25 +62,25 @@ def test_mask_mod_tiles_are_skipped(monkeypatch):
     seen = _count_tiles(monkeypatch)
     ids = torch.arange(128).div(64, rounding_mode="floor")  # two documents of 64
     q, k, v = _qkv(lq=128, lk=128, grad=False)
-    attention(q, k, v, backend="blockwise", mask_mod=M.document(ids))
+    attention(q, k, v, backend="blockwise-tiles", mask_mod=M.document(ids))
     assert len(seen) == 8  # 2 documents x (2 x 2) tiles, of 16
 
 
 needs_fused_kernel = pytest.mark.skipif(
-    _fused_tiles._FORWARD is None, reason="this torch has no fused CPU flash kernel"
+    flash_cpu._FORWARD is None, reason="this torch has no fused CPU flash kernel"
 )
 
 
 def _count_fused_calls(monkeypatch) -> list[tuple[int, int, bool, bool]]:
     """Record (query tile length, key segment length, is_causal, has mask) per fused call."""
     seen: list[tuple[int, int, bool, bool]] = []
-    original = _fused_tiles._FORWARD
+    original = flash_cpu._FORWARD
 
     def spy(q, k, v, dropout_p, is_causal, *, attn_mask=None, scale=None):
         seen.append((q.shape[-2], k.shape[-2], is_causal, attn_mask is not None))
         return original(q, k, v, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
 
-    monkeypatch.setattr(_fused_tiles, "_FORWARD", spy)
+    monkeypatch.setattr(flash_cpu, "_FORWARD", spy)
     return seen
 
 
@@ -106,7 +104,8 @@ def test_fused_engine_segments(monkeypatch):
     seen.clear()
     ids = torch.arange(256).div(128, rounding_mode="floor")  # two documents of 128
     out = attention(q, k, v, mask_mod=M.document(ids), backend="blockwise")
-    assert len(seen) == 8 * 4  # each query tile: the 4 key tiles of its own document
+    # each query tile: its own document's 128 keys, all FULL tiles: one call, no mask
+    assert seen == [(32, 128, False, False)] * 8
     mask = ids[:, None] == ids[None, :]
     torch.testing.assert_close(out, ref_attention(q, k, v, mask=mask)[0])
 
@@ -244,11 +243,20 @@ def test_score_mod_tensors_receive_gradients(kind):
         torch.testing.assert_close(ours, ref, **TOL[torch.float64])
 
 
-def test_hidden_score_mod_tensor_is_refused():
-    holder = {"p": torch.nn.Parameter(torch.ones(4, dtype=torch.float64))}
-    q, k, v = _qkv()
-    with pytest.raises(ValueError, match="tensors"):
-        attention(q, k, v, score_mod=lambda s, b, h, i, j: s * holder["p"][h], backend="blockwise")
+def test_score_mod_tensor_behind_a_dict_gets_its_gradient():
+    """Regression: a Parameter reached through a dict used to get no gradient (or an error);
+    the mod is now probed and its autograd graph walked to the Parameter."""
+    holder = {"p": torch.nn.Parameter(torch.rand(4, dtype=torch.float64) + 0.5)}
+    q, k, v = _qkv(lq=21, lk=21)
+    grads = {}
+    for backend in ("reference", "blockwise", "auto"):
+        out = attention(
+            q, k, v, score_mod=lambda s, b, h, i, j: s * holder["p"][h], backend=backend
+        )
+        grads[backend] = torch.autograd.grad(out.square().sum(), [q, holder["p"]])
+    for backend in ("blockwise", "auto"):
+        for ours, ref in zip(grads[backend], grads["reference"], strict=True):
+            torch.testing.assert_close(ours, ref, **TOL[torch.float64])
     assert score_mod_tensors(M.alibi(4)) == ()  # fixed slopes need no gradient
 
 

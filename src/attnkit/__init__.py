@@ -8,6 +8,7 @@ through it. Masks follow one convention, documented in :mod:`attnkit.masks`.
 from attnkit import backends, masks, trace
 from attnkit.attention import attention
 from attnkit.backends import available_backends, register_backend
+from attnkit.block_mask import BlockMask, create_block_mask
 from attnkit.masks import causal_mask
 from attnkit.modules import (
     CausalAttention,
@@ -22,6 +23,7 @@ from attnkit.modules import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockMask",
     "CausalAttention",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
@@ -33,6 +35,7 @@ __all__ = [
     "available_backends",
     "backends",
     "causal_mask",
+    "create_block_mask",
     "load_seed_state_dict",
     "masks",
     "register_backend",

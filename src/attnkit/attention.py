@@ -16,6 +16,8 @@ import math
 import torch
 
 from attnkit import backends, trace
+from attnkit._validate import check_bool
+from attnkit.block_mask import BlockMask
 from attnkit.masks import MaskMod, ScoreMod, normalize_causal
 
 __all__ = ["attention"]
@@ -34,8 +36,11 @@ def attention(
     window: int | None = None,
     mask_mod: MaskMod | None = None,
     score_mod: ScoreMod | None = None,
+    block_mask: BlockMask | None = None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
     backend: str = "auto",
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Scaled dot-product attention: ``softmax(query @ key^T * scale + mask) @ value``.
 
     Args:
@@ -55,15 +60,24 @@ def attention(
             (after dropout, i.e. exactly the weights applied to ``value``).
         window: sliding window: each query keeps itself and the ``window - 1`` keys
             before it (aligned as ``causal``; symmetric when not causal).
-        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = may attend), called
-            on broadcastable index tensors; needs a 4-D ``(b, h, l, d)`` query.
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = may attend), written
+            for scalar indices as for FlexAttention (:mod:`attnkit.mods`); needs a 4-D
+            ``(b, h, l, d)`` query.
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` applied to the
             scaled scores before masking; gradients flow into its tensors.
+        block_mask: a :class:`attnkit.BlockMask` built for this call's lengths (see
+            :func:`attnkit.create_block_mask`); combined with every other mask.
+        sinks: ``(h_q,)`` learned per-head sink logits: each row's softmax normalises
+            over its keys plus the sink, whose share is dropped. Gradients flow to it.
+        return_lse: also return the natural-log log-sum-exp of the scaled, modded,
+            masked scores ``(..., h_q, l_q)`` (sinks included; ``-inf`` on a row with
+            no key and no sink), float32 for half inputs; differentiable.
         backend: ``"auto"`` or a name from :func:`attnkit.backends.available_backends`.
 
     Returns:
-        The context tensor ``(..., h_q, l_q, d_v)``, or ``(context, weights)`` when
-        ``need_weights`` is True. A query row whose keys are all masked gets zeros.
+        The context tensor ``(..., h_q, l_q, d_v)``; with ``need_weights`` and/or
+        ``return_lse`` a tuple ``(context, [weights], [lse])`` in that order. A query
+        row whose keys are all masked gets zeros.
 
     Raises:
         TypeError: non-tensor or non-float inputs, mixed dtypes, a mask neither bool nor float.
@@ -71,11 +85,15 @@ def attention(
             ``scale`` or backend name, or a backend that cannot honour the request.
     """
     _check_qkv(query, key, value)
+    key, value = _broadcast_kv(query, key, value)
     causal_mode = normalize_causal(causal)
     mask = _check_mask(mask, query, key)
     dropout_p = check_dropout(dropout_p)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else _check_scale(scale)
     _check_mods(window, mask_mod, score_mod, query)
+    _check_block_mask(block_mask, query, key)
+    _check_sinks(sinks, query)
+    return_lse = check_bool(return_lse, "return_lse")
     call = backends.AttentionCall(
         query,
         key,
@@ -88,12 +106,20 @@ def attention(
         window=window,
         mask_mod=mask_mod,
         score_mod=score_mod,
+        block_mask=block_mask,
+        sinks=sinks,
+        return_lse=return_lse,
     )
     name = "reference" if backend == "auto" and trace.is_recording() else backend
-    out, weights = backends.dispatch(name, call)
+    out, weights, lse = backends.dispatch(name, call)
+    if not (need_weights or return_lse):
+        return out
+    extra: list[torch.Tensor] = []
     if need_weights:
-        return out, weights
-    return out
+        extra.append(weights)  # type: ignore[arg-type]
+    if return_lse:
+        extra.append(lse)  # type: ignore[arg-type]
+    return (out, *extra)
 
 
 def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -125,13 +151,58 @@ def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> N
             f"key and value must agree in every dim but the last, got {tuple(ks)} and {tuple(vs)}"
         )
     if rank >= 3:
-        if qs[:-3] != ks[:-3]:
+        if qs[:-3] != ks[:-3] and any(n != 1 for n in ks[:-3]):
             raise ValueError(
                 f"query and key batch dims differ: {tuple(qs[:-3])} vs {tuple(ks[:-3])}"
             )
         h_q, h_kv = qs[-3], ks[-3]
         if h_kv == 0 or h_q % h_kv != 0:
             raise ValueError(f"query heads ({h_q}) must be a multiple of key/value heads ({h_kv})")
+
+
+def _broadcast_kv(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key/value with batch 1 attend for every query batch element (no copy: ``expand``)."""
+    if query.dim() < 4 or query.shape[:-3] == key.shape[:-3]:
+        return key, value
+    lead = query.shape[:-3]
+    return key.expand(*lead, *key.shape[-3:]), value.expand(*lead, *value.shape[-3:])
+
+
+def _check_block_mask(block_mask: BlockMask | None, query: torch.Tensor, key: torch.Tensor) -> None:
+    if block_mask is None:
+        return
+    if not isinstance(block_mask, BlockMask):
+        raise TypeError(
+            f"block_mask must be an attnkit.BlockMask (attnkit.create_block_mask), got "
+            f"{type(block_mask).__name__}"
+        )
+    if query.dim() != 4:
+        raise ValueError(
+            f"block_mask needs a 4-D (batch, heads, seq, head_dim) query, got shape "
+            f"{tuple(query.shape)}"
+        )
+    reason = block_mask.check_call(query.shape[0], query.shape[1], query.shape[2], key.shape[2])
+    if reason is not None:
+        raise ValueError(reason)
+    if block_mask.device.type != query.device.type:
+        raise ValueError(f"block_mask is on {block_mask.device} but query is on {query.device}")
+
+
+def _check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> None:
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+        raise TypeError(f"sinks must be a float tensor of shape (h_q,), got {sinks!r}")
+    heads = query.shape[-3] if query.dim() >= 3 else 1
+    if query.dim() < 3 or sinks.shape != (heads,):
+        raise ValueError(
+            f"sinks must have shape (h_q,) = ({heads},) for a (..., h_q, l_q, d) query, got "
+            f"{tuple(sinks.shape)} for query {tuple(query.shape)}"
+        )
+    if sinks.device != query.device:
+        raise ValueError(f"sinks is on {sinks.device} but query is on {query.device}")
 
 
 def _check_mask(

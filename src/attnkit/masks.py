@@ -56,6 +56,8 @@ from typing import Literal
 
 import torch
 
+from attnkit._validate import check_float
+
 __all__ = [
     "CausalAlignment",
     "MaskMod",
@@ -209,8 +211,10 @@ def materialize(
         pos, kv = _aligned_positions(q_len, k_len, causal or "bottom_right", device)
         keep = position_keep(pos, kv, causal=causal is not None, window=window)  # (q, k)
     if mask_mod is not None:
-        grids = index_grids(query_shape[0], query_shape[1], q_len, k_len, device)
-        m = torch.as_tensor(mask_mod(*grids), device=device).to(torch.bool)  # (b|1, h|1, q, k)
+        from attnkit.mods import eval_mask_mod
+
+        b, h = query_shape[0], query_shape[1]
+        m = eval_mask_mod(mask_mod, b, h, 0, q_len, 0, k_len, device)  # (b|1, h|1, q, k)
         keep = m if keep is None else keep & m
     if keep is None:
         return mask
@@ -242,8 +246,11 @@ class _Mod:
         fn: Callable,
         tensors: tuple[torch.Tensor, ...] = (),
         additive: bool = False,
+        grid: bool = True,
     ) -> None:
         self.name, self._fn, self.tensors = name, fn, tensors
+        #: attnkit's mods also run on broadcast index grids (see :mod:`attnkit.mods`)
+        self.grid = grid
         #: True when the mod adds a bias that does not depend on the score
         #: (d out / d score = 1): a backward may then skip autograd for the score.
         self.additive = additive
@@ -362,7 +369,8 @@ def and_masks(*mods: MaskMod) -> MaskMod:
             keep = keep & m(b, h, q, kv)
         return keep
 
-    return _Mod(f"and_masks({', '.join(map(repr, mods))})", fn)
+    grid = all(getattr(m, "grid", False) is True for m in mods)
+    return _Mod(f"and_masks({', '.join(map(repr, mods))})", fn, grid=grid)
 
 
 def or_masks(*mods: MaskMod) -> MaskMod:
@@ -376,7 +384,8 @@ def or_masks(*mods: MaskMod) -> MaskMod:
             keep = keep | m(b, h, q, kv)
         return keep
 
-    return _Mod(f"or_masks({', '.join(map(repr, mods))})", fn)
+    grid = all(getattr(m, "grid", False) is True for m in mods)
+    return _Mod(f"or_masks({', '.join(map(repr, mods))})", fn, grid=grid)
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -412,9 +421,8 @@ def alibi(num_heads: int, slopes: torch.Tensor | None = None) -> ScoreMod:
 
 def softcap(cap: float) -> ScoreMod:
     """Soft-capping score mod: ``cap * tanh(score / cap)`` (Gemma-2 style)."""
-    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
-        raise ValueError(f"cap must be a positive number, got {cap!r}")
-    c = float(cap)
+    # finite and > 0: an infinite cap gives inf/inf = NaN, a bool is not a number
+    c = check_float(cap, "cap", minimum=0.0, min_inclusive=False)
     return _Mod(f"softcap({c})", lambda score, b, h, q, kv: c * torch.tanh(score / c))
 
 

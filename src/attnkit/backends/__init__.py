@@ -1,6 +1,7 @@
 """Attention backends: one registry, one signature.
 
-A backend is a function ``fn(call: AttentionCall) -> (context, weights | None)``
+A backend is a function ``fn(call: AttentionCall) -> (context, weights | None, lse | None)``
+(a 2-tuple ``(context, weights)`` is accepted too and read as ``lse = None``)
 plus a ``supports(call) -> str | None`` check that returns *why* it cannot honour
 a call (or None when it can). :func:`dispatch` never lets a backend drop part
 of a request: an explicitly named backend that cannot honour it raises, and
@@ -11,10 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from attnkit.masks import CausalAlignment, MaskMod, ScoreMod, materialize
+
+if TYPE_CHECKING:
+    from attnkit.block_mask import BlockMask
 
 __all__ = [
     "AUTO_ORDER",
@@ -44,6 +49,9 @@ class AttentionCall:
         window: sliding-window size, or None.
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx)`` predicate (True = attend), or None.
         score_mod: ``score_mod(score, b, h, q_idx, kv_idx)`` on the scaled scores, or None.
+        block_mask: a :class:`attnkit.BlockMask` fitting the call, or None.
+        sinks: ``(h_q,)`` learned sink logits, or None.
+        return_lse: whether the log-sum-exp ``(..., h_q, l_q)`` must be returned.
     """
 
     query: torch.Tensor
@@ -57,10 +65,14 @@ class AttentionCall:
     window: int | None = None
     mask_mod: MaskMod | None = None
     score_mod: ScoreMod | None = None
+    block_mask: BlockMask | None = None
+    sinks: torch.Tensor | None = None
+    return_lse: bool = False
 
     def dense_mask(self) -> torch.Tensor | None:
-        """Everything that masks this call (mask, causal, window, mask_mod) as one dense tensor."""
-        return materialize(
+        """Everything that masks this call (mask, causal, window, mask_mod, block_mask) as
+        one dense tensor."""
+        dense = materialize(
             self.mask,
             self.causal,
             self.window,
@@ -69,6 +81,14 @@ class AttentionCall:
             self.k_len,
             self.query.device,
         )
+        if self.block_mask is None:
+            return dense
+        keep = self.block_mask.to_dense().to(self.query.device)  # (B|1, H|1, t, s)
+        if dense is None:
+            return keep
+        if dense.dtype == torch.bool:
+            return dense & keep
+        return dense.masked_fill(~keep, float("-inf"))
 
     @property
     def q_len(self) -> int:
@@ -86,7 +106,7 @@ class AttentionCall:
         return self.query.shape[-3] // self.key.shape[-3]
 
 
-BackendResult = tuple[torch.Tensor, "torch.Tensor | None"]
+BackendResult = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"]
 
 
 @dataclass(frozen=True)
@@ -94,7 +114,7 @@ class Backend:
     """A registered backend: its name, its function and its capability check."""
 
     name: str
-    fn: Callable[[AttentionCall], BackendResult]
+    fn: Callable[[AttentionCall], tuple]
     supports: Callable[[AttentionCall], str | None]
     auto_supports: Callable[[AttentionCall], str | None]
 
@@ -113,7 +133,7 @@ SPARSE_MIN_KEYS = 1024
 
 def auto_order(call: AttentionCall) -> list[str]:
     """The backends ``"auto"`` tries for ``call``, fastest first."""
-    sparse = call.window is not None or call.mask_mod is not None
+    sparse = call.window is not None or call.mask_mod is not None or call.block_mask is not None
     if sparse and call.k_len >= SPARSE_MIN_KEYS and "blockwise" in AUTO_ORDER:
         return ["blockwise", *(n for n in AUTO_ORDER if n != "blockwise")]
     return AUTO_ORDER
@@ -125,7 +145,7 @@ def _always(call: AttentionCall) -> str | None:
 
 def register_backend(
     name: str,
-    fn: Callable[[AttentionCall], BackendResult],
+    fn: Callable[[AttentionCall], tuple],
     *,
     supports: Callable[[AttentionCall], str | None] = _always,
     auto_supports: Callable[[AttentionCall], str | None] | None = None,
@@ -177,8 +197,14 @@ def select(name: str, call: AttentionCall) -> Backend:
 
 
 def dispatch(name: str, call: AttentionCall) -> BackendResult:
-    """Run ``call`` on the backend chosen for ``name``."""
-    return select(name, call).fn(call)
+    """Run ``call`` on the backend chosen for ``name``: ``(context, weights, lse)``."""
+    backend = select(name, call)
+    result = backend.fn(call)
+    if len(result) == 2:
+        result = (*result, None)
+    if call.return_lse and result[2] is None:  # a backend accepted what it cannot do
+        raise RuntimeError(f"attention backend {backend.name!r} returned no log-sum-exp")
+    return result  # type: ignore[return-value]
 
 
 # Built-in backends register themselves on import.

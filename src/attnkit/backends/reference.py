@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from attnkit import trace
 from attnkit.backends import AttentionCall, BackendResult, register_backend
-from attnkit.masks import dead_rows, index_grids
+from attnkit.masks import dead_rows
+from attnkit.mods import eval_score_mod
 
 __all__ = ["reference_attention"]
 
@@ -25,25 +26,53 @@ def expand_kv(call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
     return call.key.repeat_interleave(g, dim=-3), call.value.repeat_interleave(g, dim=-3)
 
 
-def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Softmax over the last dim after masking; fully masked rows give zeros, not NaN.
+def masked_softmax(
+    scores: torch.Tensor,
+    mask: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
+    *,
+    check_rows: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the last dim after masking, and the log-sum-exp of the masked scores.
 
-    Half-precision scores are normalised in float32 and cast back.
+    Fully masked rows give zeros (not NaN) and an lse of ``-inf``; ``check_rows`` also
+    finds rows that a score_mod set to ``-inf`` entirely. ``sinks`` ``(h,)`` are extra
+    per-head logits in each row's normaliser (their weight is dropped; the lse includes
+    them). Half-precision scores are normalised in float32; the weights are cast back,
+    the lse stays float32.
     """
+    dead = None
     if mask is not None:
         if mask.dtype == torch.bool:
             scores = scores.masked_fill(~mask, float("-inf"))
         else:
             scores = scores + mask
-        dead = dead_rows(mask) | torch.isneginf(scores).all(dim=-1, keepdim=True)  # (..., t, 1)
+        dead = dead_rows(mask)
+    if mask is not None or check_rows:
+        all_inf = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (..., t, 1)
+        dead = all_inf if dead is None else dead | all_inf
         # Give dead rows finite scores so softmax (and its backward) stays NaN-free,
         # then zero them: masked_fill's backward sends them no gradient.
         scores = scores.masked_fill(dead, 0.0)
     trace.emit("masked_scores", scores)
-    weights = torch.softmax(scores, dim=-1, dtype=_softmax_dtype(scores)).to(scores.dtype)
-    if mask is not None:
+    acc = _softmax_dtype(scores)
+    if sinks is not None:  # one more column per row: the head's sink logit
+        sink = sinks.to(acc).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        if dead is not None:  # a dead row keeps only its sink
+            keys = scores.to(acc).masked_fill(dead, float("-inf"))
+        else:
+            keys = scores.to(acc)
+        both = torch.cat([keys, sink], dim=-1)
+        lse = torch.logsumexp(both, dim=-1)  # a -inf sink on a dead row: -inf
+        safe = lse.masked_fill(torch.isneginf(lse), 0.0).unsqueeze(-1)
+        weights = torch.exp(keys - safe).to(scores.dtype)
+        return weights, lse
+    weights = torch.softmax(scores, dim=-1, dtype=acc).to(scores.dtype)
+    lse = torch.logsumexp(scores.to(acc), dim=-1)
+    if dead is not None:
         weights = weights.masked_fill(dead, 0.0)
-    return weights
+        lse = lse.masked_fill(dead.squeeze(-1), float("-inf"))
+    return weights, lse
 
 
 def _softmax_dtype(t: torch.Tensor) -> torch.dtype:
@@ -58,18 +87,19 @@ def reference_attention(call: AttentionCall) -> BackendResult:
     scores = scores * call.scale
     trace.emit("scaled_scores", scores)
     if call.score_mod is not None:
-        b, h, _, _ = scores.shape
-        scores = call.score_mod(scores, *index_grids(b, h, call.q_len, call.k_len, scores.device))
+        scores = eval_score_mod(call.score_mod, scores, 0, 0)
         trace.emit("modded_scores", scores)
     mask = call.dense_mask()
-    weights = masked_softmax(scores, mask)  # (b, h, t, s)
+    weights, lse = masked_softmax(
+        scores, mask, call.sinks, check_rows=call.score_mod is not None
+    )  # (b, h, t, s), (b, h, t)
     trace.emit("weights", weights)
     if call.dropout_p > 0.0:
         weights = F.dropout(weights, call.dropout_p, training=True)
         trace.emit("dropped_weights", weights)
     context = weights @ value  # (b, h, t, d_v)
     trace.emit("context", context)
-    return context, (weights if call.need_weights else None)
+    return context, (weights if call.need_weights else None), (lse if call.return_lse else None)
 
 
 register_backend("reference", reference_attention)

@@ -25,6 +25,10 @@ def _supports(call: AttentionCall) -> str | None:
         return "the fused kernel does not return attention weights (use backend='reference')"
     if call.score_mod is not None:
         return "the fused kernel takes no score_mod (use backend='reference')"
+    if call.sinks is not None:
+        return "the fused kernel takes no sinks (use backend='blockwise')"
+    if call.return_lse:
+        return "the fused kernel does not return the log-sum-exp (use backend='blockwise')"
     return None
 
 
@@ -40,7 +44,12 @@ def _auto_supports(call: AttentionCall) -> str | None:
 def sdpa_attention(call: AttentionCall) -> BackendResult:
     """Run ``call`` through ``torch.nn.functional.scaled_dot_product_attention``."""
     q, k, v = call.query, call.key, call.value
-    plain_causal = call.mask is None and call.window is None and call.mask_mod is None
+    plain_causal = (
+        call.mask is None
+        and call.window is None
+        and call.mask_mod is None
+        and call.block_mask is None
+    )
     is_causal = (
         plain_causal
         and call.causal is not None
@@ -72,7 +81,7 @@ def sdpa_attention(call: AttentionCall) -> BackendResult:
         out = out.squeeze(0)
     if dead is not None:
         out = out.masked_fill(dead, 0.0)
-    return out, None
+    return out, None, None
 
 
 register_backend("sdpa", sdpa_attention, supports=_supports, auto_supports=_auto_supports)

@@ -1,0 +1,139 @@
+"""The ``blockwise`` backend: FlashAttention-style tiles with skipping, mods and an O(t) backward.
+
+It walks tiles of queries against tiles of keys, merges them through their
+log-sum-exps and keeps only the output and the log-sum-exp (``O(t)`` per head);
+its backward recomputes each tile's weights from the log-sum-exp, so no ``t × s``
+tensor is ever saved. Tiles that causal, a sliding window, a block mask, a bool mask
+or a ``mask_mod`` leave empty are skipped. Read top-down:
+
+* :mod:`.plan`: the tile plan (all tile sizing, ``tiles()`` with skipping);
+* :mod:`.flash_cpu` and :mod:`.torch_tiles`: the two engines behind one interface
+  (``forward(plan, q, k, v) -> (out, lse)`` and a backward from the total ``lse``);
+  the plan names the engine: torch's fused CPU flash kernel where it can run the call
+  exactly, else PyTorch ops (every request, any device);
+* :mod:`.merge`: the one log-sum-exp merge;
+* :mod:`.autograd`: the autograd function (sinks merged in, LSE gradients);
+* :mod:`.segment`: one segment's forward/backward for context parallelism.
+
+Two backend names: ``"blockwise"`` (the plan picks the engine) and ``"blockwise-tiles"``
+(always the PyTorch-op engine: what every non-CPU device runs, reachable for tests).
+
+It hands off (``supports`` returns a reason) rather than drop a request: dropout, a
+float mask that requires grad, and weights while gradients are being recorded
+(weights recomputed from the log-sum-exp carry no gradient).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from attnkit.backends import AttentionCall, BackendResult, register_backend
+from attnkit.backends.blockwise import flash_cpu
+from attnkit.backends.blockwise.autograd import BlockwiseAttention
+from attnkit.backends.blockwise.merge import merge_partials
+from attnkit.backends.blockwise.plan import FLASH_CPU, TORCH_TILES, TilePlan, build_plan
+from attnkit.backends.blockwise.segment import SegmentMask, segment_backward, segment_forward
+from attnkit.backends.blockwise.torch_tiles import weights_from_lse
+from attnkit.masks import ScoreMod
+from attnkit.mods import grad_leaves
+
+__all__ = [
+    "SegmentMask",
+    "blockwise_attention",
+    "merge_partials",
+    "score_mod_tensors",
+    "segment_backward",
+    "segment_forward",
+]
+
+
+def score_mod_tensors(
+    score_mod: ScoreMod | None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, ...]:
+    """The tensors requiring grad that ``score_mod`` depends on, however it reaches them
+    (found by probing the mod and walking its autograd graph: :func:`attnkit.mods.grad_leaves`);
+    empty when gradients are off."""
+    if score_mod is None or not torch.is_grad_enabled():
+        return ()
+    return grad_leaves(score_mod, dtype, torch.device(device))
+
+
+def _wants_grad(call: AttentionCall) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    if any(t.requires_grad for t in (call.query, call.key, call.value)):
+        return True
+    if call.sinks is not None and call.sinks.requires_grad:
+        return True
+    return bool(score_mod_tensors(call.score_mod, call.query.dtype, call.query.device))
+
+
+def _supports(call: AttentionCall) -> str | None:
+    if call.dropout_p > 0.0:
+        return "blockwise does not implement dropout (use backend='sdpa' or 'reference')"
+    if call.mask is not None and call.mask.is_floating_point() and call.mask.requires_grad:
+        return "blockwise gives no gradient to a float mask (use backend='reference')"
+    try:
+        score_mod_tensors(call.score_mod, call.query.dtype, call.query.device)
+    except (TypeError, ValueError) as err:
+        return str(err)
+    if call.need_weights and _wants_grad(call):
+        return (
+            "weights recomputed from the log-sum-exp carry no gradient; "
+            "use backend='reference' or torch.no_grad()"
+        )
+    return None
+
+
+def _plan(call: AttentionCall, engine: str) -> TilePlan:
+    return build_plan(
+        call.query,
+        call.key,
+        scale=call.scale,
+        causal=call.causal,
+        window=call.window,
+        mask=call.mask,
+        mask_mod=call.mask_mod,
+        score_mod=call.score_mod,
+        block_mask=call.block_mask,
+        engine=engine,
+    )
+
+
+def _run(call: AttentionCall, engine: str) -> BackendResult:
+    extra = score_mod_tensors(call.score_mod, call.query.dtype, call.query.device)
+    if engine == FLASH_CPU and flash_cpu.why_not(
+        call.query, call.key, call.value, call.score_mod, extra
+    ):
+        engine = TORCH_TILES
+    plan = _plan(call, engine)
+    out, lse = BlockwiseAttention.apply(plan, call.query, call.key, call.value, call.sinks, *extra)
+    lead = call.query.shape[:-1]  # (..., h, t)
+    out = out.reshape(*lead, call.value.shape[-1])  # (..., h, t, d_v)
+    weights = None
+    if call.need_weights:
+        tiles_plan = dataclasses.replace(plan, engine=TORCH_TILES)
+        w = weights_from_lse(tiles_plan, call.query, call.key, lse)
+        weights = w.reshape(*lead, call.k_len)
+    lse_out = None
+    if call.return_lse:
+        lse_out = lse.reshape(lead)
+    return out, weights, lse_out
+
+
+def blockwise_attention(call: AttentionCall) -> BackendResult:
+    """Compute ``call`` tile by tile (see the module docs); weights recomputed if asked."""
+    return _run(call, FLASH_CPU)
+
+
+def blockwise_tiles_attention(call: AttentionCall) -> BackendResult:
+    """:func:`blockwise_attention` always on the PyTorch-op engine."""
+    return _run(call, TORCH_TILES)
+
+
+register_backend("blockwise", blockwise_attention, supports=_supports)
+register_backend("blockwise-tiles", blockwise_tiles_attention, supports=_supports)

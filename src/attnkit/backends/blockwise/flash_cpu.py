@@ -1,0 +1,174 @@
+"""The fused-CPU engine: torch's flash kernel, called once per key tile, merged by LSE.
+
+torch's CPU flash-attention kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``)
+returns the log-sum-exp beside the output, and its backward takes the output and
+log-sum-exp as arguments. That is all a blockwise kernel needs from a tile, so this
+engine runs the kernel on each key tile of :meth:`TilePlan.tiles` and merges the tiles
+with :func:`merge_partials`. Its backward calls the fused backward once per tile with
+the *merged* ``O`` and ``lse``: that recomputes exactly the tile's weights
+``exp(S_j - lse)``, so the per-tile ``dQ``, ``dK``, ``dV`` add up to the full gradient.
+
+Tiles of one query block (key positions ``first .. last`` of its queries)::
+
+    keys:  lo ........ first-w+1 .... last-w+1 ........ first ...... last+1 = hi
+           [ left edge: window ][ interior: every query keeps ][ causal square ]
+             explicit mask           no mask at all              is_causal=True
+
+A masked tile gets an explicit float mask (``-inf`` where masked, plus any bias); the
+square takes its mask together with ``is_causal``. A query row that keeps no key of a
+tile gets ``lse_j = -inf`` (the kernel itself would report 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attnkit.backends.blockwise.merge import merge_partials
+from attnkit.backends.blockwise.plan import Tile, TilePlan, acc_dtype
+
+_FORWARD: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_BACKWARD: Any = getattr(
+    torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None
+)
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def available() -> bool:
+    """Whether this torch has the fused CPU kernel (any torch from 2.2)."""
+    return _FORWARD is not None and _BACKWARD is not None
+
+
+def why_not(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod, extra: tuple
+) -> str | None:
+    """Why the fused engine cannot run a call exactly (None when it can).
+
+    It needs the CPU kernel, CPU tensors of a supported dtype, at least one query and
+    key, value heads as wide as the query's (the kernel's rule), and a ``score_mod`` that
+    is additive with no tensor wanting a gradient (its bias becomes a mask tile).
+    """
+    if not available():
+        return "this torch has no fused CPU flash kernel"
+    if query.device.type != "cpu" or query.dtype not in _DTYPES:
+        return "the fused kernel runs CPU tensors of float dtypes"
+    if key.shape[-2] == 0 or query.shape[-2] == 0:
+        return "no queries or no keys"
+    if value.shape[-1] != query.shape[-1]:
+        return "the fused kernel needs value heads as wide as the query's"
+    if extra or (score_mod is not None and not getattr(score_mod, "additive", False)):
+        return "a score_mod that is not a fixed additive bias"
+    return None
+
+
+def _as_4d(plan: TilePlan, q, k, v):
+    """``(b, h, t, d)`` views, half precision upcast to float32 (one ``O(t d)`` copy each):
+    the kernel's own bf16 backward is measurably less accurate than plain bf16 math. The
+    kernel reads the last dim as contiguous: a strided one (``kv[..., ::2]``) is copied."""
+    acc = acc_dtype(q.dtype)
+
+    def fix(x: torch.Tensor, n: int, lead: int) -> torch.Tensor:
+        x = x.reshape(plan.b, lead, n, x.shape[-1]).to(acc)
+        return x if x.stride(-1) == 1 else x.contiguous()
+
+    return fix(q, plan.t, plan.h), fix(k, plan.s, plan.h_kv), fix(v, plan.s, plan.h_kv)
+
+
+def _kernel_mask(
+    plan: TilePlan, q0: int, q1: int, tile: Tile, dtype: torch.dtype, device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The tile's float mask ``(b|1, h|1, bq, bk)`` for the kernel (None when unmasked) and
+    the rows keeping at least one key ``(b|1, h|1, bq, 1)`` (None when all do)."""
+    if not tile.masked:
+        return None, None
+    bq, bk = q1 - q0, tile.k1 - tile.k0
+    mask = torch.zeros((), dtype=dtype, device=device)
+    if tile.bias is not None:
+        mask = tile.bias.to(dtype)
+    if tile.keep is not None:
+        mask = mask.masked_fill(~tile.keep, float("-inf"))
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    mask = mask.expand(*mask.shape[:2], bq, bk)  # the kernel wants (.., bq, bk)
+    # a row is alive when ONE key survives every mask at once (the triangle included)
+    finite = ~torch.isneginf(mask)
+    keep = plan.full_keep(q0, q1, Tile(tile.k0, tile.k1, tile.square), device)
+    if keep is not None:
+        finite = finite & keep
+    return mask, finite.any(-1, keepdim=True)
+
+
+def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(out (b, h, t, d_v) in q's dtype, lse (b, h, t))``, as the tile engine."""
+    acc, out_dtype = acc_dtype(q.dtype), q.dtype
+    q, k, v = _as_4d(plan, q, k, v)
+    b, h, dv = plan.b, plan.h, v.shape[-1]
+    out = torch.zeros(b, h, plan.t, dv, dtype=out_dtype, device=q.device)
+    lse = torch.full((b, h, plan.t), float("-inf"), dtype=acc, device=q.device)
+    for q0, q1 in plan.q_blocks():
+        qt = q[:, :, q0:q1]  # (b, h, bq, d)
+        o: torch.Tensor | None = None
+        m: torch.Tensor | None = None
+        for tile in plan.tiles(q0, q1, q.dtype, q.device):
+            mask, alive = _kernel_mask(plan, q0, q1, tile, q.dtype, q.device)
+            k0, k1 = tile.k0, tile.k1
+            o_j, l_j = _FORWARD(
+                qt,
+                k[:, :, k0:k1],
+                v[:, :, k0:k1],
+                0.0,
+                tile.square,
+                attn_mask=mask,
+                scale=plan.scale,
+            )
+            if alive is not None:  # rows keeping no key here: the kernel says lse 0
+                o_j = o_j.masked_fill(~alive, 0.0)
+                l_j = l_j.masked_fill(~alive.squeeze(-1), float("-inf"))
+            if o is None or m is None:
+                o, m = o_j, l_j
+            else:
+                o, m = merge_partials(o, m, o_j, l_j)
+        if o is not None and m is not None:
+            out[:, :, q0:q1] = o.to(out_dtype)
+            lse[:, :, q0:q1] = m
+    return out, lse
+
+
+def backward(plan: TilePlan, q, k, v, out, lse, grad_out) -> tuple[torch.Tensor, ...]:
+    """Return ``(dq, dk, dv)``: one fused backward per forward tile, summed. ``out`` and
+    ``lse`` are the totals (sinks included)."""
+    acc = acc_dtype(q.dtype)
+    shapes, dtypes = (q.shape, k.shape, v.shape), (q.dtype, k.dtype, v.dtype)
+    q, k, v = _as_4d(plan, q, k, v)
+    out = out.reshape(plan.b, plan.h, plan.t, v.shape[-1]).to(acc).contiguous()
+    grad_out = grad_out.reshape(out.shape).to(acc).contiguous()
+    lse = lse.reshape(plan.b, plan.h, plan.t).to(acc)
+    lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # dead rows: weights exp(-inf)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    for q0, q1 in plan.q_blocks():
+        qt, ot, gt = q[:, :, q0:q1], out[:, :, q0:q1], grad_out[:, :, q0:q1]
+        lt = lse[:, :, q0:q1].contiguous()
+        for tile in plan.tiles(q0, q1, q.dtype, q.device):
+            mask, _ = _kernel_mask(plan, q0, q1, tile, q.dtype, q.device)
+            k0, k1 = tile.k0, tile.k1
+            g_q, g_k, g_v = _BACKWARD(
+                gt,
+                qt,
+                k[:, :, k0:k1],
+                v[:, :, k0:k1],
+                ot,
+                lt,
+                0.0,
+                tile.square,
+                attn_mask=mask,
+                scale=plan.scale,
+            )
+            dq[:, :, q0:q1] += g_q
+            dk[:, :, k0:k1] += g_k
+            dv[:, :, k0:k1] += g_v
+    return tuple(
+        g.to(dt).reshape(shape) for g, dt, shape in zip((dq, dk, dv), dtypes, shapes, strict=True)
+    )

@@ -1,0 +1,46 @@
+"""The one log-sum-exp merge: partial attention results combined exactly.
+
+Attention over keys ``A ∪ B`` from attention over ``A`` and over ``B`` alone, each
+normalised over its own keys with log-sum-exp ``lse_A``, ``lse_B``::
+
+    lse = log(exp(lse_A) + exp(lse_B))
+    out = exp(lse_A - lse) * out_A + exp(lse_B - lse) * out_B
+
+Both CPU engines merge their tiles with it, sinks are merged with it (a sink is a
+partial with ``out = 0`` and ``lse`` = its logit), and ring attention merges its
+steps with it. A partial with ``lse = -inf`` (no key) contributes nothing; two of
+them give zeros and ``-inf``, never NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["merge_partials"]
+
+
+def merge_partials(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial results (see the module docs).
+
+    Args:
+        out_a: ``(..., t, d)``, normalised over its own keys (zeros where ``lse_a = -inf``).
+        lse_a: ``(..., t)`` natural-log log-sum-exp of its scores.
+        out_b: like ``out_a`` (or anything broadcasting to it, e.g. a 0-d zero for a sink).
+        lse_b: like ``lse_a``.
+
+    Returns:
+        ``(out, lse)``: ``out`` in ``out_a``'s dtype, ``lse`` in the wider of the two lse
+        dtypes. Differentiable in every argument.
+    """
+    m = torch.maximum(lse_a, lse_b)
+    m_safe = m.masked_fill(torch.isneginf(m), 0.0)  # both empty: weights exp(-inf) = 0
+    w_a = torch.exp(lse_a - m_safe)  # (..., t)
+    w_b = torch.exp(lse_b - m_safe)
+    den = w_a + w_b
+    lse = m_safe + torch.log(den)  # log(0) = -inf where both are empty
+    inv = torch.where(den > 0, 1.0 / den.clamp_min(torch.finfo(den.dtype).tiny), 0.0)
+    acc = torch.promote_types(out_a.dtype, lse.dtype)
+    out = out_a.to(acc) * (w_a * inv).unsqueeze(-1) + out_b.to(acc) * (w_b * inv).unsqueeze(-1)
+    return out.to(out_a.dtype), lse

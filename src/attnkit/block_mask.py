@@ -1,0 +1,520 @@
+"""Block masks: a ``mask_mod`` evaluated once into a plan of empty, full and partial tiles.
+
+A :class:`BlockMask` cuts the ``(Q_LEN, KV_LEN)`` score matrix into tiles of
+``Q_BLOCK_SIZE x KV_BLOCK_SIZE`` and records, per tile (and per batch element and head
+where the mod depends on them), whether the tile is
+
+* :data:`EMPTY`: no query in it may attend to any key in it (the kernels skip it);
+* :data:`FULL`: every query may attend to every key (the kernels run it with no mask);
+* :data:`PARTIAL`: some may; the tile's boolean mask is stored and used as it is.
+
+It is built once (:func:`create_block_mask`), vectorised and chunked so that no
+``Q_LEN x KV_LEN`` tensor is ever held, and reused by every layer, call, forward and
+backward: a call with a block mask does no mask work beyond its partial tiles.
+Indices the ``mask_mod`` receives are absolute positions ``q_idx in [0, Q_LEN)``,
+``kv_idx in [0, KV_LEN)``, evaluated with FlexAttention's scalar semantics (see
+:mod:`attnkit.mods`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import types
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from attnkit._validate import check_int
+from attnkit.mods import eval_mask_mod
+
+__all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMask", "cached_block_mask", "create_block_mask"]
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+#: The most mask elements evaluated at once while building a block mask.
+CHUNK_ELEMENTS = 1 << 23
+
+
+class BlockMask:
+    """Which tiles of the score matrix are empty, full or partial (see the module docs).
+
+    Attributes:
+        mask_mod: the predicate it was built from (None when built from a dense mask).
+        B, H: batch size and head count it was built for; None = the same for all.
+        Q_LEN, KV_LEN: query and key lengths.
+        Q_BLOCK_SIZE, KV_BLOCK_SIZE: the tile sizes.
+        block_kind: int8 ``(B or 1, H or 1, n_q_blocks, n_kv_blocks)`` of EMPTY / PARTIAL / FULL.
+    """
+
+    def __init__(
+        self,
+        *,
+        mask_mod: Callable[..., Any] | None,
+        B: int | None,
+        H: int | None,
+        Q_LEN: int,
+        KV_LEN: int,
+        Q_BLOCK_SIZE: int,
+        KV_BLOCK_SIZE: int,
+        block_kind: torch.Tensor,
+        partial_index: torch.Tensor,
+        partial_masks: torch.Tensor,
+    ) -> None:
+        self.mask_mod = mask_mod
+        self.B, self.H = B, H
+        self.Q_LEN, self.KV_LEN = Q_LEN, KV_LEN
+        self.Q_BLOCK_SIZE, self.KV_BLOCK_SIZE = Q_BLOCK_SIZE, KV_BLOCK_SIZE
+        self.block_kind = block_kind  # (Bk, Hk, nq, nk) int8
+        #: index into ``partial_masks`` of each PARTIAL tile, -1 elsewhere
+        self.partial_index = partial_index  # (Bk, Hk, nq, nk) int64
+        #: the stored masks of the partial tiles, padded with False past the ends
+        self.partial_masks = partial_masks  # (n_partial, Q_BLOCK_SIZE, KV_BLOCK_SIZE) bool
+        # partial tiles that are exactly the top-left causal triangle (a diagonal tile of
+        # a causal mod): kernels may run them as is_causal with no mask
+        tri = torch.ones(Q_BLOCK_SIZE, KV_BLOCK_SIZE, dtype=torch.bool, device=partial_masks.device)
+        tri = tri.tril()
+        self._tril = (partial_masks == tri).flatten(1).all(1).cpu().numpy()
+        self._index = partial_index.cpu().numpy()
+        # Plans read the kinds from numpy: no tensor op (and no graph break) per tile.
+        self._kinds = block_kind.cpu().numpy()
+        self._dense_cache: dict[tuple[int, int, int, int], torch.Tensor | None] = {}
+
+    # -- shape -----------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int | None, int | None, int, int]:
+        return (self.B, self.H, self.Q_LEN, self.KV_LEN)
+
+    @property
+    def device(self) -> torch.device:
+        return self.partial_masks.device
+
+    def num_blocks(self) -> tuple[int, int]:
+        return self.block_kind.shape[-2], self.block_kind.shape[-1]
+
+    # -- what users read -------------------------------------------------------------------
+    def sparsity(self) -> float:
+        """Percent of tiles that are EMPTY (skipped)."""
+        return 100.0 * float((self._kinds == EMPTY).mean()) if self._kinds.size else 0.0
+
+    def to_dense(self) -> torch.Tensor:
+        """The bool mask ``(B|1, H|1, Q_LEN, KV_LEN)`` it stands for (True = may attend)."""
+        nq, nk = self.num_blocks()
+        return self._assemble(0, nq, 0, nk)[..., : self.Q_LEN, : self.KV_LEN]
+
+    def __repr__(self) -> str:
+        counts = {
+            name: int((self._kinds == code).sum())
+            for name, code in (("full", FULL), ("partial", PARTIAL), ("empty", EMPTY))
+        }
+        name = getattr(self.mask_mod, "__name__", None) or repr(self.mask_mod)
+        lines = [
+            f"BlockMask(shape={self.shape}, block_size=({self.Q_BLOCK_SIZE}, "
+            f"{self.KV_BLOCK_SIZE}), sparsity={self.sparsity():.1f}%, tiles={counts}, "
+            f"mask_mod={name})"
+        ]
+        nq, nk = self.num_blocks()
+        if nq <= 16 and nk <= 32:  # a picture of the first (batch, head): # full, ░ partial
+            glyph = {FULL: "█", PARTIAL: "░", EMPTY: "·"}
+            lines += ["  " + "".join(glyph[int(c)] for c in row) for row in self._kinds[0, 0]]
+        return "\n".join(lines)
+
+    # -- slicing ---------------------------------------------------------------------------
+    def __getitem__(self, key: Any) -> BlockMask:
+        """``bm[:, :, start:stop]``: the query rows ``start:stop`` (in tokens), e.g. a decode
+        step's; ``bm[start:stop]`` is the same. Batch and head must be left whole."""
+        rows = key
+        if isinstance(key, tuple):
+            if len(key) not in (1, 3) or any(k != slice(None) for k in key[:-1]):
+                raise TypeError("a BlockMask is sliced in query rows only: bm[:, :, start:stop]")
+            rows = key[-1]
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError(f"a BlockMask is sliced with a step-1 slice of rows, got {rows!r}")
+        start, stop, _ = rows.indices(self.Q_LEN)
+        return self.slice_queries(start, max(start, stop))
+
+    def slice_queries(self, start: int, stop: int) -> BlockMask:
+        """The block mask of query rows ``[start, stop)``; the mod then sees ``q_idx + start``."""
+        start = check_int(start, "start", minimum=0, maximum=self.Q_LEN)
+        stop = check_int(stop, "stop", minimum=start, maximum=self.Q_LEN)
+        mod = self.mask_mod
+        shifted = None if mod is None else _ShiftedMod(mod, start)
+        qb = self.Q_BLOCK_SIZE
+        if start % qb == 0:  # whole tiles: share the stored partial masks
+            i0, i1 = start // qb, -(-stop // qb)
+            return BlockMask(
+                mask_mod=shifted,
+                B=self.B,
+                H=self.H,
+                Q_LEN=stop - start,
+                KV_LEN=self.KV_LEN,
+                Q_BLOCK_SIZE=qb,
+                KV_BLOCK_SIZE=self.KV_BLOCK_SIZE,
+                block_kind=self.block_kind[:, :, i0:i1].clone(),
+                partial_index=self.partial_index[:, :, i0:i1].clone(),
+                partial_masks=self.partial_masks,
+            )
+        i0, i1 = start // qb, -(-stop // qb)
+        nk = self.num_blocks()[1]
+        rows = self._assemble(i0, i1, 0, nk)[..., start - i0 * qb : stop - i0 * qb, : self.KV_LEN]
+        built = _Builder(qb, self.KV_BLOCK_SIZE, stop - start, self.KV_LEN, rows.device)
+        built.add_rows(0, rows)
+        return built.finish(shifted, self.B, self.H)
+
+    # -- what kernels read -----------------------------------------------------------------
+    def check_call(self, batch: int, heads: int, q_len: int, kv_len: int) -> str | None:
+        """Why this block mask does not fit a call's shapes, or None when it does."""
+        if (q_len, kv_len) != (self.Q_LEN, self.KV_LEN):
+            return (
+                f"block_mask was built for Q_LEN={self.Q_LEN}, KV_LEN={self.KV_LEN} but the "
+                f"call has {q_len} queries and {kv_len} keys"
+            )
+        if self.B not in (None, 1, batch):
+            return f"block_mask was built for B={self.B} but the call has batch {batch}"
+        if self.H not in (None, 1, heads):
+            return f"block_mask was built for H={self.H} but the call has {heads} query heads"
+        return None
+
+    def kinds(self, q0: int, q1: int, k0: int, k1: int) -> np.ndarray:
+        """The kinds of the tiles covering rows ``[q0, q1)`` and keys ``[k0, k1)`` (numpy)."""
+        qb, kb = self.Q_BLOCK_SIZE, self.KV_BLOCK_SIZE
+        return self._kinds[:, :, q0 // qb : -(-q1 // qb), k0 // kb : -(-k1 // kb)]
+
+    def keep(self, q0: int, q1: int, k0: int, k1: int) -> tuple[int, torch.Tensor | None]:
+        """``(kind, keep)`` of rows ``[q0, q1)`` x keys ``[k0, k1)``: EMPTY / FULL with
+        ``keep=None``, or PARTIAL with the bool ``(B|1, H|1, q1 - q0, k1 - k0)`` mask."""
+        kinds = self.kinds(q0, q1, k0, k1)
+        if (kinds == EMPTY).all():
+            return EMPTY, None
+        if (kinds == FULL).all():
+            return FULL, None
+        key = (q0, q1, k0, k1)
+        cached = self._dense_cache.get(key)
+        if cached is None:
+            qb, kb = self.Q_BLOCK_SIZE, self.KV_BLOCK_SIZE
+            i0, j0 = q0 // qb, k0 // kb
+            dense = self._assemble(i0, -(-q1 // qb), j0, -(-k1 // kb))
+            cached = dense[..., q0 - i0 * qb : q1 - i0 * qb, k0 - j0 * kb : k1 - j0 * kb]
+            if len(self._dense_cache) < 4096:  # plans reuse their tiles call after call
+                self._dense_cache[key] = cached
+        return PARTIAL, cached
+
+    def is_causal_tile(self, q0: int, q1: int, k0: int, k1: int) -> bool:
+        """Whether rows ``[q0, q1)`` x keys ``[k0, k1)`` are one aligned square tile whose
+        mask is exactly the top-left causal triangle (for every batch element and head)."""
+        qb, kb = self.Q_BLOCK_SIZE, self.KV_BLOCK_SIZE
+        if qb != kb or q0 % qb or k0 % kb or q1 - q0 != k1 - k0 or q1 - q0 > qb:
+            return False
+        idx = self._index[:, :, q0 // qb, k0 // kb]
+        return bool((idx >= 0).all() and self._tril[idx].all())
+
+    def _assemble(self, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
+        """Dense bool of the tiles ``[i0, i1) x [j0, j1)``: ``(Bk, Hk, ni*qb, nj*kb)``."""
+        qb, kb = self.Q_BLOCK_SIZE, self.KV_BLOCK_SIZE
+        kind = self.block_kind[:, :, i0:i1, j0:j1]
+        idx = self.partial_index[:, :, i0:i1, j0:j1]
+        bk, hk, ni, nj = kind.shape
+        tiles = (kind == FULL).view(bk, hk, ni, nj, 1, 1).expand(bk, hk, ni, nj, qb, kb).clone()
+        sel = idx >= 0
+        if bool(sel.any()):
+            tiles[sel] = self.partial_masks[idx[sel]]
+        return tiles.permute(0, 1, 2, 4, 3, 5).reshape(bk, hk, ni * qb, nj * kb)
+
+
+class _ShiftedMod:
+    """``mod`` seen from query row ``start`` on (a sliced block mask's mod)."""
+
+    def __init__(self, mod: Callable[..., Any], start: int) -> None:
+        self.mod, self.start = mod, start
+        self.__name__ = f"{getattr(mod, '__name__', repr(mod))}[q+{start}]"
+
+    def __call__(self, b, h, q, kv):
+        return self.mod(b, h, q + self.start, kv)
+
+
+class _Builder:
+    """Accumulates block kinds and partial-tile masks, rows of tiles at a time."""
+
+    def __init__(self, qb: int, kb: int, q_len: int, kv_len: int, device: torch.device) -> None:
+        self.qb, self.kb, self.q_len, self.kv_len, self.device = qb, kb, q_len, kv_len, device
+        self.nq, self.nk = -(-q_len // qb), -(-kv_len // kb)
+        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # tile row -> kind, masks
+        self.lead = (1, 1)
+
+    def add_rows(self, q0: int, dense: torch.Tensor) -> None:
+        """Add the bool ``(b|1, h|1, rows, kv_len)`` mask of rows ``q0..``, ``q0 % qb == 0``."""
+        qb, kb = self.qb, self.kb
+        bk, hk, rows, kv = dense.shape
+        ni = -(-rows // qb)
+        pad_q, pad_k = ni * qb - rows, self.nk * kb - kv
+        valid = torch.ones(rows, kv, dtype=torch.bool, device=dense.device)
+        if pad_q or pad_k:
+            dense = torch.nn.functional.pad(dense, (0, pad_k, 0, pad_q), value=False)
+            valid = torch.nn.functional.pad(valid, (0, pad_k, 0, pad_q), value=False)
+        tiles = dense.view(bk, hk, ni, qb, self.nk, kb).permute(0, 1, 2, 4, 3, 5)
+        vt = valid.view(ni, qb, self.nk, kb).permute(0, 2, 1, 3)  # (ni, nk, qb, kb)
+        anyk = tiles.any(-1).any(-1)
+        allk = (tiles | ~vt).all(-1).all(-1)
+        kind = torch.full(anyk.shape, PARTIAL, dtype=torch.int8, device=dense.device)
+        kind[~anyk] = EMPTY
+        kind[allk & anyk] = FULL
+        masks = tiles[kind == PARTIAL]  # (n, qb, kb)
+        self.rows[q0 // qb] = (kind, masks)
+        self.lead = (max(self.lead[0], bk), max(self.lead[1], hk))
+
+    def finish(self, mask_mod, B: int | None, H: int | None) -> BlockMask:
+        bk, hk = self.lead
+        kinds, indices, masks = [], [], []
+        count = 0
+        for i in sorted(self.rows):
+            kind, m = self.rows[i]
+            # a row whose mask did not depend on batch/head is expanded: its partial
+            # tiles are stored once and shared by every (b, h) index
+            idx = torch.full(kind.shape, -1, dtype=torch.int64, device=kind.device)
+            sel = kind == PARTIAL
+            idx[sel] = torch.arange(count, count + m.shape[0], device=kind.device)
+            count += m.shape[0]
+            kinds.append(kind.expand(bk, hk, *kind.shape[2:]))
+            indices.append(idx.expand(bk, hk, *idx.shape[2:]))
+            masks.append(m)
+        if kinds:
+            kind_t, idx_t = torch.cat(kinds, 2).contiguous(), torch.cat(indices, 2).contiguous()
+        else:
+            kind_t = torch.zeros(bk, hk, 0, self.nk, dtype=torch.int8, device=self.device)
+            idx_t = torch.zeros(bk, hk, 0, self.nk, dtype=torch.int64, device=self.device)
+        store = torch.cat(masks) if masks else torch.zeros(0, self.qb, self.kb, dtype=torch.bool)
+        return BlockMask(
+            mask_mod=mask_mod,
+            B=B,
+            H=H,
+            Q_LEN=self.q_len,
+            KV_LEN=self.kv_len,
+            Q_BLOCK_SIZE=self.qb,
+            KV_BLOCK_SIZE=self.kb,
+            block_kind=kind_t,
+            partial_index=idx_t,
+            partial_masks=store.to(self.device),
+        )
+
+
+def _block_sizes(block_size: int | tuple[int, int]) -> tuple[int, int]:
+    if isinstance(block_size, tuple):
+        if len(block_size) != 2:
+            raise ValueError(f"block_size must be an int or a (q, kv) pair, got {block_size!r}")
+        return (
+            check_int(block_size[0], "block_size[0]"),
+            check_int(block_size[1], "block_size[1]"),
+        )
+    size = check_int(block_size, "block_size")
+    return size, size
+
+
+def create_block_mask(
+    mask_mod: Callable[..., Any],
+    B: int | None,
+    H: int | None,
+    Q_LEN: int,
+    KV_LEN: int,
+    *,
+    block_size: int | tuple[int, int] = 128,
+    device: torch.device | str | None = None,
+) -> BlockMask:
+    """Evaluate ``mask_mod`` once into a :class:`BlockMask` (FlexAttention's signature).
+
+    Args:
+        mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = may attend), written
+            for scalar indices as for ``flex_attention`` (attnkit's own mods also run
+            on broadcast grids, which is faster).
+        B: batch size, or None when the mask is the same for every batch element.
+        H: query heads, or None when the mask is the same for every head.
+        Q_LEN: number of queries.
+        KV_LEN: number of keys.
+        block_size: tile size, an int or a ``(q, kv)`` pair.
+        device: where the mask lives (CPU by default).
+
+    Raises:
+        TypeError / ValueError: a mod that is not callable, bad sizes, or a mod whose
+            result is not a bool per ``(b, h, q_idx, kv_idx)``.
+    """
+    if not callable(mask_mod):
+        raise TypeError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
+    b = 1 if B is None else check_int(B, "B")
+    h = 1 if H is None else check_int(H, "H")
+    q_len, kv_len = check_int(Q_LEN, "Q_LEN", minimum=0), check_int(KV_LEN, "KV_LEN", minimum=0)
+    qb, kb = _block_sizes(block_size)
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    builder = _Builder(qb, kb, q_len, kv_len, dev)
+    # rows of tiles per evaluation: bounded so no Q_LEN x KV_LEN tensor is ever held
+    per_row = max(1, b * h * qb * max(kv_len, 1))
+    step = max(1, CHUNK_ELEMENTS // per_row) * qb
+    for q0 in range(0, q_len, step):
+        q1 = min(q0 + step, q_len)
+        dense = eval_mask_mod(mask_mod, b, h, q0, q1, 0, kv_len, dev)  # (b|1, h|1, rows, kv)
+        builder.add_rows(q0, dense)
+    return builder.finish(mask_mod, B, H)
+
+
+def block_mask_from_dense(
+    keep: torch.Tensor, *, block_size: int | tuple[int, int] = 128
+) -> BlockMask:
+    """A :class:`BlockMask` of a dense bool mask ``(Q_LEN, KV_LEN)`` or ``(B|1, H|1, Q, KV)``."""
+    if not isinstance(keep, torch.Tensor) or keep.dtype != torch.bool or keep.dim() not in (2, 4):
+        raise TypeError("keep must be a 2-D or 4-D bool tensor")
+    keep4 = keep if keep.dim() == 4 else keep.view(1, 1, *keep.shape)
+    qb, kb = _block_sizes(block_size)
+    builder = _Builder(qb, kb, keep4.shape[-2], keep4.shape[-1], keep.device)
+    step = max(1, CHUNK_ELEMENTS // max(1, math.prod(keep4.shape[:2]) * qb * keep4.shape[-1]))
+    for q0 in range(0, keep4.shape[-2], step * qb):
+        builder.add_rows(q0, keep4[:, :, q0 : q0 + step * qb])
+    b = keep4.shape[0] if keep4.shape[0] > 1 else None
+    h = keep4.shape[1] if keep4.shape[1] > 1 else None
+    return builder.finish(None, b, h)
+
+
+# ---------------------------------------------------------------------------------------
+# The plan of a plain ``mask_mod=``: built once, cached
+# ---------------------------------------------------------------------------------------
+
+_CACHE: weakref.WeakKeyDictionary[Any, dict[tuple, BlockMask]] = weakref.WeakKeyDictionary()
+_PER_MOD = 8  # block masks kept per mod (shapes, offsets)
+
+
+class _OffsetMod:
+    """``mod`` seen at global positions: query row ``i`` is ``q_offset + i``, key ``j`` is
+    ``k_offset + j`` (a context-parallel segment's mask)."""
+
+    def __init__(self, mod: Callable[..., Any], q_offset: int, k_offset: int) -> None:
+        self.mod, self.q_offset, self.k_offset = mod, q_offset, k_offset
+        self.grid = getattr(mod, "grid", False)
+        self.__name__ = getattr(mod, "__name__", repr(mod))
+
+    def __call__(self, b, h, q, kv):
+        return self.mod(b, h, q + self.q_offset, kv + self.k_offset)
+
+
+class _Uncacheable(Exception):
+    """A mod captures something whose state cannot be keyed: it is not cached."""
+
+
+class _TensorRef:
+    """A cache-key part for a captured tensor: equal only to the *same* live tensor at the
+    same version (an id alone could be reused by a new tensor after the old one died)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.ref, self.version, self.id = weakref.ref(t), t._version, id(t)
+
+    def __hash__(self) -> int:
+        return hash((self.id, self.version))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _TensorRef):
+            return NotImplemented
+        mine = self.ref()
+        return mine is not None and mine is other.ref() and self.version == other.version
+
+
+def _state(obj: Any, depth: int = 0, seen: set[int] | None = None) -> tuple:
+    """What a mod's result may depend on besides its indices: the values and versions of
+    what it captures (closure cells, globals it names, partial arguments, a bound
+    method's object, attributes, containers), so that mutating any of them misses the
+    cache instead of reusing a stale mask.
+
+    Raises:
+        _Uncacheable: for a captured object it cannot describe (e.g. a large array).
+    """
+    seen = set() if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        return ("T", _TensorRef(obj))
+    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
+        return ("V", obj)
+    if isinstance(obj, np.ndarray):
+        if obj.size > 1 << 16:
+            raise _Uncacheable
+        return ("A", obj.dtype.str, obj.shape, obj.tobytes())
+    if id(obj) in seen or depth > 6:
+        raise _Uncacheable  # a cycle or a deep structure: not keyed, rebuilt every call
+    seen.add(id(obj))  # the objects on the current path: a cycle is not keyed
+    try:
+        return _walk(obj, depth, seen)
+    finally:
+        seen.discard(id(obj))
+
+
+def _walk(obj: Any, depth: int, seen: set[int]) -> tuple:
+    container = isinstance(obj, (list, tuple, set, frozenset, dict))
+    # containers are compared by content (some are built here); anything else also by
+    # identity, which is stable while the mod (the cache's weak key) keeps it alive
+    parts: list[Any] = [type(obj).__qualname__] if container else [type(obj).__qualname__, id(obj)]
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        items = sorted(obj, key=repr) if isinstance(obj, (set, frozenset)) else obj
+        parts += [_state(x, depth + 1, seen) for x in items]
+    elif isinstance(obj, dict):
+        parts += [(repr(k), _state(v, depth + 1, seen)) for k, v in obj.items()]
+    elif isinstance(obj, functools.partial):
+        parts += [
+            _state(obj.func, depth + 1, seen),
+            _state(obj.args, depth + 1, seen),
+            _state(obj.keywords, depth + 1, seen),
+        ]
+    elif isinstance(obj, types.MethodType):
+        parts += [_state(obj.__func__, depth + 1, seen), _state(obj.__self__, depth + 1, seen)]
+    elif isinstance(obj, types.FunctionType):
+        cells = [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
+        names = {n: obj.__globals__[n] for n in obj.__code__.co_names if n in obj.__globals__}
+        names = {n: v for n, v in names.items() if not isinstance(v, types.ModuleType)}
+        parts += [_state(cells, depth + 1, seen), _state(names, depth + 1, seen)]
+        parts += [_state(obj.__defaults__, depth + 1, seen)]
+    elif isinstance(obj, (type, types.ModuleType, types.BuiltinFunctionType)):
+        pass
+    elif hasattr(obj, "__dict__"):
+        parts += [_state(vars(obj), depth + 1, seen)]
+    else:
+        raise _Uncacheable
+    return tuple(parts)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:
+        return False
+    return True
+
+
+def cached_block_mask(
+    mask_mod: Callable[..., Any],
+    B: int,
+    H: int,
+    Q_LEN: int,
+    KV_LEN: int,
+    *,
+    device: torch.device,
+    block_size: int = 128,
+    q_offset: int = 0,
+    k_offset: int = 0,
+) -> BlockMask:
+    """The block mask of a plain ``mask_mod=`` call, built once and then reused.
+
+    Keyed on the mod object (weakly: it goes when the mod goes), the shapes, the device,
+    the offsets, and the state the mod captures (see :func:`_state`): a repeated call does
+    no ``O(Q_LEN x KV_LEN)`` mask work. A mod that cannot be weakly referenced is
+    rebuilt every call.
+    """
+    mod = mask_mod if not (q_offset or k_offset) else _OffsetMod(mask_mod, q_offset, k_offset)
+    try:
+        state = _state(mask_mod)
+        per_mod = _CACHE.setdefault(mask_mod, {})
+    except (_Uncacheable, TypeError):  # state not describable, or no weak reference
+        return create_block_mask(mod, B, H, Q_LEN, KV_LEN, block_size=block_size, device=device)
+    key = (B, H, Q_LEN, KV_LEN, str(device), block_size, q_offset, k_offset, state)
+    hit = per_mod.get(key)
+    if hit is not None:
+        return hit
+    bm = create_block_mask(mod, B, H, Q_LEN, KV_LEN, block_size=block_size, device=device)
+    if len(per_mod) >= _PER_MOD:
+        per_mod.pop(next(iter(per_mod)))
+    per_mod[key] = bm
+    return bm
