@@ -23,12 +23,19 @@ VARIANTS = {
     "layer_list": dict(layer_windows=[3, None, 6], n_layers=3, n_kv_heads=1),
     "mla": dict(rope=True, mla_kv_rank=12),
     "mla_window": dict(rope=True, mla_kv_rank=12, mla_rope_dim=4, window=4, global_every=2),
+    "sinks": dict(rope=True, n_kv_heads=2, window=4, global_every=2, attn_sinks=True),
+    "mla_sinks": dict(rope=True, mla_kv_rank=12, attn_sinks=True),
 }
 
 
 def small(**kw) -> GPT:
     base = dict(vocab_size=40, context_length=32, emb_dim=32, n_layers=2, n_heads=4)
-    return GPT(GPTConfig(**{**base, **kw}))
+    model = GPT(GPTConfig(**{**base, **kw}))
+    with torch.no_grad():  # learned sinks start at 0; make them matter
+        for block in model.trf_blocks:
+            if block.att.sinks is not None:
+                block.att.sinks.uniform_(-1.0, 2.0)
+    return model
 
 
 def left_pad(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

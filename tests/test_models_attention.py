@@ -63,3 +63,29 @@ def test_bad_arguments():
         CausalSelfAttention(8, 8, num_heads=2, window=0)
     with pytest.raises(ValueError, match="nope"):
         CausalSelfAttention(8, 8, num_heads=2, backend="nope")
+
+
+def test_learned_sinks_equal_float64_reference_and_get_gradients():
+    """gpt-oss sinks: each row normalises over its keys plus exp(sink[h]), dropped after."""
+    layer = CausalSelfAttention(8, 8, num_heads=2, num_kv_heads=1, sinks=True).double()
+    with torch.no_grad():
+        layer.sinks.copy_(torch.tensor([0.5, -1.0], dtype=torch.float64))
+    b, t, d = 2, 6, 4
+    x = torch.randn(b, t, 8, dtype=torch.float64)
+    pos = torch.arange(t)
+    out = layer(x, AttentionInputs(pos, window=3))
+    q = layer.W_query(x).view(b, t, 2, d).transpose(1, 2)
+    k = layer.W_key(x).view(b, t, 1, d).transpose(1, 2).expand(b, 2, t, d)
+    v = layer.W_value(x).view(b, t, 1, d).transpose(1, 2).expand(b, 2, t, d)
+    ctx = torch.zeros(b, 2, t, d, dtype=torch.float64)
+    for h in range(2):
+        for i in range(t):
+            keys = [j for j in range(t) if j <= i and i - j < 3]
+            s = torch.stack([(q[:, h, i] * k[:, h, j]).sum(-1) / d**0.5 for j in keys], -1)
+            e = torch.exp(s)
+            w = e / (e.sum(-1, keepdim=True) + torch.exp(layer.sinks[h]))
+            ctx[:, h, i] = sum(w[:, n, None] * v[:, h, j] for n, j in enumerate(keys))
+    want = layer.out_proj(ctx.transpose(1, 2).reshape(b, t, 8))
+    torch.testing.assert_close(out, want, **TOL[torch.float64])
+    out.sum().backward()
+    assert layer.sinks.grad is not None and layer.sinks.grad.abs().min() > 0

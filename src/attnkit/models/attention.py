@@ -17,7 +17,6 @@ Shapes: b batch, t new tokens, s keys, h query heads, h_kv key/value heads, d he
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -152,7 +151,6 @@ class CausalSelfAttention(nn.Module):
         trace.emit("queries", q)
         trace.emit("keys", k)
         trace.emit("values", v)
-        kwargs: dict[str, Any] = {} if self.sinks is None else {"sinks": self.sinks}
         ctx = attention(
             q,
             k,
@@ -161,8 +159,8 @@ class CausalSelfAttention(nn.Module):
             causal=inputs.causal if inputs.mask is None else False,
             window=inputs.window if inputs.mask is None else None,
             dropout_p=self.dropout_p if self.training else 0.0,
+            sinks=self.sinks,
             backend=self.backend,
-            **kwargs,
         )  # (b, h, t, d)
         assert isinstance(ctx, torch.Tensor)  # no weights were asked for
         out = self.out_proj(ctx.transpose(1, 2).reshape(b, t, self.d_out))  # (b, t, d_out)

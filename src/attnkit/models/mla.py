@@ -139,15 +139,14 @@ class MultiHeadLatentAttention(nn.Module):
             lat = torch.cat((c, rotate(k_rope, inputs.key_rope)), dim=-1)
         trace.emit("latents", lat)
         w_ukv = self.W_ukv.weight.view(h, 2, d, r)  # (h, [k, v], d, r)
-        kwargs = {} if self.sinks is None else {"sinks": self.sinks}
         common: dict[str, Any] = dict(
             mask=inputs.mask,
             causal=inputs.causal if inputs.mask is None else False,
             window=inputs.window if inputs.mask is None else None,
             scale=self.scale,
             dropout_p=self.dropout_p if self.training else 0.0,
+            sinks=self.sinks,
             backend=self.backend,
-            **kwargs,
         )
         if absorb if absorb is not None else cache is not None:
             q_lat = torch.einsum("bhtd,hdr->bhtr", q_nope, w_ukv[:, 0])  # (b, h, t, r)
