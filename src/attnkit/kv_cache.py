@@ -177,17 +177,16 @@ class KVCache(nn.Module):
             raise ValueError(f"input_pos must have shape ({t},), got {tuple(input_pos.shape)}")
         k = k.to(k_cache.dtype)
         v = None if v is None else v.to(k_cache.dtype)
-        if not torch.compiler.is_compiling() and self.max_seq_len is not None:
-            last = int(input_pos[-1])
-            if last >= self.max_seq_len:
-                raise ValueError(
-                    f"KV cache overflow: writing time index {last} exceeds max_seq_len="
-                    f"{self.max_seq_len}; allocate a longer cache"
-                )
+        eager = not torch.compiler.is_compiling()
+        start = int(input_pos[0]) if eager else 0  # input_pos is consecutive: one read
+        if eager and self.max_seq_len is not None and start + t > self.max_seq_len:
+            raise ValueError(
+                f"KV cache overflow: writing time index {start + t - 1} exceeds max_seq_len="
+                f"{self.max_seq_len}; allocate a longer cache"
+            )
         if self.window is None:
-            if not self.static and not torch.compiler.is_compiling():
+            if not self.static and eager:
                 # Eager decoding: plain slices (narrow: the cheapest call per token).
-                start = int(input_pos[0])
                 k_cache.narrow(2, start, t).copy_(k)
                 keys = k_cache.narrow(2, 0, start + t)
                 if v is None or v_cache is None:

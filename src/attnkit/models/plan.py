@@ -71,7 +71,8 @@ def _check_idx(model: GPT, idx: torch.Tensor) -> None:
         raise ValueError("idx has no tokens")
     if not torch.compiler.is_compiling():
         v = model.cfg.vocab_size
-        if int(idx.min()) < 0 or int(idx.max()) >= v:
+        low, high = torch.aminmax(idx)
+        if int(low) < 0 or int(high) >= v:
             raise ValueError(f"token ids must be in [0, {v})")
 
 
