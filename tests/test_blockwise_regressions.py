@@ -84,7 +84,7 @@ def test_softcap_validates_its_cap(cap):
         ("blockwise", {"causal": True}, 50),
         ("blockwise-tiles", {"causal": True}, 50),
         ("auto", {"causal": True, "window": 64}, 1100),
-        ("auto", {"mask_mod": M.sliding_window(64)}, 1100),
+        ("auto", {"mask_mod": M.sliding_window(64, alignment="top_left")}, 1100),
     ],
     ids=["blockwise", "tiles", "auto-window", "auto-mask-mod"],
 )

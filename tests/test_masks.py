@@ -35,18 +35,25 @@ LENGTHS = torch.tensor([13, 4])
 IDS = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3])
 
 CASES = {
-    "causal_tl": (M.causal(), lambda b, h, i, j: j <= i),
+    "causal_tl": (M.causal("top_left"), lambda b, h, i, j: j <= i),
     "causal_br": (M.causal("bottom_right", 11, 13), lambda b, h, i, j: j <= i + 2),
-    "window": (M.sliding_window(3), lambda b, h, i, j: i - 3 < j <= i),
-    "window_sym": (M.sliding_window(3, causal=False), lambda b, h, i, j: abs(i - j) < 3),
+    "window": (M.sliding_window(3, alignment="top_left"), lambda b, h, i, j: i - 3 < j <= i),
+    "window_br": (
+        M.sliding_window(3, True, "bottom_right", 11, 13),
+        lambda b, h, i, j: i - 1 < j <= i + 2,
+    ),
+    "window_sym": (
+        M.sliding_window(3, causal=False, alignment="top_left"),
+        lambda b, h, i, j: abs(i - j) < 3,
+    ),
     "padding": (M.padding(LENGTHS), lambda b, h, i, j: j < int(LENGTHS[b])),
     "prefix_lm": (M.prefix_lm(5), lambda b, h, i, j: j < 5 or j <= i),
     "and": (
-        M.and_masks(M.causal(), M.padding(LENGTHS)),
+        M.and_masks(M.causal("top_left"), M.padding(LENGTHS)),
         lambda b, h, i, j: j <= i and j < int(LENGTHS[b]),
     ),
     "or": (
-        M.or_masks(M.sliding_window(2), M.document(IDS)),
+        M.or_masks(M.sliding_window(2, alignment="top_left"), M.document(IDS)),
         lambda b, h, i, j: i - 2 < j <= i or IDS[i] == IDS[j],
     ),
 }
@@ -107,7 +114,7 @@ def test_score_mods_match_loops():
 @pytest.mark.parametrize("backend", ["reference", "sdpa", "blockwise"])
 def test_mask_mods_run_on_every_backend(backend):
     q, k, v = (torch.randn(2, 3, 13, 8, dtype=torch.float64) for _ in range(3))
-    mod = M.and_masks(M.document(IDS), M.causal(), M.padding(LENGTHS))
+    mod = M.and_masks(M.document(IDS), M.causal("bottom_right", 13, 13), M.padding(LENGTHS))
     out = attention(q, k, v, mask_mod=mod, backend=backend)
     keep = dense(mod, lq=13, lk=13)
     want = attention(q, k, v, mask=keep, backend="reference")
@@ -129,6 +136,10 @@ def test_mask_mods_run_on_every_backend(backend):
         (lambda: M.softcap(0), "cap"),
         (lambda: M.relative_bias(torch.ones(2, 4)), "table"),
         (lambda: M.causal("middle"), "alignment"),
+        (lambda: M.causal(), "bottom_right alignment .* needs q_len and k_len"),
+        (lambda: M.causal("bottom_right", 4), "needs q_len and k_len"),
+        (lambda: M.sliding_window(3), "sliding_window: bottom_right alignment"),
+        (lambda: M.causal("top_left", 3, 4), "top_left alignment takes no q_len"),
     ],
 )
 def test_bad_arguments_name_the_value(factory, match):
@@ -137,8 +148,26 @@ def test_bad_arguments_name_the_value(factory, match):
 
 
 def test_mods_print_their_recipe():
-    mod = M.and_masks(M.sliding_window(4), M.prefix_lm(2))
-    assert repr(mod) == "and_masks(sliding_window(4, causal=True), prefix_lm(2))"
+    mod = M.and_masks(M.sliding_window(4, alignment="top_left"), M.prefix_lm(2))
+    assert repr(mod) == "and_masks(sliding_window(4, causal=True, 'top_left'), prefix_lm(2))"
+
+
+@pytest.mark.parametrize("lens", [(5, 5), (3, 9), (9, 4), (1, 7)])
+@pytest.mark.parametrize("window", [None, 1, 3])
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_mod_defaults_agree_with_attention_flags(lens, window, is_causal):
+    """causal()/sliding_window() default to the alignment of causal=True / window=."""
+    if window is None and not is_causal:
+        return
+    lq, lk = lens
+    q, k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64) for n in (lq, lk, lk))
+    if window is None:
+        mod = M.causal(q_len=lq, k_len=lk)
+    else:
+        mod = M.sliding_window(window, is_causal, q_len=lq, k_len=lk)
+    flags = attention(q, k, v, causal=is_causal, window=window, backend="reference")
+    via_mod = attention(q, k, v, mask_mod=mod, backend="reference")
+    torch.testing.assert_close(via_mod, flags, **TOL[torch.float64])
 
 
 # --- sizes checked before computing (issue 13: IndexError from inside a mod) -----------
@@ -169,7 +198,7 @@ def test_mods_print_their_recipe():
             r"table has 2 rows \(num_heads\) but the query has 3",
         ),
         (
-            M.and_masks(M.causal(), M.padding(torch.tensor([1, 2, 3]))),
+            M.and_masks(M.causal("top_left"), M.padding(torch.tensor([1, 2, 3]))),
             "mask_mod",
             "lengths has 3 entries",
         ),

@@ -97,7 +97,7 @@ def make_case(case, b, h, lq, lk, gen):
     if case == "document":
         ids = (torch.arange(max(lq, lk)) * 3 // max(lq, lk))[: max(lq, lk)]
         keep = (ids[:lq].view(-1, 1) == ids[:lk].view(1, -1)) & (j <= i)
-        mod = M.and_masks(M.document(ids), M.causal())
+        mod = M.and_masks(M.document(ids), M.causal("top_left"))
         return {"mask_mod": mod}, keep.view(1, 1, lq, lk), None
     if case in ("block_mask", "block_mask16"):
         # per batch element and head: batch 1 pads its keys, odd heads are causal
@@ -356,7 +356,7 @@ def test_sparse_tables_list_only_non_empty_tiles():
         ({"mask": torch.zeros(40, 40, requires_grad=True)}, "float mask"),
         ({"dtype": torch.float64}, "float64"),
         ({"d": 320}, "head dims"),
-        ({"mask_mod": M.causal(), "block_mask": "bm"}, "not both"),
+        ({"mask_mod": M.causal("top_left"), "block_mask": "bm"}, "not both"),
     ],
     ids=["dropout", "weights", "score_mod", "mask_grad", "float64", "head_dim", "mod+block"],
 )
@@ -365,7 +365,9 @@ def test_refusals_say_why(kwargs, reason):
     kwargs = dict(kwargs)
     q, k, v = _qkv(dtype=kwargs.pop("dtype", torch.float32), d=kwargs.pop("d", 16))
     if kwargs.get("block_mask") == "bm":
-        kwargs["block_mask"] = create_block_mask(M.causal(), None, None, 40, 40, block_size=16)
+        kwargs["block_mask"] = create_block_mask(
+            M.causal("top_left"), None, None, 40, 40, block_size=16
+        )
     if "mask" in kwargs:
         kwargs["mask"] = kwargs["mask"].to(DEVICE)
     with pytest.raises(ValueError, match=reason):

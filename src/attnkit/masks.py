@@ -38,7 +38,9 @@ Every piece is ANDed: causal, window, mask_mod and ``mask``.
 
 Composable pieces
 -----------------
-Mask mods (predicates, True = may attend): :func:`causal`, :func:`sliding_window`,
+Mask mods (predicates, True = may attend): :func:`causal`, :func:`sliding_window`
+(aligned as ``causal=True``/``window=``: bottom-right, so they take ``q_len``/``k_len``,
+or ``"top_left"`` without),
 :func:`padding`, :func:`prefix_lm`, :func:`document`, combined with :func:`and_masks`
 and :func:`or_masks`. Score mods: :func:`alibi`, :func:`softcap`, :func:`relative_bias`.
 Each backend turns them into what it needs: the reference and sdpa backends a dense
@@ -329,26 +331,60 @@ class _Mod:
         return self.name
 
 
-def causal(alignment: CausalAlignment = "top_left", q_len: int = 0, k_len: int = 0) -> MaskMod:
-    """Causal mask mod. ``"bottom_right"`` needs ``q_len`` and ``k_len`` (see module docs)."""
+def _mod_offset(name: str, alignment: str, q_len: int | None, k_len: int | None) -> int:
+    """The query offset of a causal/window mod, aligned as ``attention(causal=...)`` is.
+
+    Bottom-right (the default, as ``causal=True``) lines the last query up with the
+    last key: a mod cannot see the lengths, so it must be given them; top-left needs none.
+    """
     if alignment not in _ALIGNMENTS:
         raise ValueError(f"alignment must be 'top_left' or 'bottom_right', got {alignment!r}")
-    offset = k_len - q_len if alignment == "bottom_right" else 0
+    if alignment == "top_left":
+        if q_len is not None or k_len is not None:
+            raise ValueError(f"{name}: top_left alignment takes no q_len/k_len")
+        return 0
+    if q_len is None or k_len is None:
+        raise ValueError(
+            f"{name}: bottom_right alignment (the default, as causal=True) needs q_len and "
+            "k_len, which a mask mod cannot see; pass them, or alignment='top_left' "
+            "(the same when q_len == k_len)"
+        )
+    return check_int(k_len, "k_len", minimum=0) - check_int(q_len, "q_len", minimum=0)
+
+
+def causal(
+    alignment: CausalAlignment = "bottom_right", q_len: int | None = None, k_len: int | None = None
+) -> MaskMod:
+    """Causal mask mod, aligned as ``attention(causal=True)`` (bottom-right) by default.
+
+    Bottom-right needs ``q_len`` and ``k_len`` (a mod only sees indices); ``"top_left"``
+    needs neither. Raises ValueError when bottom-right lengths are missing.
+    """
+    offset = _mod_offset("causal", alignment, q_len, k_len)
     return _Mod(
         f"causal({alignment!r})",
         lambda b, h, q, kv: position_keep(q + offset, kv, causal=True, window=None),
     )
 
 
-def sliding_window(window: int, causal: bool = True) -> MaskMod:
-    """Keep ``q_idx - window < kv_idx`` (and ``kv_idx <= q_idx`` if ``causal``, else
-    ``kv_idx < q_idx + window``): each query sees itself and ``window - 1`` keys before."""
+def sliding_window(
+    window: int,
+    causal: bool = True,
+    alignment: CausalAlignment = "bottom_right",
+    q_len: int | None = None,
+    k_len: int | None = None,
+) -> MaskMod:
+    """Keep ``p - window < kv_idx`` (and ``kv_idx <= p`` if ``causal``, else
+    ``kv_idx < p + window``), ``p`` the aligned query position: the same keys as
+    ``attention(window=window, causal=causal)``. Aligned like :func:`causal` (bottom-right
+    needs ``q_len`` and ``k_len``; ``"top_left"`` needs neither)."""
     w = check_int(window, "window")
+    offset = _mod_offset("sliding_window", alignment, q_len, k_len)
 
     def fn(b, h, q, kv):
-        return position_keep(q, kv, causal=causal, window=w)
+        return position_keep(q + offset, kv, causal=causal, window=w)
 
-    return _Mod(f"sliding_window({w}, causal={causal})", fn)
+    return _Mod(f"sliding_window({w}, causal={causal}, {alignment!r})", fn)
 
 
 def padding(lengths: torch.Tensor) -> MaskMod:

@@ -96,7 +96,7 @@ def _runner(name: str, pattern: str, q, k, v, ids, backward: bool) -> Runner:
         elif pattern == "softcap":
             kw["score_mod"] = M.softcap(SOFTCAP)
         elif pattern == "documents":
-            mod = M.and_masks(M.document(ids.to(q.device)), M.causal())
+            mod = M.and_masks(M.document(ids.to(q.device)), M.causal("top_left"))
             kw = {"block_mask": create_block_mask(mod, None, None, t, t, device=q.device)}
         fn = lambda: attention(q, k, v, backend="triton", **kw)  # noqa: E731
     elif name in ("sdpa-flash", "sdpa-default"):
@@ -192,7 +192,7 @@ def _check(pattern: str, q, k, v, ids) -> float:
     elif pattern == "softcap":
         kw["score_mod"] = M.softcap(SOFTCAP)
     elif pattern == "documents":
-        mod = M.and_masks(M.document(ids[:n].to(q.device)), M.causal())
+        mod = M.and_masks(M.document(ids[:n].to(q.device)), M.causal("top_left"))
         kw = {"block_mask": create_block_mask(mod, None, None, n, n, device=q.device)}
     with torch.no_grad():
         ours = cast(torch.Tensor, attention(qs, ks, vs, backend="triton", **kw))
