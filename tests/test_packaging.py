@@ -26,7 +26,7 @@ def _run_python(code: str) -> subprocess.CompletedProcess:
 
 def test_import_attnkit_loads_no_optional_dependency() -> None:
     code = (
-        "import sys, attnkit, attnkit.io, attnkit.integrations\n"
+        "import sys, attnkit, attnkit.checkpoints, attnkit.integrations\n"
         "heavy = sorted(m for m in ('transformers', 'matplotlib', 'safetensors') if m in sys.modules)\n"
         "assert not heavy, heavy\n"
         "print('ok', attnkit.__version__)\n"
@@ -75,7 +75,7 @@ def _torch_load_calls() -> list[tuple[Path, ast.Call]]:
 
 def test_every_torch_load_is_weights_only() -> None:
     calls = _torch_load_calls()
-    assert calls, "expected at least attnkit.io's torch.load"
+    assert calls, "expected at least attnkit.checkpoints's torch.load"
     for path, call in calls:
         kw = {k.arg: k.value for k in call.keywords}
         ok = isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True

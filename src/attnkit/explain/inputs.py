@@ -80,6 +80,8 @@ def _parse_json(text: str, path: Path) -> list[list[float]]:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"embeddings file {path.name!r} is not valid JSON: {err.msg}") from None
+    except RecursionError:
+        raise ValueError(f"embeddings file {path.name!r} is nested too deeply") from None
     if isinstance(data, dict):
         data = data.get("embeddings")
     if not isinstance(data, list) or not all(isinstance(r, list) for r in data):

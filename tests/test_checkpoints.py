@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import attnkit
-from attnkit.io import load_checkpoint, load_module, safe_torch_load, save_checkpoint
+from attnkit.checkpoints import load_checkpoint, load_module, safe_torch_load, save_checkpoint
 
 
 class _CreatesFile:
@@ -36,7 +36,7 @@ def test_malicious_pickle_is_refused_and_runs_nothing(tmp_path: Path) -> None:
         pickle.load(f).get("weight").close()
     assert target.exists()
     target.unlink()
-    with pytest.raises(ValueError, match=r"refusing to load .*evil\.pt.*no code in it was run"):
+    with pytest.raises(ValueError, match=r"refusing to load .*evil\.pt.*nothing in it was run"):
         safe_torch_load(evil)
     with pytest.raises(ValueError, match="refusing to load"):
         load_checkpoint(evil)
