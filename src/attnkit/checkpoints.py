@@ -68,6 +68,14 @@ def _safetensors() -> Any:
     return safetensors.torch
 
 
+def _normal_mode(path: Path) -> None:
+    """Give ``path`` the permissions a plain ``open`` would (``0666 & ~umask``): some writers,
+    safetensors among them, create ``0600`` files."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[-1] if text else type(err).__name__
@@ -194,6 +202,7 @@ def save_checkpoint(
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     try:
         _safetensors().save_file(tensors, str(tmp), metadata=meta or None)
+        _normal_mode(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
@@ -371,6 +380,7 @@ def write_directory(directory: PathLike, files: Mapping[str, FileSource]) -> Pat
                 path.write_bytes(source)
             else:
                 source(path)
+            _normal_mode(path)
             _fsync(path)
             entries[name] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
         manifest = json.dumps({"format": _MANIFEST_FORMAT, "files": entries}, indent=2)
