@@ -39,9 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         epilog=EXAMPLES,
         formatter_class=HelpFormatter,
     )
-    p.add_argument(
-        "input", nargs="?", help="a .json explain run, .pt/.pth, .npz or .safetensors"
-    )
+    p.add_argument("input", nargs="?", help="a .json explain run, .pt/.pth, .npz or .safetensors")
     p.add_argument("--tokens", help="token labels, separated by spaces")
     p.add_argument("--tokens-file", metavar="FILE", help="token labels, one per line")
     p.add_argument(

@@ -58,8 +58,7 @@ def plot_attention(
     w_all = maps.weights[layer].numpy()  # (heads, q, k)
     picked = list(range(w_all.shape[0])) if heads is None else list(heads)
     if not picked or any(
-        isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < w_all.shape[0]
-        for h in picked
+        isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < w_all.shape[0] for h in picked
     ):
         raise ValueError(f"heads {picked} out of range: layer {layer} has {w_all.shape[0]} heads")
     w = w_all[picked]
