@@ -103,7 +103,7 @@ def plots(result: dict, out: Path) -> list[Path]:
 
 def _targets_plot(plt, result: dict, path: Path) -> Path:
     rows = [r for r in result["targets"] if r["ratio"] is not None]
-    fig, ax = plt.subplots(figsize=(7, 0.5 * len(rows) + 1.5))
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(rows) + 1.5), layout="constrained")
     labels = [f"{r['target']}: {r['what']}"[:60] for r in rows]
     ax.barh(range(len(rows)), [r["ratio"] for r in rows], color="#3b528b")
     for i, r in enumerate(rows):
@@ -112,9 +112,8 @@ def _targets_plot(plt, result: dict, path: Path) -> Path:
     ax.set_yticks(range(len(rows)), labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xscale("log")
-    smoke = " (smoke run: toy sizes, not graded)" if result.get("quick") else ""
+    smoke = "\nsmoke run (--quick): toy sizes, not graded" if result.get("quick") else ""
     ax.set(xlabel="ratio (red: the goal)", title=f"benchmark targets{smoke}")
-    fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
