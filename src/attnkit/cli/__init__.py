@@ -12,6 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from attnkit import __version__
 
@@ -59,7 +60,7 @@ def _check_parents(p: Path, flag: str) -> None:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's own usage errors: exit 2, one line
+    def error(self, message: str) -> NoReturn:  # argparse's own usage errors: exit 2, one line
         raise CliError(message)
 
 

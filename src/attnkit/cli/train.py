@@ -180,7 +180,9 @@ def run(args: argparse.Namespace) -> int:
     out = output_dir(args.out)
     _check_out(args, out)
     torch.manual_seed(args.seed)
-    model, opt_state, start, losses, meta = None, None, 0, [], {}
+    model, opt_state, start = None, None, 0
+    losses: list[float] = []
+    meta: dict[str, Any] = {}
     schedule = None
     if args.resume:
         try:

@@ -114,7 +114,8 @@ def _parse_json(text: str, path: Path) -> list[list[float]]:
 
 
 def _parse_csv(text: str, path: Path) -> tuple[list[str] | None, list[list[float]]]:
-    rows, labels = [], []
+    rows: list[list[float]] = []
+    labels: list[str] = []
     for i, row in enumerate(csv.reader(text.splitlines())):
         cells = [c.strip() for c in row if c.strip()]
         if not cells:

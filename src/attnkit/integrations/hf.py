@@ -69,7 +69,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 try:  # transformers >= 5 records attentions with hooks and no longer tells every layer
     from transformers.utils.output_capturing import _active_collector
 except ImportError:  # pragma: no cover - older transformers pass output_attentions instead
-    _active_collector = None
+    _active_collector = None  # type: ignore[assignment]
 
 from attnkit import backends
 from attnkit.attention import attention
@@ -268,13 +268,16 @@ def make_attention_function(backend: str = "auto") -> Callable[..., tuple[torch.
             score_mod=None if softcap is None else _softcap_mod(float(softcap)),
             backend=backend,
         )
-        context, weights = result if output_attentions else (result, None)
+        if isinstance(result, tuple):
+            context, weights = result[0], result[1]
+        else:
+            context, weights = result, None
         return context.transpose(1, 2).contiguous(), weights  # (b, l_q, h_q, d)
 
     return attnkit_attention_forward
 
 
-def attnkit_mask(*args: Any, **kwargs: Any) -> torch.Tensor:
+def attnkit_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """The mask function registered with ``AttentionMaskInterface``.
 
     transformers' ``sdpa_mask`` with its "skip the mask" shortcuts disabled, so that every

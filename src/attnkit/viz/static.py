@@ -87,6 +87,7 @@ def plot_attention(
         ax.set_xlabel("key", fontsize=8)
         if i % cols == 0:
             ax.set_ylabel("query", fontsize=8)
+    assert image is not None  # n >= 1 panels were drawn
     fig.colorbar(image, ax=axes.ravel().tolist(), shrink=0.8, label="attention weight")
     total = w_all.shape[0]
     shown = f"{total} head{'s' * (total > 1)}" if n == total else f"{n} of {total} heads"
