@@ -53,9 +53,7 @@ def test_copy_loss_goes_down():
 
 
 def test_lr_schedule_is_warmup_cosine_through_lambdalr():
-    model = torch.nn.Linear(2, 2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1.0)
-    seen = []
+    seen: list[float] = []
     data = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
     gpt = GPT(GPTConfig(vocab_size=4, context_length=2, emb_dim=8, n_layers=1, n_heads=2))
     opt = torch.optim.AdamW(gpt.parameters(), lr=1.0)
@@ -70,6 +68,20 @@ def test_lr_schedule_is_warmup_cosine_through_lambdalr():
     assert seen == pytest.approx(expected)
     assert seen[0] == pytest.approx(1 / 50 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 100))))
     assert seen[-1] == pytest.approx(0.1)
+    # resumed at step 60 with the saved optimizer state: the same rates as without a stop
+    resumed: list[float] = []
+    opt2 = torch.optim.AdamW(gpt.parameters(), lr=123.0)  # --lr on resume does not matter
+    opt2.load_state_dict(opt.state_dict())
+    train(
+        gpt,
+        lambda: (resumed.append(opt2.param_groups[0]["lr"]), data)[1],
+        100,
+        optimizer=opt2,
+        start_step=60,
+        schedule=Schedule(100),
+        progress=False,
+    )
+    assert resumed == pytest.approx(expected[60:])
 
 
 def test_resumed_lr_schedule_does_not_jump_when_steps_grow():
