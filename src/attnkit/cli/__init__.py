@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except OSError as err:  # a path the user named cannot be read or written
-        where = f" {err.filename!r}" if err.filename else ""
+        where = f" {err.filename!r}:" if err.filename else ""
         print(f"attnkit: error:{where} {err.strerror or err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -217,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
         except (ValueError, KeyError, RuntimeError) as err:
             raise CliError(f"checkpoint's optimizer state does not fit the model: {err}") from None
     schedule = (schedule or Schedule(args.steps)).extended(start, args.steps)
+    out.mkdir(parents=True, exist_ok=True)  # a path that cannot be written fails now, not later
     g = torch.Generator().manual_seed(args.seed + start)
     meta = {"task": task, "text": args.text, "length": length if task else None}
     print(
