@@ -252,3 +252,18 @@ def test_html_view_one_head_has_no_average_and_one_scale_per_layer():
     page = viz.AttentionView(maps).to_html()
     assert "(many){" in page.replace(" ", "")  # the average option only for several heads
     assert "layerMax(l)" in page and "(masked)" in page
+
+
+@needs_chromium
+def test_html_view_masked_cells_axes_and_single_head_in_chromium(tmp_path):
+    maps = viz.from_explanation(explain(YOUR_JOURNEY.tokens, YOUR_JOURNEY.tensor()))
+    page = viz.AttentionView(maps).save(tmp_path / "view.html")
+    causal = maps.names.index("causal")
+    dom = _chromium(tmp_path, f"{page.as_uri()}#layer={causal}", "--dump-dom").stdout
+    head_select = re.search(r'<select class="akv-head">(.*?)</select>', dom).group(1)
+    assert "average" not in head_select and head_select.count("<option") == 1  # one head
+    assert dom.count("akv-c akv-m") == 15  # the 6x6 causal map's masked cells
+    assert "query ↓ · key →" in dom
+    multi = maps.names.index("multihead")
+    dom = _chromium(tmp_path, f"{page.as_uri()}#layer={multi}", "--dump-dom").stdout
+    assert "average of heads" in re.search(r'<select class="akv-head">(.*?)</select>', dom).group(1)
