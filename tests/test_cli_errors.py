@@ -220,6 +220,7 @@ def test_resume_refuses_a_changed_task_or_model(tmp_path, capsys, checkpoint):
     assert_user_error(capsys, [*base, "--length", "5"], "--length")
     assert_user_error(capsys, [*base, "--emb-dim", "32"], "--emb-dim")
     assert_user_error(capsys, [*base, "--overwrite"], "not both")
+    assert_user_error(capsys, [*base, "--lr", "0.1"], "keeps its learning rate")
 
 
 # --- inputs that are files ------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 from attnkit.cli import CliError, HelpFormatter, output_dir
 
 TASKS = ["copy", "reverse", "sort", "recall"]
-DEFAULT_TASK, DEFAULT_LENGTH, DEFAULT_TEXT_CONTEXT = "reverse", 8, 64
+DEFAULT_TASK, DEFAULT_LENGTH, DEFAULT_TEXT_CONTEXT, DEFAULT_LR = "reverse", 8, 64, 3e-3
 _MODEL_FLAGS = ("context_length", "emb_dim", "n_layers", "n_heads", "n_kv_heads", "window")
 
 EXAMPLES = """\
@@ -59,7 +59,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=1500, help="last step number")
     p.add_argument("--batch-size", type=int, default=64, help="sequences per step")
     p.add_argument(
-        "--lr", type=float, default=3e-3, help="peak learning rate (warm-up, then cosine)"
+        "--lr",
+        type=float,
+        default=None,
+        help=f"peak learning rate, warm-up then cosine (default {DEFAULT_LR}; kept on --resume)",
     )
     p.add_argument(
         "--length",
@@ -92,7 +95,7 @@ def _check_args(args: argparse.Namespace) -> None:
             raise CliError(
                 f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
             )
-    if not (math.isfinite(args.lr) and args.lr > 0):
+    if args.lr is not None and not (math.isfinite(args.lr) and args.lr > 0):
         raise CliError(f"--lr must be a positive finite number, got {args.lr}")
     for name in ("length", *_MODEL_FLAGS):
         value = getattr(args, name)
@@ -145,6 +148,8 @@ def _resume_meta(args: argparse.Namespace, meta: dict[str, Any]) -> None:
                 f"--{flag} {given} differs from the checkpoint's {saved!r}; "
                 "a resumed run keeps its data (start a new --out instead)"
             )
+    if args.lr is not None:
+        raise CliError("--lr: a resumed run keeps its learning rate and schedule")
     changed = [f"--{f.replace('_', '-')}" for f in _MODEL_FLAGS if getattr(args, f) is not None]
     if changed or args.rope:
         raise CliError(f"{', '.join(changed or ['--rope'])}: the model is fixed on --resume")
@@ -210,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
         model = GPT(_config(args, data.tokenizer.vocab_size, data.seq_len))
     elif model.cfg.context_length < data.seq_len - 1:
         raise CliError("the checkpoint's context is shorter than the data's sequences")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    lr = DEFAULT_LR if args.lr is None else args.lr
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     if opt_state is not None:
         try:
             optimizer.load_state_dict(opt_state)
