@@ -197,6 +197,10 @@ def test_optimizer_keys_without_a_dot(tmp_path, capsys, checkpoint):
     files["optimizer.safetensors"] = lambda p: save_file({"nodot": torch.zeros(1)}, p)
     write_directory(bad, files)
     assert_user_error(capsys, ["train", "--out", str(bad), "--steps", "5", "--resume"], "nodot")
+    # whole, but a moment of the wrong shape: refused before training, not a torch error
+    files["optimizer.safetensors"] = lambda p: save_file({"0.exp_avg": torch.zeros(3)}, p)
+    write_directory(bad, files)
+    assert_user_error(capsys, ["train", "--out", str(bad), "--steps", "5", "--resume"], "shape")
 
 
 def test_torn_checkpoint_is_refused_on_generate_and_resume(tmp_path, capsys, checkpoint):

@@ -220,8 +220,9 @@ def run(args: argparse.Namespace) -> int:
     if opt_state is not None:
         try:
             optimizer.load_state_dict(opt_state)
-        except (ValueError, KeyError, RuntimeError) as err:
-            raise CliError(f"checkpoint's optimizer state does not fit the model: {err}") from None
+        except (ValueError, KeyError, TypeError, RuntimeError) as err:
+            msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise CliError(f"checkpoint's optimizer state does not fit the model: {msg}") from None
     schedule = (schedule or Schedule(args.steps)).extended(start, args.steps)
     out.mkdir(parents=True, exist_ok=True)  # a path that cannot be written fails now, not later
     g = torch.Generator().manual_seed(args.seed + start)

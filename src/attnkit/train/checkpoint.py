@@ -170,7 +170,7 @@ def load_checkpoint(
     model.eval()
     opt_state = None
     if groups is not None and "optimizer.safetensors" in files:
-        opt_state = _optimizer_state(files["optimizer.safetensors"], groups)
+        opt_state = _optimizer_state(files["optimizer.safetensors"], groups, model)
     return model, tokenizer, meta, opt_state
 
 
@@ -183,7 +183,7 @@ def _check_backend(name: str) -> None:
         )
 
 
-def _optimizer_state(path: Path, groups: list[dict[str, Any]]) -> dict[str, Any]:
+def _optimizer_state(path: Path, groups: list[dict[str, Any]], model: GPT) -> dict[str, Any]:
     try:
         tensors = load_state(path)
     except ValueError as err:
@@ -197,4 +197,17 @@ def _optimizer_state(path: Path, groups: list[dict[str, Any]]) -> dict[str, Any]
                 f"corrupt optimizer state {str(path)!r}: key {key!r} is not '<param index>.<name>'"
             )
         state_by_param.setdefault(int(i), {})[name] = t
+    params = list(model.parameters())
+    if n_params != len(params):
+        raise CheckpointError(
+            f"corrupt optimizer state {str(path)!r}: {n_params} parameters for a model of "
+            f"{len(params)}"
+        )
+    for i, state in state_by_param.items():  # moments must have their parameter's shape
+        for name, t in state.items():
+            if t.dim() > 0 and t.shape != params[i].shape:
+                raise CheckpointError(
+                    f"corrupt optimizer state {str(path)!r}: {i}.{name} has shape "
+                    f"{tuple(t.shape)}, its parameter {tuple(params[i].shape)}"
+                )
     return {"state": state_by_param, "param_groups": groups}
