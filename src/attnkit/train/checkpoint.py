@@ -203,11 +203,11 @@ def _optimizer_state(path: Path, groups: list[dict[str, Any]], model: GPT) -> di
             f"corrupt optimizer state {str(path)!r}: {n_params} parameters for a model of "
             f"{len(params)}"
         )
-    for i, state in state_by_param.items():  # moments must have their parameter's shape
+    for index, state in state_by_param.items():  # moments must have their parameter's shape
         for name, t in state.items():
-            if t.dim() > 0 and t.shape != params[i].shape:
+            if t.dim() > 0 and t.shape != params[index].shape:
                 raise CheckpointError(
-                    f"corrupt optimizer state {str(path)!r}: {i}.{name} has shape "
-                    f"{tuple(t.shape)}, its parameter {tuple(params[i].shape)}"
+                    f"corrupt optimizer state {str(path)!r}: {index}.{name} has shape "
+                    f"{tuple(t.shape)}, its parameter {tuple(params[index].shape)}"
                 )
     return {"state": state_by_param, "param_groups": groups}
