@@ -99,7 +99,8 @@ def train(
         start_step: steps already done (``--resume``).
         schedule: the learning-rate schedule (``torch.optim.lr_scheduler.LambdaLR`` over
             :meth:`Schedule.factor`); warm-up + cosine over ``steps`` when None.
-        progress: draw a tqdm progress bar on stderr (step numbers run start+1..steps).
+        progress: draw a tqdm progress bar on stderr (step numbers run start+1..steps;
+            redrawn at most every 10 s when stderr is not a terminal).
         on_step: called as ``on_step(step, loss)`` after each step.
         should_stop: checked after each whole step; True ends training early (Ctrl-C).
 
@@ -122,6 +123,7 @@ def train(
         disable=not progress,
         file=sys.stderr,
         dynamic_ncols=True,
+        mininterval=0.1 if sys.stderr.isatty() else 10.0,  # a log file gets a line per 10 s
     )
     losses: list[float] = []
     tokens, t0 = 0, time.perf_counter()
