@@ -271,14 +271,21 @@ def machine() -> dict:
     }
 
 
-def run_suite(out: Path, *, quick: bool, grid: bool, reps: int, note: str = "") -> dict:
+def run_suite(
+    out: Path, *, quick: bool, grid: bool, reps: int, note: str = "", quiet: bool = False
+) -> dict:
     """Measure the targets (and the grid if asked); write JSON, Markdown and plots to ``out``."""
     from tqdm.auto import tqdm
 
     targets = target_cases(quick)
     todo = [c for group in "abce" for c in targets[group]]
     grid_list = grid_cases(quick) if grid else []
-    bar = tqdm(total=len(todo) + len(grid_list) + 4, desc="attnkit bench", unit="case")
+    bar = tqdm(
+        total=len(todo) + len(grid_list) + 4,
+        desc="attnkit bench" + (" (smoke run)" if quick else ""),
+        unit="case",
+        disable=quiet,
+    )
     for case in targets["d"]:  # first, while nothing else holds memory
         bar.set_postfix_str(f"peak memory {case.impl} t={case.t}")
         memory_case(case)
@@ -313,14 +320,18 @@ def run_suite(out: Path, *, quick: bool, grid: bool, reps: int, note: str = "") 
     from attnkit.bench.report import markdown, plots
 
     (out / "results.md").write_text(markdown(result))
-    plots(result, out)
+    result["plots"] = [str(p) for p in plots(result, out)]
     return result
 
 
 def build_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the suite's options to ``parser`` (shared by the CLI and ``python -m``)."""
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test in seconds")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="toy sizes: a smoke test in seconds (its ratios are not graded against the targets)",
+    )
     parser.add_argument(
         "--grid", action="store_true", help="also run the full comparison grid (slow)"
     )

@@ -77,11 +77,14 @@ class Explanation:
                 stages[name] = {"heads": heads, "output": _lists(values["output"])}
             else:
                 stages[name] = {key: _lists(values[key]) for key in JSON_KEYS[name]}
-        return {
+        out = {
             "tokens": list(self.tokens),
             "embeddings": _lists(self.embeddings),
             "stages": stages,
         }
+        if "embeddings" in self.options:  # where the vectors came from ("random (seed 0, ...)")
+            out["embeddings_source"] = str(self.options["embeddings"])
+        return out
 
     def attention_maps(self) -> dict[str, torch.Tensor]:
         """``stage -> weights (heads, t, t)`` for the pictures (one head but in multihead)."""
