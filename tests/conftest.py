@@ -1,5 +1,13 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU the triton backend's kernels run on Triton's interpreter. Triton reads
+# the variable when a kernel is defined, so it is set here, before any test module can
+# import them (tests/test_triton.py and the cross-backend fuzz test both reach them).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Tolerances against the float64 reference, keyed by dtype.
 TOL = {

@@ -321,7 +321,6 @@ class TestErrors:
         "kw, name",
         [
             (dict(num_kv_heads=True), "num_kv_heads"),
-            (dict(window=True), "window"),
             (dict(num_heads=True), "num_heads"),
             (dict(context_length=6.0), "context_length"),
         ],
