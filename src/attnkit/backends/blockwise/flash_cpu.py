@@ -152,8 +152,8 @@ def _gather_plan(plan: TilePlan, dtype: torch.dtype, device) -> list[_Group] | N
                 bk = tile.k1 - tile.k0
                 keys[n, at : at + bk] = torch.arange(tile.k0, tile.k1, device=device)
                 m, _ = _kernel_mask(plan, q0, q1, tile, dtype, device)
-                if tile.square:  # the triangle, explicit here
-                    tri = plan.full_keep(q0, q1, tile, device)
+                tri = plan.full_keep(q0, q1, tile, device) if tile.square else None
+                if tri is not None:  # the square's triangle, explicit here
                     base = torch.zeros(bq, bk, dtype=dtype, device=device) if m is None else m
                     m = base.masked_fill(~tri, float("-inf"))
                 if m is None:
