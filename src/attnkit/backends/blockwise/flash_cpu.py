@@ -99,6 +99,149 @@ def _kernel_mask(
     return mask, finite.any(-1, keepdim=True)
 
 
+# ---------------------------------------------------------------------------------------
+# Gathered calls: many query tiles in one kernel call
+# ---------------------------------------------------------------------------------------
+#
+# Where most query tiles see as many keys (a sliding window, documents, a banded block
+# mask: at most a third as many distinct counts as tiles), tiles are grouped by that count; each group's keys are
+# gathered into a ``(tiles, keys)`` layout (one O(keys x d) copy) and the group runs as
+# ONE kernel call with the tiles in the batch dimension and each tile's mask beside it.
+# Every tile then sees all its keys in one call: no merge. Few large calls instead of
+# hundreds of small ones also keep the kernel's threads in step on a busy machine.
+# The backward does the same and scatter-adds the gathered key gradients back.
+
+#: The most float mask elements of one gathered group (bounded memory).
+GATHER_MASK_ELEMENTS = 1 << 24
+
+
+class _Group:
+    """Query tiles of one gathered call: their rows ``(n, bq)``, their keys ``(n, L)``
+    and the float mask ``(n, b|1, h|1, bq, L)``."""
+
+    def __init__(self, rows: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> None:
+        self.rows, self.keys, self.mask = rows, keys, mask
+
+
+def _gather_plan(plan: TilePlan, dtype: torch.dtype, device) -> list[_Group] | None:
+    """The groups of a gathered run, or None when batching query tiles would not pay
+    (few tiles, or tiles seeing very different numbers of keys, as plain causal)."""
+    blocks = plan.q_blocks()
+    if len(blocks) < 4:
+        return None
+    per_len: dict[tuple[int, int], list[tuple[int, int, list[Tile]]]] = {}
+    for q0, q1 in blocks:
+        tiles = plan.tiles(q0, q1, dtype, device)
+        n_keys = sum(t.k1 - t.k0 for t in tiles)
+        per_len.setdefault((q1 - q0, n_keys), []).append((q0, q1, tiles))
+    if len(per_len) > len(blocks) // 3:
+        return None
+    lead = plan.mask_lead()
+    groups = []
+    for (bq, width), members in per_len.items():
+        if width == 0:
+            continue
+        if len(members) * lead * bq * width > GATHER_MASK_ELEMENTS:
+            return None
+        rows = torch.stack([torch.arange(q0, q1, device=device) for q0, q1, _ in members])
+        keys = torch.zeros(len(members), width, dtype=torch.long, device=device)
+        masks = []
+        for n, (q0, q1, tiles) in enumerate(members):
+            parts, at = [], 0
+            for tile in tiles:
+                bk = tile.k1 - tile.k0
+                keys[n, at : at + bk] = torch.arange(tile.k0, tile.k1, device=device)
+                m, _ = _kernel_mask(plan, q0, q1, tile, dtype, device)
+                tri = plan.full_keep(q0, q1, tile, device) if tile.square else None
+                if tri is not None:  # the square's triangle, explicit here
+                    base = torch.zeros(bq, bk, dtype=dtype, device=device) if m is None else m
+                    m = base.masked_fill(~tri, float("-inf"))
+                if m is None:
+                    m = torch.zeros(1, 1, bq, bk, dtype=dtype, device=device)
+                parts.append(m)
+                at += bk
+            parts = [p.view(*([1] * (4 - p.dim())), *p.shape) for p in parts]
+            shape = torch.broadcast_shapes(*(p.shape[:2] for p in parts))
+            masks.append(torch.cat([p.expand(*shape, bq, p.shape[-1]) for p in parts], -1))
+        shape = torch.broadcast_shapes(*(m.shape[:2] for m in masks))
+        mask = torch.stack([m.expand(*shape, bq, width) for m in masks])  # (n, b|1, h|1, bq, L)
+        groups.append(_Group(rows, keys, mask))
+    return groups
+
+
+def _rows_of(plan: TilePlan, group: _Group, x: torch.Tensor) -> torch.Tensor:
+    """``(b, heads, t, d)`` -> the group's query tiles ``(n*b, heads, bq, d)``."""
+    n, bq = group.rows.shape
+    g = x[:, :, group.rows.flatten()]
+    g = g.view(plan.b, x.shape[1], n, bq, x.shape[-1]).permute(2, 0, 1, 3, 4)
+    return g.reshape(n * plan.b, x.shape[1], bq, x.shape[-1])
+
+
+def _keys_of(plan: TilePlan, group: _Group, x: torch.Tensor) -> torch.Tensor:
+    """``(b, h_kv, s, d)`` -> the group's gathered keys ``(n*b, h_kv, L, d)``."""
+    n, width = group.keys.shape
+    g = x[:, :, group.keys.flatten()]
+    g = g.view(plan.b, x.shape[1], n, width, x.shape[-1]).permute(2, 0, 1, 3, 4)
+    return g.reshape(n * plan.b, x.shape[1], width, x.shape[-1])
+
+
+def _group_mask(plan: TilePlan, group: _Group) -> torch.Tensor:
+    n = group.rows.shape[0]
+    mask = group.mask  # (n, b|1, h|1, bq, L)
+    return mask.expand(n, plan.b, *mask.shape[2:]).reshape(n * plan.b, *mask.shape[2:])
+
+
+def _to_rows(plan: TilePlan, group: _Group, x: torch.Tensor) -> torch.Tensor:
+    """``(n*b, h, bq, ...)`` -> ``(b, h, n*bq, ...)`` in the order of ``group.rows``."""
+    n, bq = group.rows.shape
+    x = x.reshape(n, plan.b, plan.h, bq, -1).permute(1, 2, 0, 3, 4)
+    return x.reshape(plan.b, plan.h, n * bq, -1)
+
+
+def _gathered_forward(plan: TilePlan, groups: list[_Group], q, k, v, out, lse) -> None:
+    for group in groups:
+        mask = _group_mask(plan, group)
+        o, l_ = _FORWARD(
+            _rows_of(plan, group, q),
+            _keys_of(plan, group, k),
+            _keys_of(plan, group, v),
+            0.0,
+            False,
+            attn_mask=mask,
+            scale=plan.scale,
+        )[:2]
+        alive = ~torch.isneginf(mask).all(-1)  # (n*b, h|1, bq)
+        o = o.masked_fill(~alive.unsqueeze(-1), 0.0)
+        l_ = l_.masked_fill(~alive, float("-inf"))
+        rows = group.rows.flatten()
+        out[:, :, rows] = _to_rows(plan, group, o).to(out.dtype)
+        lse[:, :, rows] = _to_rows(plan, group, l_).squeeze(-1).to(lse.dtype)
+
+
+def _gathered_backward(
+    plan: TilePlan, groups: list[_Group], q, k, v, out, lse, grad_out, dq, dk, dv
+) -> None:
+    for group in groups:
+        g_q, g_k, g_v = _BACKWARD(
+            _rows_of(plan, group, grad_out),
+            _rows_of(plan, group, q),
+            _keys_of(plan, group, k),
+            _keys_of(plan, group, v),
+            _rows_of(plan, group, out),
+            _rows_of(plan, group, lse.unsqueeze(-1)).squeeze(-1).contiguous(),
+            0.0,
+            False,
+            attn_mask=_group_mask(plan, group),
+            scale=plan.scale,
+        )
+        dq[:, :, group.rows.flatten()] += _to_rows(plan, group, g_q)
+        n, width = group.keys.shape
+        keys = group.keys.flatten()
+        for grad, acc in ((g_k, dk), (g_v, dv)):
+            grad = grad.reshape(n, plan.b, plan.h_kv, width, -1).permute(1, 2, 0, 3, 4)
+            acc.index_add_(2, keys, grad.reshape(plan.b, plan.h_kv, n * width, -1))
+
+
 def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(out (b, h, t, d_v) in q's dtype, lse (b, h, t))``, as the tile engine."""
     acc, out_dtype = acc_dtype(q.dtype), q.dtype
@@ -106,6 +249,10 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     b, h, dv = plan.b, plan.h, v.shape[-1]
     out = torch.zeros(b, h, plan.t, dv, dtype=out_dtype, device=q.device)
     lse = torch.full((b, h, plan.t), float("-inf"), dtype=acc, device=q.device)
+    groups = _gather_plan(plan, q.dtype, q.device)
+    if groups is not None:
+        _gathered_forward(plan, groups, q, k, v, out, lse)
+        return out, lse
     for q0, q1 in plan.q_blocks():
         qt = q[:, :, q0:q1]  # (b, h, bq, d)
         o: torch.Tensor | None = None
@@ -148,7 +295,10 @@ def backward(plan: TilePlan, q, k, v, out, lse, grad_out) -> tuple[torch.Tensor,
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk = torch.zeros(k.shape, dtype=acc, device=q.device)
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
-    for q0, q1 in plan.q_blocks():
+    groups = _gather_plan(plan, q.dtype, q.device)
+    if groups is not None:
+        _gathered_backward(plan, groups, q, k, v, out, lse, grad_out, dq, dk, dv)
+    for q0, q1 in [] if groups is not None else plan.q_blocks():
         qt, ot, gt = q[:, :, q0:q1], out[:, :, q0:q1], grad_out[:, :, q0:q1]
         lt = lse[:, :, q0:q1].contiguous()
         for tile in plan.tiles(q0, q1, q.dtype, q.device):
