@@ -42,9 +42,11 @@ Mask mods (predicates, True = may attend): :func:`causal`, :func:`sliding_window
 :func:`padding`, :func:`prefix_lm`, :func:`document`, combined with :func:`and_masks`
 and :func:`or_masks`. Score mods: :func:`alibi`, :func:`softcap`, :func:`relative_bias`.
 Each backend turns them into what it needs: the reference and sdpa backends a dense
-bool mask (or a dense score tensor), the blockwise backend one tile at a time,
-skipping the tiles a mask mod leaves empty. A score mod's learnable tensors are
-listed in its ``tensors`` attribute, so the blockwise backward can reach them.
+bool mask (or a dense score tensor), the blockwise backend a cached block plan
+(:mod:`attnkit.block_mask`) whose empty tiles it skips. Mods are called with
+FlexAttention's scalar-index semantics (:mod:`attnkit.mods`); the ones here also run on
+broadcast index grids (``grid = True``). A score mod's learnable tensors get gradients
+on every backend (the blockwise one finds them through the mod's autograd graph).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from typing import Literal
 
 import torch
 
-from attnkit._validate import check_int
+from attnkit._validate import check_float, check_int
 
 __all__ = [
     "CausalAlignment",
@@ -81,8 +83,8 @@ __all__ = [
     "window_mask",
 ]
 
-#: ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (True = may attend), on broadcastable
-#: index tensors, as in FlexAttention.
+#: ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (True = may attend), written for
+#: scalar indices as in FlexAttention (see :mod:`attnkit.mods`).
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 #: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to the scaled scores.
 ScoreMod = Callable[
@@ -490,9 +492,8 @@ def alibi(num_heads: int, slopes: torch.Tensor | None = None) -> ScoreMod:
 
 def softcap(cap: float) -> ScoreMod:
     """Soft-capping score mod: ``cap * tanh(score / cap)`` (Gemma-2 style)."""
-    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0:
-        raise ValueError(f"cap must be a positive number, got {cap!r}")
-    c = float(cap)
+    # finite and > 0: an infinite cap gives inf/inf = NaN, a bool is not a number
+    c = check_float(cap, "cap", minimum=0.0, min_inclusive=False)
     return _Mod(f"softcap({c})", lambda score, b, h, q, kv: c * torch.tanh(score / c))
 
 
