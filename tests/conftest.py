@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU the triton backend's kernels run under Triton's interpreter, which must be
+# on before anything imports triton (torch.compile does): set here, before any test module.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Tolerances against the float64 reference, keyed by dtype.
 TOL = {
