@@ -56,3 +56,23 @@ def test_gpu_extra_and_dev_declare_triton():
     assert any(r.startswith("triton>=") for r in extras["gpu"])
     assert any(r.startswith("triton>=") for r in extras["dev"])
     assert not any(r.startswith("triton") for r in project["dependencies"])
+
+
+def test_interpreter_switched_on_too_late_is_refused_not_crashed():
+    """TRITON_INTERPRET set after triton was imported: CPU calls are refused with the reason."""
+    pytest.importorskip("triton")
+    code = (
+        "import os\n"
+        "os.environ.pop('TRITON_INTERPRET', None)\n"
+        "import triton, torch\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "from attnkit import attention\n"
+        "q = torch.randn(1, 1, 4, 16)\n"
+        "try:\n"
+        "    attention(q, q, q, backend='triton')\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    result = _run(code)
+    assert result.returncode == 0, result.stderr
+    assert "before triton is first imported" in result.stdout

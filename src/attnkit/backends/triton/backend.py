@@ -41,8 +41,23 @@ def interpreting() -> bool:
     """
     fwd = sys.modules.get("attnkit.backends.triton._fwd")
     if fwd is not None:
-        return type(fwd.attn_fwd).__name__ == "InterpretedFunction"
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+        return _interpreted(fwd.attn_fwd) and _stdlib_interpreted()
+    env = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return env and _stdlib_interpreted()
+
+
+def _interpreted(fn: object) -> bool:
+    return type(fn).__name__ == "InterpretedFunction"
+
+
+def _stdlib_interpreted() -> bool:
+    """Whether triton's own library (``tl.zeros``, ...) was defined for the interpreter:
+    only when ``TRITON_INTERPRET`` was set before triton was first imported."""
+    if "triton" not in sys.modules:
+        return True  # it will be, when imported now
+    import triton.language as tl
+
+    return _interpreted(tl.zeros)
 
 
 def _triton_missing() -> str | None:
@@ -62,7 +77,10 @@ def supports(call: AttentionCall) -> str | None:
     if q.dtype not in DTYPES:
         return f"the triton kernels take float16, bfloat16 or float32, got {q.dtype}"
     if q.device.type == "cpu" and not interpreting():
-        return "triton runs on CUDA tensors (CPU tensors only under TRITON_INTERPRET=1)"
+        return (
+            "triton runs on CUDA tensors (CPU tensors only under Triton's interpreter: "
+            "TRITON_INTERPRET=1 set before triton is first imported)"
+        )
     if q.device.type not in ("cpu", "cuda"):
         return f"triton runs on CUDA tensors, got {q.device.type}"
     if call.dropout_p > 0.0:
