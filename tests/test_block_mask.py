@@ -38,15 +38,25 @@ def per_head_mod(b, h, q, kv):
     return (kv <= q) | (h == 1)
 
 
+def padding_mod(b, h, q, kv):  # depends on neither q nor h
+    return kv < torch.tensor([12, 5])[b]
+
+
 @pytest.mark.parametrize("block_size", [4, (5, 3), 128])
-@pytest.mark.parametrize(("mod", "B", "H"), [(window_mod, None, None), (per_head_mod, None, 3)])
+@pytest.mark.parametrize(
+    ("mod", "B", "H"),
+    [(window_mod, None, None), (per_head_mod, None, 3), (padding_mod, 2, 3)],
+    ids=["window", "per-head", "padding"],
+)
 def test_kinds_and_dense_match_a_loop(mod, B, H, block_size):
     q_len, kv_len = 23, 17
     bm = create_block_mask(mod, B, H, q_len, kv_len, block_size=block_size)
     dense = _loop_dense(mod, B or 1, H or 1, q_len, kv_len)
-    assert torch.equal(bm.to_dense(), dense)
+    assert torch.equal(bm.to_dense().expand_as(dense), dense)
+    dense = dense[:, :1] if mod is padding_mod else dense
     qb, kb = bm.Q_BLOCK_SIZE, bm.KV_BLOCK_SIZE
-    assert bm.block_kind.shape == (1, H or 1, -(-q_len // qb), -(-kv_len // kb))
+    lead = (B or 1, 1) if mod is padding_mod else (1, H or 1)
+    assert bm.block_kind.shape == (*lead, -(-q_len // qb), -(-kv_len // kb))
     for i in range(bm.block_kind.shape[2]):
         for j in range(bm.block_kind.shape[3]):
             tile = dense[:, :, i * qb : (i + 1) * qb, j * kb : (j + 1) * kb]
@@ -160,3 +170,35 @@ def test_block_mask_that_does_not_fit_is_refused():
         attention(q, k, v, block_mask=torch.ones(45, 45, dtype=torch.bool))
     with pytest.raises(TypeError, match="mask_mod"):
         create_block_mask(lambda b, h, q, kv: torch.ones(3), None, None, 8, 8)
+
+
+IDS = torch.zeros(60, dtype=torch.long)
+
+
+def _global_ids_mod(b, h, q, kv):
+    return IDS[q] == IDS[kv]
+
+
+def test_plan_cache_sees_reassigned_globals_and_mutated_containers():
+    """The cached plan of a plain mask_mod is keyed on what the mod captures: a global
+    rebound to a new tensor, or a list mutated in place, gives a fresh plan (no stale mask)."""
+    global IDS
+    q, k, v = _qkv(lq=60, lk=60)
+    outs = []
+    for n in (60, 20, 7):
+        IDS = torch.arange(60) // n  # a new tensor each time (its id may be reused)
+        out = attention(q, k, v, mask_mod=_global_ids_mod, backend="blockwise")
+        keep = IDS.view(-1, 1) == IDS.view(1, -1)
+        torch.testing.assert_close(out, ref_attention_lse(q, k, v, keep=keep)[0])
+        outs.append(out)
+    limits = [30]
+
+    def mod(b, h, qi, ki):
+        return ki < limits[0]
+
+    first = attention(q, k, v, mask_mod=mod, backend="blockwise")
+    limits[0] = 10
+    second = attention(q, k, v, mask_mod=mod, backend="blockwise")
+    keep = torch.arange(60).view(1, -1).expand(60, 60) < 10
+    torch.testing.assert_close(second, ref_attention_lse(q, k, v, keep=keep)[0])
+    assert not torch.allclose(first, second)

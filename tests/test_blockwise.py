@@ -104,7 +104,8 @@ def test_fused_engine_segments(monkeypatch):
     seen.clear()
     ids = torch.arange(256).div(128, rounding_mode="floor")  # two documents of 128
     out = attention(q, k, v, mask_mod=M.document(ids), backend="blockwise")
-    assert len(seen) == 8 * 4  # each query tile: the 4 key tiles of its own document
+    # each query tile: its own document's 128 keys, all FULL tiles: one call, no mask
+    assert seen == [(32, 128, False, False)] * 8
     mask = ids[:, None] == ids[None, :]
     torch.testing.assert_close(out, ref_attention(q, k, v, mask=mask)[0])
 
@@ -242,11 +243,20 @@ def test_score_mod_tensors_receive_gradients(kind):
         torch.testing.assert_close(ours, ref, **TOL[torch.float64])
 
 
-def test_hidden_score_mod_tensor_is_refused():
-    holder = {"p": torch.nn.Parameter(torch.ones(4, dtype=torch.float64))}
-    q, k, v = _qkv()
-    with pytest.raises(ValueError, match="tensors"):
-        attention(q, k, v, score_mod=lambda s, b, h, i, j: s * holder["p"][h], backend="blockwise")
+def test_score_mod_tensor_behind_a_dict_gets_its_gradient():
+    """Regression: a Parameter reached through a dict used to get no gradient (or an error);
+    the mod is now probed and its autograd graph walked to the Parameter."""
+    holder = {"p": torch.nn.Parameter(torch.rand(4, dtype=torch.float64) + 0.5)}
+    q, k, v = _qkv(lq=21, lk=21)
+    grads = {}
+    for backend in ("reference", "blockwise", "auto"):
+        out = attention(
+            q, k, v, score_mod=lambda s, b, h, i, j: s * holder["p"][h], backend=backend
+        )
+        grads[backend] = torch.autograd.grad(out.square().sum(), [q, holder["p"]])
+    for backend in ("blockwise", "auto"):
+        for ours, ref in zip(grads[backend], grads["reference"], strict=True):
+            torch.testing.assert_close(ours, ref, **TOL[torch.float64])
     assert score_mod_tensors(M.alibi(4)) == ()  # fixed slopes need no gradient
 
 

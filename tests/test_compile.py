@@ -157,23 +157,29 @@ def test_gpt_forward_compiles_to_one_graph(backend: str) -> None:
     torch.testing.assert_close(out, expected, **TOL[torch.float32])
 
 
-@pytest.mark.parametrize("variant", [{}, {"rope": True}, {"n_kv_heads": 2}])
+@pytest.mark.parametrize(
+    "variant", [{}, {"rope": True}, {"n_kv_heads": 2, "window": 4, "global_every": 2}]
+)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gpt_static_cache_decode_compiles_once(backend: str, variant: dict) -> None:
     """Eager prefill, then a compiled one-token step: one graph for every decoded token.
 
-    The cache position is a tensor (``GPT.cache_pos``), not a Python int that dynamo
-    would specialise on and recompile for at every token.
+    The time index is a tensor (``input_pos``), not a Python int that dynamo would
+    specialise on and recompile for at every token; a padded batch's mask is data too.
     """
     model = _tiny_gpt(backend, **variant)
     b, prompt_len, steps = 2, 5, 12
     tokens = torch.randint(0, 40, (b, prompt_len + steps))  # (b, t)
+    mask = torch.ones(b, prompt_len + steps, dtype=torch.long)
+    mask[1, :2] = 0  # row 1 is left-padded by two
 
-    def decode(step: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def decode(step: Callable[..., torch.Tensor]) -> torch.Tensor:
         model.setup_cache(b, prompt_len + steps, static=True)
-        logits = [model(tokens[:, :prompt_len])]  # eager prefill
+        pos = torch.arange(prompt_len)
+        logits = [model(tokens[:, :prompt_len], attention_mask=mask, input_pos=pos)]  # eager
         for i in range(prompt_len, prompt_len + steps):
-            logits.append(step(tokens[:, i : i + 1]))  # (b, 1, v)
+            pos = torch.tensor([i])
+            logits.append(step(tokens[:, i : i + 1], attention_mask=mask, input_pos=pos))
         model.delete_cache()
         return torch.cat(logits, dim=1)  # (b, t, v)
 
@@ -181,10 +187,10 @@ def test_gpt_static_cache_decode_compiles_once(backend: str, variant: dict) -> N
     with torch.no_grad():
         compiled_logits = decode(compiled)
         eager_logits = decode(model)
-        full = model(tokens)  # uncached forward over the whole sequence
+        full = model(tokens, attention_mask=mask)  # uncached forward over the whole sequence
     assert counter.frame_count == 1  # compiled once, not once per token
     torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(compiled_logits, full, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(compiled_logits[:, 2:], full[:, 2:], atol=1e-5, rtol=1e-5)
 
 
 def test_gpt_config_rejects_unknown_backend() -> None:

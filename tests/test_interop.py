@@ -13,6 +13,8 @@ from attnkit import (
     load_seed_state_dict,
 )
 from attnkit.examples import YOUR_JOURNEY
+from attnkit.models import CausalSelfAttention, MultiHeadLatentAttention
+from attnkit.modules import from_torch_mha, to_torch_mha
 
 F32 = dict(atol=1e-6, rtol=1e-6)
 
@@ -20,7 +22,7 @@ F32 = dict(atol=1e-6, rtol=1e-6)
 @pytest.mark.parametrize("bias", [True, False])
 def test_from_torch_matches_outputs(bias):
     theirs = nn.MultiheadAttention(16, 4, bias=bias, batch_first=True).eval()
-    ours = MultiHeadAttention.from_torch(theirs, context_length=32).eval()
+    ours = from_torch_mha(theirs, context_length=32).eval()
     x = torch.randn(3, 10, 16)
     ref, _ = theirs(x, x, x, need_weights=False)
     torch.testing.assert_close(ours(x, causal=False), ref, **F32)
@@ -33,14 +35,14 @@ def test_from_torch_matches_outputs(bias):
 def test_to_torch_round_trip():
     torch.manual_seed(0)
     ours = MultiHeadAttention(16, 16, 32, 0.0, 4, qkv_bias=True).eval()
-    theirs = ours.to_torch().eval()
+    theirs = to_torch_mha(ours).eval()
     assert theirs.batch_first
     x = torch.randn(2, 9, 16)
     ref, w = theirs(x, x, x, attn_mask=torch.ones(9, 9, dtype=torch.bool).triu(1))
     out, our_w = ours(x, need_weights=True)
     torch.testing.assert_close(out, ref, **F32)
     torch.testing.assert_close(our_w.mean(1), w, **F32)  # torch averages heads by default
-    back = MultiHeadAttention.from_torch(theirs, context_length=32)
+    back = from_torch_mha(theirs, context_length=32)
     for (n1, p1), (n2, p2) in zip(
         ours.state_dict().items(), back.state_dict().items(), strict=True
     ):
@@ -50,7 +52,7 @@ def test_to_torch_round_trip():
 
 def test_to_torch_without_qkv_bias_and_cross_attention():
     ours = MultiHeadAttention(8, 8, 16, 0.0, 2).eval()
-    theirs = ours.to_torch().eval()
+    theirs = to_torch_mha(ours).eval()
     x, enc = torch.randn(2, 5, 8), torch.randn(2, 7, 8)
     ref, _ = theirs(x, enc, enc, need_weights=False)
     torch.testing.assert_close(ours(x, enc), ref, **F32)
@@ -58,15 +60,43 @@ def test_to_torch_without_qkv_bias_and_cross_attention():
 
 def test_interop_errors():
     with pytest.raises(ValueError, match=r"kdim \(5\) and vdim \(5\) must equal embed_dim \(8\)"):
-        MultiHeadAttention.from_torch(nn.MultiheadAttention(8, 2, kdim=5, vdim=5), context_length=4)
+        from_torch_mha(nn.MultiheadAttention(8, 2, kdim=5, vdim=5), context_length=4)
     with pytest.raises(ValueError, match="add_bias_kv"):
-        MultiHeadAttention.from_torch(
-            nn.MultiheadAttention(8, 2, add_bias_kv=True), context_length=4
-        )
+        from_torch_mha(nn.MultiheadAttention(8, 2, add_bias_kv=True), context_length=4)
     with pytest.raises(TypeError, match="nn.MultiheadAttention"):
-        MultiHeadAttention.from_torch(nn.Linear(2, 2), context_length=4)
+        from_torch_mha(nn.Linear(2, 2), context_length=4)
     with pytest.raises(ValueError, match="d_in == d_out"):
-        MultiHeadAttention(3, 4, 6, 0.0, 2).to_torch()
+        to_torch_mha(MultiHeadAttention(3, 4, 6, 0.0, 2))
+
+
+def test_to_torch_refuses_what_torch_cannot_compute():
+    """GQA/MQA and the LLM layers (RoPE, windows, sinks, MLA) are refused, never approximated."""
+    with pytest.raises(ValueError, match="no GQA/MQA: got num_kv_heads=2, num_heads=4"):
+        to_torch_mha(MultiHeadAttention(16, 16, 24, 0.0, 4, num_kv_heads=2))
+    with pytest.raises(ValueError, match="no GQA/MQA: got num_kv_heads=1"):
+        to_torch_mha(MultiHeadAttention(16, 16, 24, 0.0, 4, num_kv_heads=1))
+    llm = CausalSelfAttention(16, 16, num_heads=4, window=4)
+    with pytest.raises(TypeError, match="converts attnkit.MultiHeadAttention only, got Causal"):
+        to_torch_mha(llm)
+    mla = MultiHeadLatentAttention(16, 16, num_heads=4, kv_rank=8, rope_dim=4)
+    with pytest.raises(TypeError, match="got MultiHeadLatentAttention"):
+        to_torch_mha(mla)
+    with pytest.raises(TypeError, match="got Linear"):
+        to_torch_mha(nn.Linear(2, 2))
+
+
+def test_interop_and_multihead_import_one_way():
+    import ast
+    import inspect
+
+    from attnkit.modules import multihead
+
+    tree = ast.parse(inspect.getsource(multihead))
+    imported = {
+        node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+    }
+    assert "attnkit.modules.interop" not in imported
+    assert not hasattr(MultiHeadAttention, "to_torch") and not hasattr(MultiHeadAttention, "rope")
 
 
 # --- the seed notebook's classes, written here independently, to produce its state dicts ---

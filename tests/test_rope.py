@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attnkit.rope import RotaryEmbedding, rope_tables
+from attnkit.rope import RotaryEmbedding, apply_rope, rope_tables, rope_values
 
 
 def ref_rope(x: torch.Tensor, positions: list[int], theta: float) -> torch.Tensor:
@@ -72,3 +72,16 @@ def test_not_in_state_dict():
 def test_bad_arguments(args, match):
     with pytest.raises(ValueError, match=match):
         rope_tables(*args)
+
+
+def test_rope_values_match_the_table_and_extend_past_it():
+    rope = RotaryEmbedding(8, 16, 500.0)
+    pos = torch.tensor([0, 3, 15])
+    cos, sin = rope_values(pos, 8, 500.0)
+    torch.testing.assert_close(cos, rope.cos[pos])
+    torch.testing.assert_close(sin, rope.sin[pos])
+    x = torch.randn(1, 2, 2, 8)
+    far = torch.tensor([-7, 40])  # before the start and past the table: same formula
+    c, s = rope_values(far, 8, 500.0, dtype=torch.float64)
+    got = apply_rope(x.double(), c, s)
+    torch.testing.assert_close(got, ref_rope(x, far.tolist(), 500.0), atol=1e-10, rtol=1e-10)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["eval_mask_mod", "eval_score_mod", "is_grid_mod", "mod_name"]
+__all__ = ["eval_mask_mod", "eval_score_mod", "grad_leaves", "is_grid_mod", "mod_name"]
 
 
 def mod_name(mod: Any) -> str:
@@ -81,11 +81,17 @@ def eval_mask_mod(
             out = torch.as_tensor(mod(*idx), device=device)
         else:
             out = _vmapped(mod, False)(*(i.flatten() for i in idx))
+            # vmap expands an output that does not depend on an index (stride 0):
+            # keep one copy, so a mask that is the same for every batch/head is stored once
+            for dim in (0, 1):
+                if out.dim() == 4 and out.shape[dim] > 1 and out.stride(dim) == 0:
+                    out = out.narrow(dim, 0, 1)
     except Exception as err:
         raise TypeError(
             f"mask_mod {mod_name(mod)} failed on scalar indices (b, h, q_idx, kv_idx): {err}"
         ) from err
-    return _fit(out, shape, "mask_mod", mod).to(torch.bool)
+    out = _fit(out, shape, "mask_mod", mod).to(torch.bool)
+    return out.expand(out.shape[0], out.shape[1], q1 - q0, k1 - k0)  # (b|1, h|1, rows, keys)
 
 
 def eval_score_mod(
@@ -127,3 +133,36 @@ def _fit(
     while out.dim() < 4:
         out = out.unsqueeze(0)
     return out
+
+
+def grad_leaves(
+    mod: Callable[..., Any], dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """The tensors requiring grad that a score_mod's output depends on, however it reaches
+    them (closure, dict, ``functools.partial``, bound method, nested mod, ``nn.Module``).
+
+    The mod is probed once on a 1-element tile under grad and the autograd graph of its
+    output walked back to its leaves. A captured non-leaf (``w = p * 2``) leads to ``p``:
+    its gradient is then taken through ``w``'s graph (kept for it: ``retain_graph``).
+
+    Raises:
+        TypeError: naming the mod, when it fails on the probe.
+    """
+    score = torch.zeros(1, 1, 1, 1, dtype=dtype, device=device, requires_grad=True)
+    with torch.enable_grad():
+        out = eval_score_mod(mod, score, 0, 0)
+    if not out.requires_grad or out.grad_fn is None:
+        return ()
+    leaves: dict[int, torch.Tensor] = {}
+    stack: list[Any] = [out.grad_fn]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        var = getattr(node, "variable", None)
+        if isinstance(var, torch.Tensor) and var is not score:
+            leaves.setdefault(id(var), var)
+        stack.extend(nxt for nxt, _ in node.next_functions)
+    return tuple(leaves.values())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["RotaryEmbedding", "apply_rope", "rope_tables"]
+__all__ = ["RotaryEmbedding", "apply_rope", "rope_tables", "rope_values"]
 
 
 def rope_tables(
@@ -42,8 +42,24 @@ def rope_tables(
     return angles.cos().float(), angles.sin().float()
 
 
+def rope_values(
+    positions: torch.Tensor,
+    head_dim: int,
+    theta: float = 10000.0,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)``, each ``(*positions.shape, head_dim)`` in ``dtype``, for any integer
+    positions (negative or past a table's end), computed in float64 like the tables."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device)
+    inv_freq = theta ** -(exponent / head_dim)  # (head_dim / 2,)
+    angles = positions.to(torch.float64)[..., None] * inv_freq  # (..., head_dim / 2)
+    angles = torch.cat((angles, angles), dim=-1)  # (..., head_dim)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` (``(..., t, head_dim)``) by per-position tables ``cos``/``sin`` (``(t, head_dim)``)."""
+    """Rotate ``x`` ``(..., t, head_dim)`` by ``cos``/``sin`` broadcastable to it
+    (``(t, head_dim)``, or ``(b, 1, t, head_dim)`` for per-row positions)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     rotated = torch.cat((-x2, x1), dim=-1)  # (..., t, head_dim)
@@ -62,6 +78,9 @@ class RotaryEmbedding(nn.Module):
         theta: the base of the frequencies (10000 in the RoPE paper, 500000 in Llama 3).
     """
 
+    cos: torch.Tensor
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0) -> None:
         super().__init__()
         cos, sin = rope_tables(head_dim, max_seq_len, theta)
@@ -71,7 +90,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ``(b, h, t, head_dim)`` for the absolute ``positions`` ``(t,)``."""
-        return apply_rope(x, self.cos[positions], self.sin[positions])
+        return apply_rope(x, self.cos[positions], self.sin[positions])  # (t, head_dim) each
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_seq_len={self.max_seq_len}, theta={self.theta}"

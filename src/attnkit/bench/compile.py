@@ -93,26 +93,21 @@ def _bench_gpt(backend: str, sizes: dict[str, Any], repeats: int, warmup: int) -
 
 
 def _bench_decode(backend: str, sizes: dict[str, Any], repeats: int, warmup: int) -> dict[str, Any]:
-    """One decode step at a fixed cache position: the cache position is rewound each call."""
+    """One decode step at a fixed time index: the same step is timed again and again
+    (the cache keeps no position, so nothing needs rewinding)."""
     model = _gpt(backend, sizes)
     b, max_len = sizes["batch"], model.cfg.context_length
     prompt_len = max_len // 2
     prompt = torch.randint(0, model.cfg.vocab_size, (b, prompt_len))  # (b, t)
     token = torch.randint(0, model.cfg.vocab_size, (b, 1))  # (b, 1)
     model.setup_cache(b, max_len, static=True)
-    model(prompt)  # eager prefill
-
-    def rewind() -> None:  # back to the prompt, so every timed step decodes token prompt_len
-        model.cache_pos.fill_(prompt_len)
-        for block in model.trf_blocks:
-            block.att.kv_cache.pos.fill_(prompt_len)
-
+    model(prompt, input_pos=torch.arange(prompt_len))  # eager prefill
+    pos = torch.tensor([prompt_len])
     compiled = torch.compile(model, fullgraph=True, backend=sizes["compiler"])
 
-    def step(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    def step(fn: Callable[..., torch.Tensor]) -> Callable[[], torch.Tensor]:
         def run_step() -> torch.Tensor:
-            rewind()
-            return fn(token)  # (b, 1, v)
+            return fn(token, input_pos=pos)  # (b, 1, v)
 
         return run_step
 
@@ -151,12 +146,13 @@ def run(
         ``workload, backend, shape, eager_ms, compiled_ms, speedup, compile_s, max_abs_diff``.
     """
     backends = backends or ["reference", "sdpa"]
+    sizes: dict[str, Any]
     if quick:
-        sizes: dict[str, Any] = dict(batch=1, tokens=8, d_out=16, num_heads=2)
+        sizes = dict(batch=1, tokens=8, d_out=16, num_heads=2)
         sizes.update(emb_dim=16, n_layers=1, context_length=16)
         repeats, warmup = min(repeats, 3), min(warmup, 1)
     else:
-        sizes: dict[str, Any] = dict(batch=4, tokens=64, d_out=256, num_heads=8)  # GPT: "tiny"
+        sizes = dict(batch=4, tokens=64, d_out=256, num_heads=8)  # GPT: "tiny"
     sizes["compiler"] = compiler
     rows = []
     for workload in WORKLOADS:

@@ -1,5 +1,16 @@
-"""Language models built on attnkit's attention: :class:`GPT` and its :class:`GPTConfig`."""
+"""Language models built on attnkit's attention: :class:`GPT`, its :class:`GPTConfig`,
+and the LLM attention layers (:class:`CausalSelfAttention`, :class:`MultiHeadLatentAttention`)."""
 
-from attnkit.models.gpt import GPT, GPTConfig, TransformerBlock
+from attnkit.models.attention import AttentionInputs, CausalSelfAttention
+from attnkit.models.config import GPTConfig
+from attnkit.models.gpt import GPT, TransformerBlock
+from attnkit.models.mla import MultiHeadLatentAttention
 
-__all__ = ["GPT", "GPTConfig", "TransformerBlock"]
+__all__ = [
+    "GPT",
+    "AttentionInputs",
+    "CausalSelfAttention",
+    "GPTConfig",
+    "MultiHeadLatentAttention",
+    "TransformerBlock",
+]

@@ -1,121 +1,36 @@
 """A small GPT: token (+ position) embeddings, pre-norm transformer blocks, a linear head.
 
-Each block is the seeds' "many repeated layers" with attnkit's
-:class:`~attnkit.modules.MultiHeadAttention` inside::
+The model owns everything positional: the one RoPE table, each row's positions, the
+mask and the KV caches. Once per forward it computes them and hands each attention
+layer an :class:`~attnkit.models.attention.AttentionInputs` (one per kind of layer:
+global, or local with its window); layers read nothing back::
 
-    x ─┬─ LayerNorm ─ MultiHeadAttention (causal; GQA / RoPE / window) ─(+)─┬─ LayerNorm ─ FeedForward ─(+)─>
-       └─────────────────────────────────────────────────────────────────┘  └────────────────────────┘
+    x ─┬─ LayerNorm ─ attention (GQA / MLA; RoPE values, mask, cache handed in) ─(+)─┬─ LayerNorm ─ FeedForward ─(+)─>
+       └──────────────────────────────────────────────────────────────────────────┘  └────────────────────────┘
 
-Shapes: b batch, t tokens, d emb_dim, v vocab_size.
+Time indices vs positions: a token's *time index* is its column in ``idx`` (where a
+cache stores it); its *position* (RoPE angle, learned position embedding) counts the
+real tokens before it in its row, so a left-padded row starts at position 0 on its
+first real token and computes exactly what it computes alone.
+
+Shapes: b batch, t tokens, s keys, d emb_dim, v vocab_size.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
-from typing import Any
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attnkit import trace
-from attnkit.modules import MultiHeadAttention
+from attnkit._validate import check_bool, check_int
+from attnkit.kv_cache import KVCache
+from attnkit.models.attention import AttentionInputs, CausalSelfAttention
+from attnkit.models.config import GPTConfig
+from attnkit.models.mla import MultiHeadLatentAttention
+from attnkit.models.plan import plan_forward
+from attnkit.rope import RotaryEmbedding
 
 __all__ = ["GPT", "GPTConfig", "TransformerBlock"]
-
-_PRESETS: dict[str, dict[str, Any]] = {
-    # A few hundred thousand parameters: trains on the synthetic tasks in a minute or two.
-    "tiny": dict(vocab_size=256, context_length=64, emb_dim=64, n_layers=2, n_heads=4),
-    # Shaped like GPT-2 small (124M parameters): the decode benchmark's model.
-    "gpt2-small": dict(
-        vocab_size=50257, context_length=1024, emb_dim=768, n_layers=12, n_heads=12, qkv_bias=True
-    ),
-}
-
-
-@dataclass
-class GPTConfig:
-    """Hyper-parameters of :class:`GPT`.
-
-    Attributes:
-        vocab_size: number of token ids.
-        context_length: the most tokens a sequence may have.
-        emb_dim: model width (``d_out`` of every attention layer).
-        n_layers: transformer blocks.
-        n_heads: query heads per attention layer.
-        n_kv_heads: key/value heads (None = ``n_heads``; fewer = GQA; 1 = MQA).
-        drop_rate: dropout on embeddings, attention weights and residual branches.
-        qkv_bias: biases in W_query, W_key, W_value.
-        rope: rotary positions instead of a learned position embedding.
-        rope_theta: RoPE frequency base.
-        window: sliding-window attention size, or None for full causal attention.
-        attn_backend: the attention backend of every layer (``"auto"``, ``"reference"``,
-            ``"sdpa"``, ...; see :func:`attnkit.backends.available_backends`).
-    """
-
-    vocab_size: int = 256
-    context_length: int = 64
-    emb_dim: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int | None = None
-    drop_rate: float = 0.0
-    qkv_bias: bool = False
-    rope: bool = False
-    rope_theta: float = 10000.0
-    window: int | None = None
-    attn_backend: str = "auto"
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "context_length", "emb_dim", "n_layers", "n_heads"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
-        if self.emb_dim % self.n_heads:
-            raise ValueError(
-                f"emb_dim ({self.emb_dim}) must be divisible by n_heads ({self.n_heads})"
-            )
-        kv = self.n_kv_heads
-        if kv is not None and (not isinstance(kv, int) or kv <= 0 or self.n_heads % kv):
-            raise ValueError(f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({kv})")
-        if self.window is not None and (not isinstance(self.window, int) or self.window <= 0):
-            raise ValueError(f"window must be a positive int or None, got {self.window!r}")
-        if self.rope and (self.emb_dim // self.n_heads) % 2:
-            raise ValueError(f"rope needs an even head_dim, got {self.emb_dim // self.n_heads}")
-        if not 0.0 <= self.drop_rate < 1.0:
-            raise ValueError(f"drop_rate must be in [0, 1), got {self.drop_rate}")
-        if not isinstance(self.attn_backend, str):
-            raise TypeError(f"attn_backend must be a str, got {type(self.attn_backend).__name__}")
-
-    @classmethod
-    def preset(cls, name: str, **overrides: Any) -> GPTConfig:
-        """Return the named preset (``"tiny"``, ``"gpt2-small"``), with ``overrides`` applied.
-
-        Raises:
-            ValueError: an unknown name (the valid ones are listed).
-        """
-        if name not in _PRESETS:
-            raise ValueError(f"unknown GPT preset {name!r}; valid: {', '.join(_PRESETS)}")
-        return cls(**{**_PRESETS[name], **overrides})
-
-    @classmethod
-    def presets(cls) -> list[str]:
-        """Return the preset names."""
-        return list(_PRESETS)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Return the config as a JSON-ready dict."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> GPTConfig:
-        """Build a config from :meth:`to_dict`'s output; unknown keys raise ValueError."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown GPTConfig fields: {', '.join(unknown)}")
-        return cls(**data)
 
 
 class FeedForward(nn.Module):
@@ -135,30 +50,47 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``x + attn(norm1(x))``, then ``x + ff(norm2(x))``."""
+    """Pre-norm block: ``x + attn(norm1(x))``, then ``x + ff(norm2(x))``.
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    Args:
+        cfg: the model's hyper-parameters.
+        window: this layer's sliding window (None = global).
+    """
+
+    def __init__(self, cfg: GPTConfig, window: int | None = None) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(cfg.emb_dim)
-        self.att = MultiHeadAttention(
-            cfg.emb_dim,
-            cfg.emb_dim,
-            cfg.context_length,
-            cfg.drop_rate,
-            cfg.n_heads,
-            cfg.qkv_bias,
-            num_kv_heads=cfg.n_kv_heads,
-            rope=cfg.rope,
-            rope_theta=cfg.rope_theta,
-            window=cfg.window,
-            backend=cfg.attn_backend,
-        )
+        self.att: CausalSelfAttention | MultiHeadLatentAttention
+        common = dict(dropout=cfg.drop_rate, window=window, sinks=cfg.attn_sinks)
+        if cfg.mla_kv_rank is not None:
+            self.att = MultiHeadLatentAttention(
+                cfg.emb_dim,
+                cfg.emb_dim,
+                num_heads=cfg.n_heads,
+                kv_rank=cfg.mla_kv_rank,
+                rope_dim=cfg.rope_dim(),
+                qkv_bias=cfg.qkv_bias,
+                backend=cfg.attn_backend,
+                **common,  # type: ignore[arg-type]
+            )
+        else:
+            self.att = CausalSelfAttention(
+                cfg.emb_dim,
+                cfg.emb_dim,
+                num_heads=cfg.n_heads,
+                num_kv_heads=cfg.n_kv_heads,
+                qkv_bias=cfg.qkv_bias,
+                backend=cfg.attn_backend,
+                **common,  # type: ignore[arg-type]
+            )
         self.norm2 = nn.LayerNorm(cfg.emb_dim)
         self.ff = FeedForward(cfg.emb_dim)
         self.drop_resid = nn.Dropout(cfg.drop_rate)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self._drop(self.att(self.norm1(x)))  # (b, t, d)
+    def forward(
+        self, x: torch.Tensor, inputs: AttentionInputs, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        x = x + self._drop(self.att(self.norm1(x), inputs, cache))  # (b, t, d)
         return x + self._drop(self.ff(self.norm2(x)))  # (b, t, d)
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
@@ -185,15 +117,20 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.emb_dim)
         self.pos_emb = None if cfg.rope else nn.Embedding(cfg.context_length, cfg.emb_dim)
+        # The one RoPE table of the model (non-persistent: not in the state dict).
+        self.rope = (
+            RotaryEmbedding(cfg.rope_dim(), cfg.context_length, cfg.rope_theta)
+            if cfg.rope
+            else None
+        )
         self.drop_emb = nn.Dropout(cfg.drop_rate)
-        self.trf_blocks = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.windows = cfg.windows()
+        self.trf_blocks = nn.ModuleList(TransformerBlock(cfg, w) for w in self.windows)
         self.final_norm = nn.LayerNorm(cfg.emb_dim)
         self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
         self.apply(self._init_weights)
-        # Tokens held by the caches, as a tensor updated in place: a compiled decode
-        # step reads it as data instead of specialising (recompiling) on a Python int.
-        self.register_buffer("cache_pos", torch.zeros((), dtype=torch.long), persistent=False)
-        self._cached = False
+        self.caches: nn.ModuleList | None = None
+        self.streaming: tuple[int, int] | None = None
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -208,68 +145,131 @@ class GPT(nn.Module):
 
     # -- caching ---------------------------------------------------------------------------
     def setup_cache(
-        self, batch_size: int, max_seq_len: int | None = None, *, static: bool = False
+        self,
+        batch_size: int,
+        max_seq_len: int | None = None,
+        *,
+        static: bool = False,
+        streaming: tuple[int, int] | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
-        """Give every attention layer a KV cache; calls then take only the new tokens."""
-        for block in self.trf_blocks:
-            block.att.setup_cache(batch_size, max_seq_len, static=static)
-        self._cached = True
-        self.cache_pos.zero_()
-
-    def reset_cache(self) -> None:
-        """Empty every layer's cache, keeping the buffers."""
-        for block in self.trf_blocks:
-            block.att.reset_cache()
-        self.cache_pos.zero_()
-
-    def delete_cache(self) -> None:
-        """Remove the caches: calls process whole sequences again."""
-        for block in self.trf_blocks:
-            block.att.delete_cache()
-        self._cached = False
-        self.cache_pos.zero_()
-
-    def forward(self, idx: torch.Tensor, *, last_only: bool = False) -> torch.Tensor:
-        """Return next-token logits.
+        """Give every attention layer a KV cache (owned here); forwards then take only the
+        new tokens, with ``input_pos`` saying which time indices they are.
 
         Args:
-            idx: token ids ``(b, t)``; with a cache, only the tokens not yet seen.
-            last_only: compute the logits of the last position only (generation).
+            batch_size: rows decoded together.
+            max_seq_len: time indices the caches serve (default ``context_length``);
+                local layers keep a ring of their window.
+            static: fixed-shape caches (whole buffers plus a mask), for ``torch.compile``.
+            streaming: ``(sink_tokens, window)``: StreamingLLM. Global layers keep the
+                first ``sink_tokens`` tokens and the last ``window``; memory is bounded
+                and decoding may run past ``context_length``. Needs ``rope``: cached keys
+                are stored unrotated and re-positioned every step (positions then stay
+                below ``sink_tokens + window``).
 
-        Returns:
-            ``(b, t, vocab_size)`` logits (``(b, 1, vocab_size)`` with ``last_only``).
+        Raises:
+            ValueError: bad sizes, ``max_seq_len > context_length``, or streaming without
+                RoPE / with ``sink_tokens + window > context_length``.
+        """
+        check_int(batch_size, "batch_size")
+        check_bool(static, "static")
+        ctx = self.cfg.context_length
+        if streaming is not None:
+            if not isinstance(streaming, tuple) or len(streaming) != 2:
+                raise TypeError(f"streaming must be (sink_tokens, window), got {streaming!r}")
+            sinks = check_int(streaming[0], "streaming sink_tokens", minimum=0)
+            window = check_int(streaming[1], "streaming window")
+            if not self.cfg.rope:
+                raise ValueError(
+                    "streaming needs rope=True: learned position embeddings stop at "
+                    f"context_length ({ctx})"
+                )
+            if sinks + window > ctx:
+                raise ValueError(
+                    f"streaming sink_tokens + window ({sinks} + {window}) exceeds "
+                    f"context_length ({ctx})"
+                )
+            self.streaming = (sinks, window)
+        else:
+            self.streaming = None
+        length = ctx if max_seq_len is None else check_int(max_seq_len, "max_seq_len")
+        if length > ctx:
+            raise ValueError(f"max_seq_len ({length}) exceeds context_length ({ctx})")
+        ref = self.tok_emb.weight
+        caches = []
+        for block, w in zip(self.trf_blocks, self.windows, strict=True):
+            att: CausalSelfAttention | MultiHeadLatentAttention = block.att  # type: ignore[assignment]
+            heads, k_dim, v_dim = att.cache_shape()
+            if self.streaming is None:
+                geometry: dict = dict(max_seq_len=length, window=w)
+            elif w is None or w >= self.streaming[1]:  # global: sinks + the window
+                geometry = dict(max_seq_len=None, window=self.streaming[1], sink_tokens=sinks)
+            else:  # a local layer keeps its own ring
+                geometry = dict(max_seq_len=None, window=w)
+            caches.append(
+                KVCache(
+                    batch_size,
+                    num_kv_heads=heads,
+                    head_dim=k_dim,
+                    value_dim=v_dim,
+                    static=static,
+                    dtype=dtype or ref.dtype,
+                    device=ref.device,
+                    **geometry,
+                )
+            )
+        self.caches = nn.ModuleList(caches)
+
+    def reset_cache(self) -> None:
+        """Zero every cache's buffers (a cache holds no position: nothing else to reset)."""
+        for cache in self.caches or ():
+            cache.reset()  # type: ignore[operator]
+
+    def delete_cache(self) -> None:
+        """Remove the caches: forwards process whole sequences again."""
+        self.caches, self.streaming = None, None
+
+    # -- the forward ------------------------------------------------------------------------
+    def forward(
+        self,
+        idx: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        input_pos: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Return next-token logits ``(b, t, vocab_size)``.
+
+        Args:
+            idx: token ids ``(b, t)``; with a cache, only the new tokens.
+            attention_mask: ``(b, L)``, 1 (or True) = token, 0 = padding, indexed by time
+                from 0 and covering every time index up to the last of ``idx``
+                (``L >= input_pos[-1] + 1``); each row's ones must be contiguous (left or
+                right padding). None = no padding.
+            input_pos: ``(t,)`` consecutive time indices of ``idx``'s tokens; required
+                with a cache, default ``0 .. t - 1`` without.
 
         Raises:
             TypeError / ValueError: non-integer ids, a wrong rank, ids out of the
-                vocabulary, or more tokens than ``context_length``.
+                vocabulary, more tokens than ``context_length``, a bad mask or input_pos.
         """
-        if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.long, torch.int):
-            raise TypeError("idx must be an integer (long) tensor of token ids")
-        if idx.dim() != 2:
-            raise ValueError(f"idx must be (batch, tokens), got shape {tuple(idx.shape)}")
-        t = idx.shape[1]
-        if not torch.compiler.is_compiling():
-            # Data-dependent checks read tensor values: eager only (a graph break under
-            # torch.compile); the compiled path relies on the eager prefill's checks.
-            start = int(self.cache_pos) if self._cached else 0
-            if start + t > self.cfg.context_length:
-                raise ValueError(
-                    f"{start + t} tokens exceed context_length={self.cfg.context_length}"
-                )
-            if t and (int(idx.min()) < 0 or int(idx.max()) >= self.cfg.vocab_size):
-                raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size})")
+        return self._logits(idx, attention_mask, input_pos, last_only=False)
+
+    def _logits(
+        self,
+        idx: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        input_pos: torch.Tensor | None,
+        last_only: bool,
+    ) -> torch.Tensor:
+        plan = plan_forward(self, idx, attention_mask, input_pos)
         x = self.tok_emb(idx)  # (b, t, d)
         if self.pos_emb is not None:
-            positions = torch.arange(t, device=idx.device)  # (t,)
-            if self._cached:
-                positions = positions + self.cache_pos  # absolute positions of the new tokens
-            x = x + self.pos_emb(positions)  # (b, t, d)
+            x = x + self.pos_emb(plan.positions)  # (b|1, t, d)
         x = self.drop_emb(x)
-        for i, block in enumerate(self.trf_blocks):
+        caches = self.caches if self.caches is not None else [None] * len(self.trf_blocks)
+        for i, (block, cache) in enumerate(zip(self.trf_blocks, caches, strict=True)):
             with trace.scope(f"blocks.{i}"):  # names recorded weights "blocks.<i>.weights"
-                x = block(x)  # (b, t, d)
-        if self._cached:
-            self.cache_pos.add_(t)
+                x = block(x, plan.inputs[i], cache)  # (b, t, d)
         if last_only:
             x = x[:, -1:]  # (b, 1, d)
         return self.out_head(self.final_norm(x))  # (b, t, v)
@@ -278,75 +278,32 @@ class GPT(nn.Module):
         self,
         idx: torch.Tensor,
         max_new_tokens: int,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        use_cache: bool = True,
         *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        attention_mask: torch.Tensor | None = None,
+        eos_id: int | None = None,
+        use_cache: bool = True,
         generator: torch.Generator | None = None,
+        streaming: tuple[int, int] | None = None,
     ) -> torch.Tensor:
-        """Append ``max_new_tokens`` sampled tokens to ``idx`` ``(b, t)``.
+        """Append up to ``max_new_tokens`` tokens to every row of ``idx`` ``(b, t)``.
 
-        Args:
-            idx: the prompt, token ids ``(b, t)``.
-            max_new_tokens: tokens to add.
-            temperature: softmax temperature; 0 means greedy (argmax).
-            top_k: sample only among the ``top_k`` most likely tokens.
-            use_cache: decode with KV caches (one token per step) instead of
-                recomputing the whole sequence at every step; same result.
-            generator: random generator for sampling.
-
-        Returns:
-            ``(b, t + max_new_tokens)`` token ids.
-
-        Raises:
-            ValueError: an empty prompt, ``t + max_new_tokens > context_length``, a
-                negative temperature or a bad ``top_k``.
+        See :func:`attnkit.models.generate.generate` for the arguments.
         """
-        if idx.dim() != 2 or idx.shape[1] == 0:
-            raise ValueError(
-                f"idx must be a non-empty (batch, tokens) tensor, got {tuple(idx.shape)}"
-            )
-        if max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-        total = idx.shape[1] + max_new_tokens
-        if total > self.cfg.context_length:
-            raise ValueError(
-                f"prompt ({idx.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                f"context_length ({self.cfg.context_length})"
-            )
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        if top_k is not None and not 0 < top_k <= self.cfg.vocab_size:
-            raise ValueError(f"top_k must be in [1, {self.cfg.vocab_size}], got {top_k}")
-        was_training, had_cache = self.training, self._cached
-        self.eval()
-        try:
-            if use_cache:  # allocated outside inference mode: the cache may outlive this call
-                self.setup_cache(idx.shape[0], total)
-            # inference_mode rather than no_grad: less bookkeeping per op, which is
-            # what a batch-1 decode step mostly spends its non-matmul time on.
-            with torch.inference_mode():
-                out, step_input = idx, idx
-                for _ in range(max_new_tokens):
-                    logits = self(step_input if use_cache else out, last_only=True)[:, -1]  # (b, v)
-                    next_id = _sample(logits, temperature, top_k, generator)  # (b, 1)
-                    out = torch.cat((out, next_id), dim=1)
-                    step_input = next_id
-        finally:
-            if use_cache and not had_cache:
-                self.delete_cache()
-            self.train(was_training)
-        return out.clone()  # a normal tensor: inference tensors cannot be saved for backward
+        from attnkit.models.generate import generate
 
-
-def _sample(
-    logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
-) -> torch.Tensor:
-    if temperature == 0:
-        return logits.argmax(dim=-1, keepdim=True)  # (b, 1)
-    logits = logits / temperature
-    if top_k is not None:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (b, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)  # (b, 1)
+        return generate(
+            self,
+            idx,
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            attention_mask=attention_mask,
+            eos_id=eos_id,
+            use_cache=use_cache,
+            generator=generator,
+            streaming=streaming,
+        )

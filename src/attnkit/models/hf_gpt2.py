@@ -34,10 +34,18 @@ def config_from_hf(hf_config: Any) -> GPTConfig:
 
 
 def _check_compatible(cfg: GPTConfig) -> None:
-    if cfg.rope or cfg.window is not None or (cfg.n_kv_heads not in (None, cfg.n_heads)):
+    windows = cfg.windows()
+    if (
+        cfg.rope
+        or any(w is not None for w in windows)
+        or cfg.n_kv_heads not in (None, cfg.n_heads)
+        or cfg.attn_sinks
+        or cfg.mla_kv_rank is not None
+    ):
         raise ValueError(
-            "GPT-2 has learned positions, full attention and no GQA: got "
-            f"rope={cfg.rope}, window={cfg.window}, n_kv_heads={cfg.n_kv_heads}"
+            "GPT-2 has learned positions, full attention in every layer, no GQA, sinks or "
+            f"MLA: got rope={cfg.rope}, windows={windows}, n_kv_heads={cfg.n_kv_heads}, "
+            f"attn_sinks={cfg.attn_sinks}, mla_kv_rank={cfg.mla_kv_rank}"
         )
     if not cfg.qkv_bias:
         raise ValueError("GPT-2 has qkv biases: build the GPT with qkv_bias=True")

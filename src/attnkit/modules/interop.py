@@ -1,5 +1,11 @@
 """Weights in and out: ``torch.nn.MultiheadAttention`` and the seed notebook's names.
 
+Every conversion check lives here, and the import goes one way (this module imports
+:mod:`attnkit.modules.multihead`, never the reverse): use :func:`from_torch_mha` and
+:func:`to_torch_mha`. Only the book's :class:`~attnkit.MultiHeadAttention` converts;
+a module that computes something ``nn.MultiheadAttention`` cannot (GQA, the LLM layers
+of :mod:`attnkit.models` with RoPE, windows or sinks) is refused, never approximated.
+
 Mask polarity differs between the two libraries: ``nn.MultiheadAttention``'s
 boolean ``attn_mask`` and ``key_padding_mask`` mean True = *masked out*, while
 attnkit's boolean masks mean True = *may attend*. Invert (``~mask``) when
@@ -78,8 +84,23 @@ def to_torch_mha(module: MultiHeadAttention) -> nn.MultiheadAttention:
     """Return a ``torch.nn.MultiheadAttention`` (``batch_first=True``) with ``module``'s weights.
 
     Raises:
-        ValueError: ``d_in != d_out`` (torch's module projects ``embed_dim`` to ``embed_dim``).
+        TypeError: ``module`` is not an attnkit :class:`MultiHeadAttention` (e.g. the LLM
+            layer :class:`attnkit.models.CausalSelfAttention`, whose RoPE, window and
+            sinks torch's module cannot compute).
+        ValueError: GQA/MQA (``num_kv_heads != num_heads``), or ``d_in != d_out``
+            (torch's module projects ``embed_dim`` to ``embed_dim``).
     """
+    if not isinstance(module, MultiHeadAttention):
+        raise TypeError(
+            "to_torch_mha converts attnkit.MultiHeadAttention only, got "
+            f"{type(module).__name__}: nn.MultiheadAttention has no RoPE, window, sinks, "
+            "GQA or latent attention"
+        )
+    if module.num_kv_heads != module.num_heads:
+        raise ValueError(
+            "nn.MultiheadAttention has no GQA/MQA: got num_kv_heads="
+            f"{module.num_kv_heads}, num_heads={module.num_heads}"
+        )
     if module.d_in != module.d_out:
         raise ValueError(
             f"nn.MultiheadAttention needs d_in == d_out, got d_in={module.d_in}, d_out={module.d_out}"

@@ -7,7 +7,6 @@ from torch import nn
 
 from attnkit import trace
 from attnkit.attention import attention, check_dropout
-from attnkit.kv_cache import CrossKVCache, KVCache
 from attnkit.modules._common import (
     active_dropout,
     check_backend,
@@ -15,7 +14,6 @@ from attnkit.modules._common import (
     check_input,
 )
 from attnkit.modules.causal import CausalAttention
-from attnkit.rope import RotaryEmbedding
 
 __all__ = ["MultiHeadAttention", "MultiHeadAttentionWrapper"]
 
@@ -76,6 +74,11 @@ class MultiHeadAttention(nn.Module):
                        ─ W_value ─> ...                                            ┘
         context (b, h, t, head_dim) ─> (b, t, d_out) ─ out_proj ─> (b, t, d_out)
 
+    This is the book's class (plus GQA and cross-attention). The LLM concerns (RoPE,
+    sliding windows, KV caches, padded batches, sinks, MLA) live in
+    :mod:`attnkit.models`, where the model hands every layer its positions and mask
+    (:class:`attnkit.models.CausalSelfAttention`).
+
     Mask polarity: a boolean ``mask`` here means True = *may attend* (attnkit's
     convention, as in SDPA), the opposite of ``nn.MultiheadAttention``'s
     ``attn_mask``/``key_padding_mask`` where True = *masked out*.
@@ -95,12 +98,6 @@ class MultiHeadAttention(nn.Module):
 
                 MHA  q: h h h h   GQA  q: h h h h   MQA  q: h h h h
                      k: h h h h        k:  h   h         k:    h
-
-        rope: rotate queries and keys by their positions (:mod:`attnkit.rope`).
-        rope_theta: RoPE frequency base.
-        window: sliding-window attention: each token sees itself and the
-            ``window - 1`` tokens before it (self-attention only). With a cache,
-            only the last ``window`` positions are kept (a ring buffer).
     """
 
     def __init__(
@@ -114,9 +111,6 @@ class MultiHeadAttention(nn.Module):
         *,
         backend: str = "auto",
         num_kv_heads: int | None = None,
-        rope: bool = False,
-        rope_theta: float = 10000.0,
-        window: int | None = None,
     ) -> None:
         super().__init__()
         check_dims(d_in=d_in, d_out=d_out, context_length=context_length, num_heads=num_heads)
@@ -128,12 +122,9 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(
                 f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})"
             )
-        if window is not None:
-            check_dims(window=window)
         self.d_in, self.d_out, self.context_length = d_in, d_out, context_length
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = d_out // num_heads
-        self.window = window
         self.backend = check_backend(backend)
         kv_out = num_kv_heads * self.head_dim
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
@@ -141,65 +132,6 @@ class MultiHeadAttention(nn.Module):
         self.W_value = nn.Linear(d_in, kv_out, bias=qkv_bias)
         self.out_proj = nn.Linear(d_out, d_out)
         self.dropout = nn.Dropout(check_dropout(dropout, "dropout"))
-        if rope and self.head_dim % 2:
-            raise ValueError(f"rope needs an even head_dim, got {self.head_dim}")
-        self.rope = RotaryEmbedding(self.head_dim, context_length, rope_theta) if rope else None
-        self.kv_cache: KVCache | None = None
-        self.cross_cache: CrossKVCache | None = None
-
-    def setup_cache(
-        self,
-        batch_size: int,
-        max_seq_len: int | None = None,
-        *,
-        cross_attention: bool = False,
-        static: bool = False,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-    ) -> None:
-        """Allocate a cache so that later calls only process new tokens.
-
-        Self-attention (default): a :class:`~attnkit.kv_cache.KVCache` of
-        ``max_seq_len`` (default ``context_length``) positions, a ring buffer of
-        ``window`` positions when the module has a window; calls then attend
-        causally to everything cached. Cross-attention: the first call's encoder
-        keys/values are kept and reused (``context`` may then be omitted).
-
-        Raises:
-            ValueError: ``max_seq_len`` larger than ``context_length``.
-        """
-        max_seq_len = self.context_length if max_seq_len is None else max_seq_len
-        check_dims(batch_size=batch_size, max_seq_len=max_seq_len)
-        if max_seq_len > self.context_length:
-            raise ValueError(
-                f"max_seq_len ({max_seq_len}) exceeds context_length ({self.context_length})"
-            )
-        ref = self.W_key.weight
-        if cross_attention:
-            self.kv_cache, self.cross_cache = None, CrossKVCache()
-            return
-        self.cross_cache = None
-        self.kv_cache = KVCache(
-            batch_size,
-            max_seq_len,
-            self.num_kv_heads,
-            self.head_dim,
-            window=self.window,
-            static=static,
-            dtype=dtype or ref.dtype,
-            device=device or ref.device,
-        )
-
-    def reset_cache(self) -> None:
-        """Empty the cache (keeps its buffers); a no-op without one."""
-        if self.kv_cache is not None:
-            self.kv_cache.reset()
-        if self.cross_cache is not None:
-            self.cross_cache.reset()
-
-    def delete_cache(self) -> None:
-        """Drop the cache: calls process whole sequences again."""
-        self.kv_cache = self.cross_cache = None
 
     def forward(
         self,
@@ -226,50 +158,25 @@ class MultiHeadAttention(nn.Module):
             ``(b, t, d_out)`` (or ``(t, d_out)``), plus the weights if asked.
         """
         xb, unbatched = check_input(x, self.d_in, self.context_length)
-        cross = context is not None or self.cross_cache is not None
-        if not cross:
+        if context is None:
             source = xb
             causal = True if causal is None else causal
         else:
-            if self.rope is not None or self.window is not None:
-                raise ValueError("rope and window apply to self-attention only, not to a context")
-            source = None
-            if context is not None:
-                source, ctx_unbatched = check_input(context, self.d_in, name="context")
-                if ctx_unbatched != unbatched or source.shape[0] != xb.shape[0]:
-                    raise ValueError(
-                        f"context batch {tuple(context.shape[:-2])} does not match x batch "
-                        f"{tuple(x.shape[:-2])}"
-                    )
+            source, ctx_unbatched = check_input(context, self.d_in, name="context")
+            if ctx_unbatched != unbatched or source.shape[0] != xb.shape[0]:
+                raise ValueError(
+                    f"context batch {tuple(context.shape[:-2])} does not match x batch "
+                    f"{tuple(x.shape[:-2])}"
+                )
             causal = False if causal is None else causal
         trace.emit("inputs", xb)
         b, t, _ = xb.shape
         # (b, t, d_out) -> (b, t, h, head_dim) -> (b, h, t, head_dim)
         queries = self.W_query(xb).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        if self.cross_cache is not None and self.cross_cache.filled:
-            keys, values = self.cross_cache.key, self.cross_cache.value  # (b, h_kv, s, head_dim)
-        elif source is None:
-            raise ValueError("cross-attention needs a context on the first call after setup_cache")
-        else:
-            keys, values = self._project_kv(source)  # (b, h_kv, s, head_dim)
-            if self.cross_cache is not None:
-                self.cross_cache.store(keys, values)
-        window = None if cross else self.window
-        if not cross and self.rope is not None:
-            start = self.kv_cache.pos if self.kv_cache is not None else 0
-            positions = start + torch.arange(t, device=xb.device)  # (t,)
-            queries, keys = self.rope(queries, positions), self.rope(keys, positions)
+        keys, values = self._project_kv(source)  # (b, h_kv, s, head_dim)
         trace.emit("queries", queries)
         trace.emit("keys", keys)
         trace.emit("values", values)
-        if self.kv_cache is not None and not cross:
-            if mask is not None or causal is False:
-                raise ValueError("with a KV cache, self-attention is causal and takes no mask")
-            keys, values, mask = self.kv_cache.update(keys, values)  # (b, h_kv, s, head_dim)
-            # None: the keys are positions 0..pos+t-1, bottom-right causal is exact
-            # (and a single query sees every key); else the cache's position mask.
-            causal = t > 1 if mask is None else False
-            window = window if mask is None else None
         result = attention(
             queries,
             keys,
@@ -278,10 +185,9 @@ class MultiHeadAttention(nn.Module):
             causal=causal,
             dropout_p=active_dropout(self.dropout, self.training),
             need_weights=need_weights,
-            window=window,
             backend=self.backend,
         )
-        heads, weights = result if need_weights else (result, None)  # (b, h, t, head_dim)
+        heads, weights = result if isinstance(result, tuple) else (result, None)  # (b, h, t, d)
         concat = heads.transpose(1, 2).reshape(b, t, self.d_out)  # (b, t, d_out)
         trace.emit("concat", concat)
         out = self.out_proj(concat)  # (b, t, d_out)
@@ -289,7 +195,7 @@ class MultiHeadAttention(nn.Module):
         if unbatched:
             out = out.squeeze(0)
             weights = None if weights is None else weights.squeeze(0)
-        return (out, weights) if need_weights else out
+        return (out, weights) if weights is not None else out
 
     def _project_kv(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, s, _ = source.shape
@@ -298,36 +204,9 @@ class MultiHeadAttention(nn.Module):
         values = self.W_value(source).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return keys, values
 
-    @classmethod
-    def from_torch(
-        cls, module: nn.MultiheadAttention, *, context_length: int, backend: str = "auto"
-    ) -> MultiHeadAttention:
-        """Build an attnkit module with the weights of a ``torch.nn.MultiheadAttention``.
-
-        See :func:`attnkit.modules.interop.from_torch_mha`.
-        """
-        from attnkit.modules.interop import from_torch_mha
-
-        return from_torch_mha(module, context_length=context_length, backend=backend)
-
-    def to_torch(self) -> nn.MultiheadAttention:
-        """Return an equivalent ``torch.nn.MultiheadAttention`` (``batch_first=True``).
-
-        See :func:`attnkit.modules.interop.to_torch_mha`.
-        """
-        from attnkit.modules.interop import to_torch_mha
-
-        if self.num_kv_heads != self.num_heads or self.rope is not None or self.window:
-            raise ValueError(
-                "nn.MultiheadAttention has no GQA, rope or window: got "
-                f"num_kv_heads={self.num_kv_heads}, rope={self.rope is not None}, "
-                f"window={self.window}"
-            )
-        return to_torch_mha(self)
-
     def extra_repr(self) -> str:
         return (
             f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, context_length={self.context_length}, "
-            f"window={self.window}, backend={self.backend!r}"
+            f"backend={self.backend!r}"
         )

@@ -17,7 +17,8 @@ data generator identically).
 What this relies on in :class:`~attnkit.models.GPT`: ``tok_emb``, ``pos_emb`` (or None),
 ``trf_blocks`` of ``norm1``/``att``/``norm2``/``ff``, ``final_norm``, ``out_head``; the
 attention layer's ``W_query``/``W_key``/``W_value``/``out_proj``, ``num_heads``,
-``num_kv_heads``, ``head_dim``, ``d_out``, ``rope`` (``rope(x, positions)``) and ``window``.
+``num_kv_heads``, ``head_dim``, ``d_out``, ``window`` and ``sinks``; the model's one RoPE table
+``rope`` (``rope(x, positions)``).
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ from torch import nn
 from attnkit.distributed import context_parallel_attention, rank_and_size, shard
 from attnkit.distributed.comm import Group
 from attnkit.models import GPT
+from attnkit.models.attention import CausalSelfAttention
+from attnkit.rope import RotaryEmbedding
 from attnkit.train.data import IGNORE
-from attnkit.train.loop import Progress
+from attnkit.train.loop import train
 
 __all__ = [
     "all_reduce_grads",
@@ -56,10 +59,16 @@ def check_model(model: GPT) -> None:
             f"context parallelism needs drop_rate=0 (got {model.cfg.drop_rate}): "
             "dropout would differ from a single-process run"
         )
+    if model.cfg.mla_kv_rank is not None:
+        raise ValueError(
+            "context parallelism splits CausalSelfAttention layers; this model uses "
+            "multi-head latent attention (mla_kv_rank)"
+        )
 
 
 def _attend(
-    att: Any,
+    att: CausalSelfAttention,
+    rope: RotaryEmbedding | None,
     x: torch.Tensor,
     positions: torch.Tensor,
     group: Group,
@@ -71,10 +80,18 @@ def _attend(
     q = att.W_query(x).view(b, t, att.num_heads, att.head_dim).transpose(1, 2)
     k = att.W_key(x).view(b, t, att.num_kv_heads, att.head_dim).transpose(1, 2)
     v = att.W_value(x).view(b, t, att.num_kv_heads, att.head_dim).transpose(1, 2)
-    if att.rope is not None:
-        q, k = att.rope(q, positions), att.rope(k, positions)
+    if rope is not None:  # the model's one table, at this shard's global positions
+        q, k = rope(q, positions), rope(k, positions)
     out: torch.Tensor = context_parallel_attention(  # type: ignore[assignment]
-        q, k, v, group=group, layout=layout, strategy=strategy, causal=True, window=att.window
+        q,
+        k,
+        v,
+        group=group,
+        layout=layout,
+        strategy=strategy,
+        causal=True,
+        window=att.window,
+        sinks=att.sinks,
     )  # (b, h, t, head_dim)
     return att.out_proj(out.transpose(1, 2).reshape(b, t, att.d_out))  # (b, t, d_out)
 
@@ -94,7 +111,7 @@ def sharded_logits(
         x = x + model.pos_emb(positions)
     block: Any
     for block in model.trf_blocks:
-        x = x + _attend(block.att, block.norm1(x), positions, group, layout, strategy)
+        x = x + _attend(block.att, model.rope, block.norm1(x), positions, group, layout, strategy)
         x = x + block.ff(block.norm2(x))  # (b, t_local, d)
     return model.out_head(model.final_norm(x))  # (b, t_local, vocab)
 
@@ -159,16 +176,19 @@ def train_context_parallel(
     group: Group = None,
     layout: str = "zigzag",
     strategy: str = "ring",
-    optimizer: torch.optim.Optimizer | None = None,
-    lr: float = 3e-3,
-    start_step: int = 0,
     progress: bool = True,
-    on_step: Callable[[int, float], None] | None = None,
+    **kwargs: Any,
 ) -> list[float]:
     """:func:`attnkit.train.train` with every sequence split over ``group``.
 
-    Same schedule (50 warm-up steps, cosine decay to 10%), clipping and optimizer;
-    ``batches`` must return the same full batch on every rank. Rank 0 draws the bar.
+    The same loop (schedule, clipping, optimizer, Ctrl-C, checkpoints through
+    ``on_step``): only the loss (this rank's share of the whole batch's) and an
+    all-reduce of the gradients after the backward differ. ``batches`` must return the
+    same full batch on every rank. Only rank 0 draws the bar.
+
+    Args:
+        kwargs: passed on to :func:`attnkit.train.train` (``optimizer``, ``lr``,
+            ``start_step``, ``schedule``, ``on_step``, ``should_stop``).
 
     Returns:
         The loss of every step (the whole batch's mean, the same on every rank).
@@ -176,31 +196,16 @@ def train_context_parallel(
     check_model(model)
     rank, _ = rank_and_size(group)
     broadcast_parameters(model, group)
-    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    base_lrs = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
-    for g, base in zip(optimizer.param_groups, base_lrs, strict=True):
-        g["initial_lr"] = base
-    bar = Progress(steps - start_step) if progress and rank == 0 else None
-    losses: list[float] = []
-    model.train()
-    for step in range(start_step + 1, steps + 1):
-        warm = min(1.0, step / 50)
-        decay = 0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * step / steps)).item())
-        for g, base in zip(optimizer.param_groups, base_lrs, strict=True):
-            g["lr"] = base * warm * decay
-        inputs, targets = batches()
-        loss, value = sharded_loss(
-            model, inputs, targets, group=group, layout=layout, strategy=strategy
-        )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        all_reduce_grads(model, group)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(value)
-        if bar is not None:
-            bar.update(step - start_step, value, inputs.numel())
-        if on_step is not None:
-            on_step(step, value)
-    model.eval()
-    return losses
+
+    def loss_fn(m: GPT, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, float]:
+        return sharded_loss(m, inputs, targets, group=group, layout=layout, strategy=strategy)
+
+    return train(
+        model,
+        batches,
+        steps,
+        progress=progress and rank == 0,
+        loss_fn=loss_fn,
+        after_backward=lambda m: all_reduce_grads(m, group),
+        **kwargs,
+    )

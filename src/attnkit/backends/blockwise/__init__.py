@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from torch import nn
 
 from attnkit.backends import AttentionCall, BackendResult, register_backend
 from attnkit.backends.blockwise import flash_cpu
@@ -38,6 +37,7 @@ from attnkit.backends.blockwise.plan import FLASH_CPU, TORCH_TILES, TilePlan, bu
 from attnkit.backends.blockwise.segment import SegmentMask, segment_backward, segment_forward
 from attnkit.backends.blockwise.torch_tiles import weights_from_lse
 from attnkit.masks import ScoreMod
+from attnkit.mods import grad_leaves
 
 __all__ = [
     "SegmentMask",
@@ -49,35 +49,17 @@ __all__ = [
 ]
 
 
-def score_mod_tensors(score_mod: ScoreMod | None) -> tuple[torch.Tensor, ...]:
-    """The tensors a ``score_mod`` reads that may need gradients.
-
-    Looked up, in order: an explicit ``score_mod.tensors`` sequence, the parameters
-    of an ``nn.Module``, and tensors (or modules) captured in a closure.
-    """
-    if score_mod is None:
+def score_mod_tensors(
+    score_mod: ScoreMod | None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, ...]:
+    """The tensors requiring grad that ``score_mod`` depends on, however it reaches them
+    (found by probing the mod and walking its autograd graph: :func:`attnkit.mods.grad_leaves`);
+    empty when gradients are off."""
+    if score_mod is None or not torch.is_grad_enabled():
         return ()
-    found: list[torch.Tensor] = []
-    explicit = getattr(score_mod, "tensors", None)
-    if explicit is not None:
-        found.extend(t for t in explicit if isinstance(t, torch.Tensor))
-    elif isinstance(score_mod, nn.Module):
-        found.extend(score_mod.parameters())
-    else:
-        for cell in getattr(score_mod, "__closure__", None) or ():
-            try:
-                obj = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            if isinstance(obj, torch.Tensor):
-                found.append(obj)
-            elif isinstance(obj, nn.Module):
-                found.extend(obj.parameters())
-    unique: dict[int, torch.Tensor] = {}
-    for t in found:
-        if t.is_floating_point() and t.requires_grad:
-            unique.setdefault(id(t), t)
-    return tuple(unique.values())
+    return grad_leaves(score_mod, dtype, torch.device(device))
 
 
 def _wants_grad(call: AttentionCall) -> bool:
@@ -87,7 +69,7 @@ def _wants_grad(call: AttentionCall) -> bool:
         return True
     if call.sinks is not None and call.sinks.requires_grad:
         return True
-    return bool(score_mod_tensors(call.score_mod))
+    return bool(score_mod_tensors(call.score_mod, call.query.dtype, call.query.device))
 
 
 def _supports(call: AttentionCall) -> str | None:
@@ -95,6 +77,10 @@ def _supports(call: AttentionCall) -> str | None:
         return "blockwise does not implement dropout (use backend='sdpa' or 'reference')"
     if call.mask is not None and call.mask.is_floating_point() and call.mask.requires_grad:
         return "blockwise gives no gradient to a float mask (use backend='reference')"
+    try:
+        score_mod_tensors(call.score_mod, call.query.dtype, call.query.device)
+    except (TypeError, ValueError) as err:
+        return str(err)
     if call.need_weights and _wants_grad(call):
         return (
             "weights recomputed from the log-sum-exp carry no gradient; "
@@ -119,14 +105,12 @@ def _plan(call: AttentionCall, engine: str) -> TilePlan:
 
 
 def _run(call: AttentionCall, engine: str) -> BackendResult:
-    extra = score_mod_tensors(call.score_mod)
+    extra = score_mod_tensors(call.score_mod, call.query.dtype, call.query.device)
     if engine == FLASH_CPU and flash_cpu.why_not(
         call.query, call.key, call.value, call.score_mod, extra
     ):
         engine = TORCH_TILES
     plan = _plan(call, engine)
-    if plan.score_mod is not None and torch.is_grad_enabled() and not extra:
-        _check_no_hidden_grad(call)
     out, lse = BlockwiseAttention.apply(plan, call.query, call.key, call.value, call.sinks, *extra)
     lead = call.query.shape[:-1]  # (..., h, t)
     out = out.reshape(*lead, call.value.shape[-1])  # (..., h, t, d_v)
@@ -149,18 +133,6 @@ def blockwise_attention(call: AttentionCall) -> BackendResult:
 def blockwise_tiles_attention(call: AttentionCall) -> BackendResult:
     """:func:`blockwise_attention` always on the PyTorch-op engine."""
     return _run(call, TORCH_TILES)
-
-
-def _check_no_hidden_grad(call: AttentionCall) -> None:
-    """Refuse a score_mod whose output needs grad through tensors we could not find."""
-    probe = torch.zeros(1, 1, 1, 1, dtype=call.query.dtype, device=call.query.device)
-    idx = torch.zeros(1, 1, 1, 1, dtype=torch.long, device=call.query.device)
-    mod = call.score_mod
-    if mod is not None and mod(probe, idx, idx, idx, idx).requires_grad:
-        raise ValueError(
-            "score_mod reads tensors that require grad but blockwise cannot find them; "
-            "give the mod a `tensors` attribute listing them (attnkit.masks mods do)"
-        )
 
 
 register_backend("blockwise", blockwise_attention, supports=_supports)

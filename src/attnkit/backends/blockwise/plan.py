@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnkit.block_mask import EMPTY, FULL, BlockMask
+from attnkit.block_mask import EMPTY, FULL, BlockMask, cached_block_mask
 from attnkit.masks import MaskMod, ScoreMod, position_keep
 from attnkit.mods import eval_mask_mod, eval_score_mod
 
@@ -36,6 +36,10 @@ FUSED_BLOCK_Q = 1024
 #: more than their size: each fresh allocation past glibc's mmap threshold (32 MB) is
 #: page-faulted in anew (an ALiBi bias tile of 12 x 1024 x 1024 took 3x longer per element).
 MASK_TILE_ELEMENTS = 1 << 22
+
+#: Tile size of the block mask a plain ``mask_mod=`` is turned into (at most; smaller
+#: when the tiles above are made smaller, as tests do).
+MOD_BLOCK = 128
 
 FLASH_CPU = "flash_cpu"
 TORCH_TILES = "torch_tiles"
@@ -186,7 +190,10 @@ class TilePlan:
             if kind == EMPTY:
                 return None
             if kind != FULL:
-                keep = _and(keep, m)
+                if self.fused and not square and self.block_mask.is_causal_tile(q0, q1, k0, k1):
+                    square = True  # a causal mod's diagonal tile: the kernel's is_causal
+                else:
+                    keep = _and(keep, m)
         bias = None
         if self.mask is not None:
             m = _slice(self.mask, q0, q1, k0, k1)
@@ -353,12 +360,29 @@ def build_plan(
     engine: str,
     block_q: int | None = None,
     block_k: int | None = None,
+    mod_offsets: tuple[int, int] = (0, 0),
 ) -> TilePlan:
     """The plan of one attention call (flattened to ``(b, h, t, d)`` terms): tile sizes
-    chosen here, in one place, for the engine that will run it."""
+    chosen here, in one place, for the engine that will run it. A plain ``mask_mod``
+    becomes a cached :class:`BlockMask` (positions shifted by ``mod_offsets``)."""
     b, h, h_kv = _layout(query, key)
     t, s = query.shape[-2], key.shape[-2]
     fused = engine == FLASH_CPU
+    if mask_mod is not None and block_mask is None and query.dim() == 4:
+        # a plain mask_mod: the same block plan, built once and cached
+        size = min(MOD_BLOCK, BLOCK_Q, BLOCK_K, FUSED_BLOCK_Q)
+        block_mask = cached_block_mask(
+            mask_mod,
+            b,
+            h,
+            t,
+            s,
+            device=query.device,
+            block_size=size,
+            q_offset=mod_offsets[0],
+            k_offset=mod_offsets[1],
+        )
+        mask_mod = None
     dq = min(FUSED_BLOCK_Q if fused else BLOCK_Q, max(t, 1))
     dk = min(BLOCK_K, max(s, 1))
     if window is not None:  # narrow query tiles waste less of a narrow band

@@ -71,6 +71,7 @@ def _plan(
         score_mod=seg.score_mod,
         block_mask=None,
         engine=engine,
+        mod_offsets=(seg.q_offset, seg.k_offset),
     )
     # causal/window compare key position j + k_offset with query position i + q_offset
     plan.offset = seg.q_offset - seg.k_offset

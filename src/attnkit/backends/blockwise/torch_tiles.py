@@ -160,7 +160,11 @@ def backward(
             dp = torch.matmul(dot, vt.transpose(-2, -1))  # (b, h_kv, g, bq, bk)
             ds = dp.view(b, h, bq, bk).sub_(delta[:, :, q0:q1]).mul_(p)  # (b, h, bq, bk)
             if plan.score_mod is not None and not additive:
-                grads = torch.autograd.grad(modded, [raw, *extra], ds, allow_unused=True)
+                # retain_graph: a captured non-leaf (w = p * 2) is reached through its
+                # graph, which every tile walks again
+                grads = torch.autograd.grad(
+                    modded, [raw, *extra], ds, allow_unused=True, retain_graph=bool(extra)
+                )
                 ds = grads[0]
                 for i, gr in enumerate(grads[1:]):
                     if gr is not None:

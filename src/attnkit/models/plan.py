@@ -1,0 +1,219 @@
+"""Once per forward: each row's positions, the RoPE values and the masks of the GPT's layers.
+
+:func:`plan_forward` is the model's half of "data flows down": it checks ``idx``,
+``attention_mask`` and ``input_pos``, computes every row's positions (a left-padded
+row counts from its first real token), looks the RoPE values up in the model's one
+table, and builds one :class:`~attnkit.models.attention.AttentionInputs` per kind of
+layer (global; local with its window), each with its mask built from the time indices
+of the keys the layer's cache will return (:meth:`attnkit.kv_cache.KVCache.key_positions`).
+
+Where no mask is needed (no padding, keys exactly the times ``0 .. end - 1``) the
+layers get ``causal``/``window`` flags instead, so :func:`attnkit.attention` takes its
+fast paths (SDPA's ``is_causal``, the blockwise tiles).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from attnkit.kv_cache import KVCache
+from attnkit.masks import position_keep
+from attnkit.models.attention import AttentionInputs
+from attnkit.rope import rope_values
+
+if TYPE_CHECKING:
+    from attnkit.models.gpt import GPT
+
+__all__ = ["Plan", "keep_mask", "plan_forward"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one forward hands down: positions ``(b|1, t)`` and one input per layer."""
+
+    positions: torch.Tensor
+    inputs: list[AttentionInputs]
+
+
+def keep_mask(
+    q_time: torch.Tensor,
+    k_time: torch.Tensor,
+    *,
+    window: int | None,
+    sink_tokens: int = 0,
+    key_real: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The decoder's boolean mask ``(b|1, 1, t, s)`` (True = may attend) from time indices.
+
+    Causal and window follow :func:`attnkit.masks.position_keep` (the one home of the
+    rule); ``k_time < 0`` marks an empty cache slot; the first ``sink_tokens`` times stay
+    visible past the window (StreamingLLM); ``key_real`` ``(b, L)`` drops padding keys.
+    """
+    q, k = q_time[:, None], k_time[None, :]  # (t, 1), (1, s)
+    keep = position_keep(q, k, causal=True, window=window) & (k >= 0)  # (t, s)
+    if sink_tokens and window is not None:
+        keep = keep | ((k >= 0) & (k < sink_tokens) & (k <= q))
+    if key_real is None:
+        return keep[None, None]  # (1, 1, t, s)
+    real = key_real.gather(1, k_time.clamp(min=0).expand(key_real.shape[0], -1))  # (b, s)
+    return keep[None, None] & real[:, None, None, :]  # (b, 1, t, s)
+
+
+def _check_idx(model: GPT, idx: torch.Tensor) -> None:
+    if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.long, torch.int):
+        raise TypeError("idx must be an integer (long) tensor of token ids")
+    if idx.dim() != 2:
+        raise ValueError(f"idx must be (batch, tokens), got shape {tuple(idx.shape)}")
+    if idx.shape[1] == 0:
+        raise ValueError("idx has no tokens")
+    if not torch.compiler.is_compiling():
+        v = model.cfg.vocab_size
+        low, high = torch.aminmax(idx)
+        if int(low) < 0 or int(high) >= v:
+            raise ValueError(f"token ids must be in [0, {v})")
+
+
+def _check_input_pos(input_pos: torch.Tensor, t: int) -> None:
+    if not isinstance(input_pos, torch.Tensor) or input_pos.is_floating_point():
+        raise TypeError("input_pos must be an integer tensor of time indices")
+    if input_pos.shape != (t,):
+        raise ValueError(
+            f"input_pos must have shape ({t},) like idx's tokens, got {tuple(input_pos.shape)}"
+        )
+    if not torch.compiler.is_compiling() and (
+        int(input_pos[0]) < 0 or (t > 1 and not bool((input_pos.diff() == 1).all()))
+    ):
+        raise ValueError(
+            f"input_pos must be consecutive non-negative time indices, got {input_pos.tolist()}"
+        )
+
+
+def _check_mask(mask: torch.Tensor, b: int, end: int | None) -> torch.Tensor:
+    """Return ``attention_mask`` as bool ``(b, L)`` after checking it (eager checks only)."""
+    if not isinstance(mask, torch.Tensor) or mask.is_floating_point() or mask.is_complex():
+        raise TypeError("attention_mask must be a bool or integer tensor (1 = token, 0 = padding)")
+    if mask.dim() != 2 or mask.shape[0] != b:
+        raise ValueError(f"attention_mask must be (batch={b}, length), got {tuple(mask.shape)}")
+    if end is None:  # compiling: no data-dependent checks
+        return mask.bool()
+    if mask.shape[1] < end:
+        raise ValueError(
+            f"attention_mask covers {mask.shape[1]} time indices; it must cover all {end} "
+            "(the cached tokens and the new ones)"
+        )
+    if mask.dtype != torch.bool and not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+    real = mask[:, :end].bool()
+    first = real.int().argmax(1, keepdim=True)  # (b, 1)
+    count = real.sum(1, keepdim=True)
+    times = torch.arange(end, device=mask.device)
+    if not bool((real == ((times >= first) & (times < first + count))).all()):
+        raise ValueError(
+            "attention_mask: each row's tokens must be contiguous (left or right padding)"
+        )
+    return mask.bool()
+
+
+def _stream_positions(
+    times: torch.Tensor, end: torch.Tensor, stream: tuple[int, int]
+) -> torch.Tensor:
+    """StreamingLLM positions: sinks keep theirs, later tokens shift so the newest sits
+    at ``sink_tokens + window - 1`` (relative distances among them unchanged)."""
+    n, w = stream
+    shift = (end - n - w).clamp(min=0)
+    return torch.where(times < n, times, times - shift)
+
+
+def plan_forward(
+    model: GPT,
+    idx: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    input_pos: torch.Tensor | None,
+) -> Plan:
+    """Check the inputs and compute the positions, RoPE values and masks of one forward."""
+    _check_idx(model, idx)
+    b, t = idx.shape
+    caches = model.caches
+    eager = not torch.compiler.is_compiling()
+    if input_pos is None:
+        if caches is not None:
+            raise ValueError(
+                "with a KV cache, pass input_pos: the (t,) time indices of idx's tokens, "
+                "e.g. torch.arange(start, start + t)"
+            )
+        input_pos = torch.arange(t, device=idx.device)
+    else:
+        _check_input_pos(input_pos, t)
+    stream = model.streaming
+    end = input_pos[-1] + 1  # (): a tensor, so a compiled step does not specialise on it
+    end_i = int(end) if eager else None
+    if eager and stream is None:
+        limit = model.cfg.context_length
+        if caches is not None:
+            first: KVCache = caches[0]  # type: ignore[assignment]
+            limit = min(limit, first.max_seq_len or limit)
+        if end_i is not None and end_i > limit:
+            raise ValueError(f"{end_i} tokens exceed context_length={limit}")
+    key_real = None
+    if attention_mask is not None:
+        if stream is not None:
+            raise ValueError("streaming decoding takes no attention_mask (rows of equal length)")
+        key_real = _check_mask(attention_mask, b, end_i)
+        if end_i is not None and bool(key_real[:, :end_i].all()):
+            key_real = None  # no padding where it matters: the fast path
+    if key_real is None:
+        positions = input_pos[None]  # (1, t)
+        if stream is not None:
+            positions = _stream_positions(positions, end, stream)
+    else:
+        real_pos = (key_real.long().cumsum(1) - 1).clamp(min=0)  # (b, L)
+        positions = real_pos.index_select(1, input_pos)  # (b, t)
+    rope = None
+    if model.rope is not None:
+        if stream is None:
+            cos, sin = model.rope.cos[positions], model.rope.sin[positions]  # (b|1, t, d)
+        else:
+            cos, sin = rope_values(positions, model.rope.head_dim, model.rope.theta)
+        rope = (cos[:, None], sin[:, None])  # (b|1, 1, t, d)
+    kinds: dict[tuple, AttentionInputs] = {}
+    inputs = []
+    for i, w in enumerate(model.windows):
+        cache: KVCache | None = None if caches is None else caches[i]  # type: ignore[assignment]
+        key = (w,) if cache is None else (w, cache.window, cache.sink_tokens, cache.static)
+        if key not in kinds:
+            kinds[key] = _layer_inputs(model, w, cache, input_pos, end, key_real, rope, eager)
+        inputs.append(kinds[key])
+    return Plan(positions, inputs)
+
+
+def _layer_inputs(
+    model: GPT,
+    window: int | None,
+    cache: KVCache | None,
+    input_pos: torch.Tensor,
+    end: torch.Tensor,
+    key_real: torch.Tensor | None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None,
+    eager: bool,
+) -> AttentionInputs:
+    t = input_pos.shape[0]
+    if key_real is None and (
+        cache is None or (cache.window is None and not cache.static and eager)
+    ):
+        # The keys are exactly the times 0 .. end - 1 (or the call's own tokens):
+        # bottom-right causal (and window) is exact; one query sees every earlier key.
+        return AttentionInputs(input_pos, rope, causal=t > 1 or cache is None, window=window)
+    k_time = input_pos if cache is None else cache.key_positions(input_pos)  # (s,)
+    if cache is not None and cache.window is not None:
+        window = cache.window  # a ring (or StreamingLLM's window) bounds what is kept
+    sinks = 0 if cache is None else cache.sink_tokens
+    mask = keep_mask(input_pos, k_time, window=window, sink_tokens=sinks, key_real=key_real)
+    key_rope = None
+    if model.streaming is not None and model.rope is not None:
+        k_pos = _stream_positions(k_time.clamp(min=0), end, model.streaming)
+        cos, sin = rope_values(k_pos, model.rope.head_dim, model.rope.theta)  # (s, d)
+        key_rope = (cos[None, None], sin[None, None])  # (1, 1, s, d)
+    return AttentionInputs(input_pos, rope, key_rope, mask, causal=False)
