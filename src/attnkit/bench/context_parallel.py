@@ -66,8 +66,8 @@ def _step(
         if world == 1:
             out = attention(q, k, v, causal=True)
         else:
-            out = context_parallel_attention(q, k, v, causal=True, strategy=strategy)
-        out.backward(gout)  # type: ignore[union-attr]
+            out = context_parallel_attention(q, k, v, causal=True, strategy=strategy)  # type: ignore[assignment]
+        out.backward(gout)
     seconds = time.perf_counter() - t0
     return {
         "seconds": seconds,

@@ -191,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         from attnkit.cli._context_parallel import context_parallel_trainer
 
         fit = context_parallel_trainer(args)
+        out = output_dir(args.out)  # rank 0 keeps --out; the others, a private copy
     torch.manual_seed(args.seed)
     model, opt_state, start = None, None, 0
     losses: list[float] = []
