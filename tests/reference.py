@@ -83,9 +83,18 @@ def ref_attention_lse(
     s = torch.einsum("bhtd,bhsd->bhts", q, k) * scale
     if bias is not None:
         s = s + bias.double()
-    kept = torch.isfinite(s)
     if keep is not None:
-        kept = kept & keep
+        s = torch.where(keep, s, torch.full_like(s, -math.inf))
+    return ref_from_scores(s, v, sinks)
+
+
+def ref_from_scores(
+    s: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(context, lse) in float64 from final scores ``(b, h, t, s)`` (``-inf`` = masked)
+    and values ``(b, h, s, d_v)`` already expanded to the query heads."""
+    s, v = s.double(), v.double()
+    kept = torch.isfinite(s)
     cols = [s]
     kept_cols = [kept]
     if sinks is not None:

@@ -14,7 +14,7 @@ from attnkit.cli import main
 def test_quick_bench_writes_json_markdown(tmp_path, capsys):
     assert main(["bench", "--quick", "--reps", "1", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "results.json").read_text())
-    assert {row["target"] for row in result["targets"]} == set("abcde")
+    assert {row["target"] for row in result["targets"]} == set("abcdefghij")
     measured = [c for cs in result["target_cases"].values() for c in cs if c["seconds"]]
     assert len(measured) >= 12 and all(c["seconds"] > 0 for c in measured)
     flex_bwd = [
@@ -22,8 +22,16 @@ def test_quick_bench_writes_json_markdown(tmp_path, capsys):
     ]
     assert flex_bwd[0]["note"].startswith("unsupported")  # reported, not silently dropped
     assert result["machine"]["torch"] == torch.__version__
-    assert "| target | ratio | goal | met |" in (tmp_path / "results.md").read_text()
-    assert "Targets" in capsys.readouterr().out
+    md = (tmp_path / "results.md").read_text()
+    assert "| target | ratio | goal | met |" in md
+    out = capsys.readouterr().out
+    assert "Targets" in out
+    # bench --quick says it is a smoke run (no toy-size "NO" grades), writes the promised
+    # plot, and prints where the results went
+    assert "Smoke run" in md and "| NO |" not in md and "| yes |" not in md
+    assert (tmp_path / "targets.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"results: {tmp_path / 'results.json'}" in out and "targets.png" in out
+    assert "smoke run" in out.splitlines()[-1]
 
 
 def test_bad_reps_is_a_one_line_error(tmp_path, capsys):

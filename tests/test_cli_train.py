@@ -18,7 +18,7 @@ def test_train_resume_generate(tmp_path, capsys):
         assert (out / name).is_file()
     assert main([*args, "--steps", "25", "--resume"]) == 0
     text = capsys.readouterr()
-    assert "steps 21..25" in text.out and "step 5/5" in text.err
+    assert "steps 21..25" in text.out and "25/25" in text.err  # the bar counts as the header
     assert main(["generate", "--checkpoint", str(out), "--prompt", "123>"]) == 0
     generated = capsys.readouterr().out.strip()
     assert generated.startswith("123>") and len(generated) == 7
@@ -50,7 +50,7 @@ def test_errors(tmp_path, capsys):
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "config.json").write_text("{not json")
     one_line_error(
-        capsys, ["generate", "--checkpoint", str(tmp_path / "bad"), "--prompt", "1"], "corrupt"
+        capsys, ["generate", "--checkpoint", str(tmp_path / "bad"), "--prompt", "1"], "incomplete"
     )
 
 
@@ -85,3 +85,54 @@ def test_bad_prompts(tmp_path, capsys, prompt):
     )
     capsys.readouterr()
     one_line_error(capsys, ["generate", "--checkpoint", str(out), "--prompt", prompt], "prompt")
+
+
+def test_generate_past_context_length_crops_and_says_so(tmp_path, capsys):
+    out = tmp_path / "ck"
+    argv = ["train", "--task", "copy", "--length", "2", "--steps", "2", "--quiet"]
+    assert main([*argv, "--out", str(out)]) == 0  # context_length 5 (the task's sequence)
+    capsys.readouterr()
+    assert (
+        main(["generate", "--checkpoint", str(out), "--prompt", "12>", "--max-new-tokens", "6"])
+        == 0
+    )
+    text = capsys.readouterr()
+    assert len(text.out.strip()) == 3 + 6  # not silently stopped at the context
+    assert "past context_length 5" in text.err and text.err.count("\n") == 1
+
+
+def test_generate_help_says_temperature_zero_is_greedy(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--help"])
+    assert info.value.code == 0
+    assert "0 = greedy" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("command", ["train", "generate", "bench", "demo", "explain", "viz"])
+def test_help_has_description_examples_and_defaults(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert "examples:" in out and "(default:" in out and f"attnkit {command}" in out
+
+
+def test_demo_saves_a_model_generate_can_use(tmp_path, capsys):
+    from attnkit.train import demo_section
+
+    demo_section(tmp_path, steps=3)
+    printed = capsys.readouterr().out
+    assert f"attnkit generate --checkpoint {tmp_path / 'checkpoint'}" in printed
+    assert (
+        main(["generate", "--checkpoint", str(tmp_path / "checkpoint"), "--prompt", "12345678>"])
+        == 0
+    )
+    answer = capsys.readouterr().out.strip()
+    assert answer.startswith("12345678>") and len(answer) == 9 + 8  # the reverse task's answer
+
+
+def test_train_quiet_logs_a_line_per_save_and_no_bar(tmp_path, capsys):
+    argv = ["train", "--task", "copy", "--length", "2", "--steps", "4", "--save-every", "2"]
+    assert main([*argv, "--quiet", "--out", str(tmp_path / "ck")]) == 0
+    text = capsys.readouterr()
+    assert "step 2/4: loss" in text.out and "step 4/4: loss" in text.out
+    assert "it/s" not in text.err and "step/s" not in text.err

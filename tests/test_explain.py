@@ -166,10 +166,30 @@ def test_bad_arguments_name_the_values():
         render(explain(["a", "b", "c"], x, stages=["simplified"]), query="z")
 
 
+@pytest.mark.parametrize(
+    "kw, err, match",
+    [
+        (dict(heads=True), TypeError, "heads must be an int, got bool"),
+        (dict(d_out=0), ValueError, "d_out must be >= 1, got 0"),
+        (dict(dropout=1.0), ValueError, "dropout must be < 1.0"),
+        (dict(dropout=False), TypeError, "dropout must be a number"),
+    ],
+)
+def test_bad_options_name_the_argument(kw, err, match):
+    """Regression: explain's hand-written checks took heads=True (bool is not an int)."""
+    with pytest.raises(err, match=match):
+        explain(["a", "b", "c"], torch.rand(3, 3), **kw)
+
+
+def test_random_embeddings_refuse_bool_dim():
+    with pytest.raises(TypeError, match="dim must be an int, got bool"):
+        resolve_sentence("the cat sat", dim=True)
+
+
 def test_inputs_tokenize_examples_and_files(tmp_path):
-    assert tokenize("Hello shiny sun!") == ["Hello", "shiny", "sun"]
+    assert tokenize("Hello shiny sun!") == ["Hello", "shiny", "sun", "!"]
     with pytest.raises(ValueError, match="no tokens"):
-        tokenize(" ?! ")
+        tokenize("  \t ")
     tokens, x = resolve_sentence("hello shiny sun")
     assert tokens == ["Hello", "shiny", "sun"] and torch.equal(x, HELLO_SHINY_SUN.tensor())
     _, r1 = resolve_sentence("the cat sat", dim=4, seed=5)
@@ -189,3 +209,52 @@ def test_import_attnkit_does_not_import_matplotlib():
     code = "import sys, attnkit, attnkit.explain, attnkit.viz; print('matplotlib' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "False"
+
+
+def test_explain_keeps_punctuation_tokens():
+    assert tokenize("Wait, don't stop!") == ["Wait", ",", "don't", "stop", "!"]
+    tokens, x = resolve_sentence("Hello shiny sun!")  # the book's example: its 3 tokens
+    assert tokens == ["Hello", "shiny", "sun"] and torch.equal(x, HELLO_SHINY_SUN.tensor())
+    tokens, x = resolve_sentence("Hi, sun!")
+    assert tokens == ["Hi", ",", "sun", "!"] and x.shape == (4, 3)
+
+
+def test_explain_query_picks_a_repeated_token():
+    from attnkit.explain import find_token
+
+    tokens = ["the", "cat", "saw", "the", "dog"]
+    assert find_token(tokens, "the#1") == 0 and find_token(tokens, "the#2") == 3
+    assert find_token(tokens, "cat") == 1 and find_token(tokens, "CAT") == 1
+    with pytest.raises(ValueError, match="occurs 2 times; choose one of the#1, the#2"):
+        find_token(tokens, "the")
+    with pytest.raises(ValueError, match="#3 does not exist"):
+        find_token(tokens, "the#3")
+    assert find_token(["c#1"], "c#1") == 0  # a token that contains '#' matches as itself
+
+
+def test_explain_labels_random_embeddings_as_random(capsys):
+    from attnkit.cli import main
+
+    assert main(["explain", "the red fox", "--stage", "simplified", "--seed", "4"]) == 0
+    assert "random (seed 4" in capsys.readouterr().out
+    assert main(["explain", "the red fox", "--stage", "simplified", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["embeddings_source"].startswith("random")
+    assert main(["explain", "--stage", "simplified"]) == 0
+    assert "the seeds' embeddings" in capsys.readouterr().out
+
+
+def test_explain_reads_csv_header_and_labels(tmp_path, capsys):
+    from attnkit.cli import main
+    from attnkit.explain.inputs import read_embeddings
+
+    f = tmp_path / "v.csv"
+    f.write_text("token,x,y,z\nsun,0.1,0.2,0.3\nrain,0.4,0.5,0.6\n")
+    labels, x = read_embeddings(f)
+    assert labels == ["sun", "rain"]
+    torch.testing.assert_close(x, torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]]))
+    assert main(["explain", "--embeddings", str(f), "--stage", "simplified"]) == 0
+    assert '"sun rain"' in capsys.readouterr().out  # tokens from the labels
+    assert main(["explain", "sun rain", "--embeddings", str(f), "--stage", "simplified"]) == 0
+    capsys.readouterr()
+    assert main(["explain", "moon rain", "--embeddings", str(f)]) == 2
+    assert "differ from the sentence" in capsys.readouterr().err

@@ -272,3 +272,115 @@ def test_function_rejects_non_tensor_masks() -> None:
         fn(_Module(), q, k, v, object())
     with pytest.raises(ValueError, match="must be 4-D"):
         fn(_Module(), q, k, v, torch.ones(2, 5, dtype=torch.bool))
+
+
+# --- families whose keywords once made the backend refuse the model ---------------------------
+
+
+def _families_beyond_the_six():
+    t = transformers
+    common = dict(vocab_size=VOCAB, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    return {
+        "mixtral": lambda: t.MixtralForCausalLM(
+            t.MixtralConfig(
+                **_COMMON,
+                num_key_value_heads=2,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                output_router_logits=True,
+            )
+        ),
+        "qwen3_moe": lambda: t.Qwen3MoeForCausalLM(
+            t.Qwen3MoeConfig(
+                **_COMMON,
+                num_key_value_heads=2,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                head_dim=8,
+                output_router_logits=True,
+            )
+        ),
+        "modernbert": lambda: t.ModernBertModel(
+            t.ModernBertConfig(
+                **common,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                max_position_embeddings=64,
+                local_attention=4,
+                global_attn_every_n_layers=2,
+                cls_token_id=1,
+                sep_token_id=2,
+            )
+        ),
+        "t5": lambda: t.T5ForConditionalGeneration(
+            t.T5Config(
+                **common,
+                d_model=32,
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_decoder_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                decoder_start_token_id=0,
+            )
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["mixtral", "qwen3_moe", "modernbert", "t5"],
+)
+def test_router_logits_deterministic_and_t5_position_bias_match_eager(family: str) -> None:
+    """output_router_logits / deterministic are ignored (they cannot change attention);
+    T5's position_bias is applied as an additive bias, not refused."""
+    torch.manual_seed(0)
+    model = _families_beyond_the_six()[family]().eval()
+    ids, mask = _padded_batch("right")
+    real = mask.bool()
+    kwargs: dict = {}
+    if family == "t5":
+        kwargs["decoder_input_ids"] = ids[:, :5]
+    outs = {}
+    for impl in ("eager", "attnkit"):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            outs[impl] = model(input_ids=ids, attention_mask=mask, output_attentions=True, **kwargs)
+    if family == "modernbert":
+        got, want = outs["attnkit"].last_hidden_state, outs["eager"].last_hidden_state
+        torch.testing.assert_close(got[real], want[real], atol=1e-5, rtol=1e-5)
+    else:
+        got, want = outs["attnkit"].logits, outs["eager"].logits
+        sel = real if family != "t5" else slice(None)
+        torch.testing.assert_close(got[sel], want[sel], atol=1e-5, rtol=1e-5)
+    if family == "t5":  # the bias really matters: without it the outputs differ
+        for a, e in zip(
+            outs["attnkit"].encoder_attentions, outs["eager"].encoder_attentions, strict=True
+        ):
+            rows = real[:, None, :, None]
+            torch.testing.assert_close(a * rows, e * rows, atol=1e-6, rtol=1e-5)
+
+
+def test_function_adds_position_bias_to_the_scores() -> None:
+    fn = hf.make_attention_function()
+    q, k, v = _qkv(h_kv=4)
+    bias = torch.randn(1, 4, 5, 5)
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+    out, w = fn(_Module(), q, k, v, mask, scaling=1.0, position_bias=bias, output_attentions=True)
+    scores = (q @ k.transpose(-2, -1) + bias).masked_fill(~mask, float("-inf"))
+    torch.testing.assert_close(w, scores.softmax(-1), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out, (scores.softmax(-1) @ v).transpose(1, 2), atol=1e-6, rtol=1e-5)
+    with pytest.raises(TypeError, match="position_bias must be a float tensor"):
+        fn(_Module(), q, k, v, mask, position_bias=torch.ones(1, 4, 5, 5, dtype=torch.long))
+
+
+def test_function_ignores_keywords_that_cannot_change_attention() -> None:
+    fn = hf.make_attention_function()
+    q, k, v = _qkv()
+    base, _ = fn(_Module(), q, k, v, None)
+    out, _ = fn(_Module(), q, k, v, None, output_router_logits=True, deterministic=True)
+    torch.testing.assert_close(out, base, atol=0, rtol=0)

@@ -94,3 +94,13 @@ def test_reset_zeroes_and_rewriting_a_full_cache_is_allowed():
     torch.testing.assert_close(keys, k[:, :, :2] * 2)
     cache.reset()
     assert not cache.k_cache.any() and not cache.v_cache.any()
+
+
+@pytest.mark.parametrize(
+    "kw, name", [(dict(window=True), "window"), (dict(head_dim=True), "head_dim")]
+)
+def test_kv_cache_refuses_bool_where_an_int_is_meant(kw, name):
+    """Regression: KVCache(window=True) was accepted as a window of 1."""
+    args = dict(batch_size=1, max_seq_len=8, num_kv_heads=2, head_dim=4) | kw
+    with pytest.raises(TypeError, match=rf"{name} must be an int, got bool"):
+        KVCache(**args)

@@ -76,10 +76,12 @@ def test_document_mask_is_block_diagonal():
 
 
 def test_alibi_slopes_follow_the_paper():
-    torch.testing.assert_close(M.alibi_slopes(8), torch.tensor([2.0 ** -(i + 1) for i in range(8)]))
+    torch.testing.assert_close(
+        M.alibi_slopes(8), torch.tensor([2.0 ** -(i + 1) for i in range(8)], dtype=torch.float64)
+    )
     six = M.alibi_slopes(6)  # 4 from the power of two, then odd ones of the 8-head sequence
     want = [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8, 2.0**-1, 2.0**-3]
-    torch.testing.assert_close(six, torch.tensor(want))
+    torch.testing.assert_close(six, torch.tensor(want, dtype=torch.float64))
 
 
 def test_score_mods_match_loops():
@@ -166,3 +168,143 @@ def test_mod_defaults_agree_with_attention_flags(lens, window, is_causal):
     flags = attention(q, k, v, causal=is_causal, window=window, backend="reference")
     via_mod = attention(q, k, v, mask_mod=mod, backend="reference")
     torch.testing.assert_close(via_mod, flags, **TOL[torch.float64])
+
+
+# --- sizes checked before computing (issue 13: IndexError from inside a mod) -----------
+
+
+@pytest.mark.parametrize(
+    "mod, kind, match",
+    [
+        (
+            M.padding(torch.tensor([3, 4, 5])),
+            "mask_mod",
+            "lengths has 3 entries but the batch has 2",
+        ),
+        (
+            M.document(torch.zeros(2, 9, dtype=torch.long).repeat(2, 1)[:3]),
+            "mask_mod",
+            "ids has 3 rows",
+        ),
+        (
+            M.document(torch.zeros(7, dtype=torch.long)),
+            "mask_mod",
+            "ids has 7 positions but the call has 6",
+        ),
+        (M.alibi(4), "score_mod", r"4 slopes \(num_heads\) but the query has 3 heads"),
+        (
+            M.relative_bias(torch.zeros(2, 5)),
+            "score_mod",
+            r"table has 2 rows \(num_heads\) but the query has 3",
+        ),
+        (
+            M.and_masks(M.causal("top_left"), M.padding(torch.tensor([1, 2, 3]))),
+            "mask_mod",
+            "lengths has 3 entries",
+        ),
+    ],
+)
+@pytest.mark.parametrize("backend", ["auto", "reference", "sdpa", "blockwise"])
+def test_mod_built_for_other_sizes_is_a_clear_value_error_not_index_error(
+    mod, kind, match, backend
+):
+    """Regression: padding/document/alibi/relative_bias with wrong sizes raised IndexError."""
+    if kind == "score_mod" and backend == "sdpa":
+        pytest.skip("sdpa takes no score_mod")
+    q = torch.rand(2, 3, 6, 4)
+    with pytest.raises(ValueError, match=match) as err:
+        attention(q, q, q, backend=backend, **{kind: mod})
+    assert kind in str(err.value)
+
+
+def test_padding_with_one_length_broadcasts_over_the_batch():
+    q = torch.rand(2, 1, 5, 4)
+    out = attention(q, q, q, mask_mod=M.padding(torch.tensor([2])))
+    keep = torch.arange(5) < 2
+    torch.testing.assert_close(out, attention(q, q, q, mask=keep), **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "blockwise", "blockwise-tiles"])
+def test_mask_mod_returning_the_wrong_shape_names_the_mod_and_shapes(backend):
+    """Regression: a mod returning the wrong shape raised a RuntimeError from inside.
+
+    Mods have FlexAttention's scalar semantics (attnkit.mods, k10): one value per index.
+    """
+
+    def bad_mask(b, h, q, kv):
+        return torch.stack([q >= kv, q >= kv])  # two values per (b, h, q_idx, kv_idx)
+
+    q = torch.rand(1, 2, 6, 4)
+    with pytest.raises(TypeError, match=r"mask_mod .*bad_mask must return one value per .*shape"):
+        attention(q, q, q, backend=backend, mask_mod=bad_mask)
+
+
+_HIDDEN_GRAD_PROBE = pytest.mark.xfail(
+    strict=True,
+    reason="blockwise's _check_no_hidden_grad calls the score_mod itself on a (1, 1, 1, 1) "
+    "probe, bypassing mods.eval_score_mod: a bad mod raises torch's RuntimeError (k10)",
+)
+
+
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "reference",
+        pytest.param("blockwise", marks=_HIDDEN_GRAD_PROBE),
+        pytest.param("blockwise-tiles", marks=_HIDDEN_GRAD_PROBE),
+    ],
+)
+def test_score_mod_returning_the_wrong_shape_names_the_mod_and_shapes(backend):
+    def bad_score(score, b, h, q, kv):
+        return score.expand(3)  # three values per score
+
+    q = torch.rand(1, 2, 6, 4)
+    with pytest.raises(TypeError, match=r"score_mod .*bad_score must return one value per"):
+        attention(q, q, q, backend=backend, score_mod=bad_score)
+
+
+def test_alibi_is_exact_in_float64():
+    """Regression: ALiBi slopes were float32, so a float64 call was only float32-accurate."""
+    heads = 12  # not a power of 2: the interleaved slopes 2^(-k/2) are irrational
+    slopes = M.alibi_slopes(heads)
+    assert slopes.dtype == torch.float64
+    assert slopes[8].item() == 2 ** (-8 * 1 / 16)  # interleaved: 2^(-0.5), exactly as in Python
+    score = torch.zeros(1, heads, 1, 2, dtype=torch.float64)
+    grids = (
+        torch.zeros(1, 1, 1, 1, dtype=torch.long),
+        torch.arange(heads).view(1, -1, 1, 1),
+        torch.zeros(1, 1, 1, 1, dtype=torch.long),
+        torch.arange(2).view(1, 1, 1, -1),
+    )
+    out = M.alibi(heads)(score, *grids)
+    assert out[0, 8, 0, 1].item() == -(2**-0.5)
+
+
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda: M.sliding_window(True), "window"),
+        (lambda: M.prefix_lm(True), "prefix"),
+        (lambda: M.alibi(True), "num_heads"),
+        (lambda: M.alibi_slopes(2.0), "num_heads"),
+    ],
+)
+def test_mods_refuse_bool_or_float_where_an_int_is_meant(make, name):
+    with pytest.raises(TypeError, match=rf"{name} must be an int"):
+        make()
+
+
+@pytest.mark.parametrize("align", ["top_left", "bottom_right", None])
+@pytest.mark.parametrize("window", [None, 1, 3])
+@pytest.mark.parametrize("lq, lk", [(4, 9), (9, 4), (5, 5), (1, 7)])
+def test_reachable_keys_match_the_dense_mask(align, window, lq, lk):
+    if align is None and window is None:
+        assert M.reachable_keys(lq, lk, None, None) == (0, lk)
+        return
+    if window is None:
+        keep = M.causal_mask(lq, lk, align)
+    else:
+        keep = M.window_mask(lq, lk, window, align or "bottom_right", causal=align is not None)
+    cols = keep.any(dim=0).nonzero().flatten().tolist()
+    lo, hi = M.reachable_keys(lq, lk, align, window)
+    assert list(range(lo, hi)) == cols

@@ -296,7 +296,7 @@ class TestErrors:
 
     @pytest.mark.parametrize("p", [-0.1, 1.0])
     def test_bad_dropout(self, p):
-        with pytest.raises(ValueError, match=r"dropout must be in \[0, 1\)"):
+        with pytest.raises(ValueError, match=r"dropout must be (>= 0.0|< 1.0), got"):
             CausalAttention(3, 2, 6, p)
 
     def test_bad_mask_through_module(self):
@@ -314,8 +314,23 @@ class TestErrors:
             MultiHeadAttention(3, 4, 6, 0.0, 2, backend="fast")
 
     def test_non_positive_dims(self):
-        with pytest.raises(ValueError, match="num_heads must be a positive int, got 0"):
+        with pytest.raises(ValueError, match="num_heads must be >= 1, got 0"):
             MultiHeadAttention(3, 4, 6, 0.0, 0)
+
+    @pytest.mark.parametrize(
+        "kw, name",
+        [
+            (dict(num_kv_heads=True), "num_kv_heads"),
+            (dict(window=True), "window"),
+            (dict(num_heads=True), "num_heads"),
+            (dict(context_length=6.0), "context_length"),
+        ],
+    )
+    def test_bool_or_float_where_an_int_is_meant_is_refused(self, kw, name):
+        """Regression: num_kv_heads=True silently became MQA (bool is not an int)."""
+        args = dict(d_in=4, d_out=4, context_length=6, dropout=0.0, num_heads=2) | kw
+        with pytest.raises(TypeError, match=rf"{name} must be an int, got"):
+            MultiHeadAttention(**args)
 
     def test_context_batch_mismatch(self):
         with pytest.raises(ValueError, match="context batch"):
@@ -326,3 +341,11 @@ class TestErrors:
             SimplifiedSelfAttention("l1")
         with pytest.raises(ValueError, match="masking"):
             CausalAttention(3, 2, 6, 0.0, masking="during")
+
+
+def test_simplified_sum_on_all_zero_input_refuses_instead_of_nan():
+    """Regression: SimplifiedSelfAttention("sum") on all-zero input returned NaN."""
+    with pytest.raises(ValueError, match="token 0 .* sum to 0"):
+        SimplifiedSelfAttention("sum")(torch.zeros(3, 4))
+    x = torch.rand(2, 3, 4) + 0.1  # positive scores: fine
+    assert torch.isfinite(SimplifiedSelfAttention("sum")(x)).all()

@@ -26,7 +26,7 @@ def _run_python(code: str) -> subprocess.CompletedProcess:
 
 def test_import_attnkit_loads_no_optional_dependency() -> None:
     code = (
-        "import sys, attnkit, attnkit.io, attnkit.integrations\n"
+        "import sys, attnkit, attnkit.checkpoints, attnkit.integrations\n"
         "heavy = sorted(m for m in ('transformers', 'matplotlib', 'safetensors') if m in sys.modules)\n"
         "assert not heavy, heavy\n"
         "print('ok', attnkit.__version__)\n"
@@ -75,8 +75,32 @@ def _torch_load_calls() -> list[tuple[Path, ast.Call]]:
 
 def test_every_torch_load_is_weights_only() -> None:
     calls = _torch_load_calls()
-    assert calls, "expected at least attnkit.io's torch.load"
+    assert calls, "expected at least attnkit.checkpoints's torch.load"
     for path, call in calls:
         kw = {k.arg: k.value for k in call.keywords}
         ok = isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True
         assert ok, f"{path.relative_to(ROOT)}:{call.lineno}: torch.load without weights_only=True"
+
+
+def test_license_file_is_the_mit_license_the_metadata_names() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["license"] == "MIT" and project["license-files"] == ["LICENSE"]
+    text = (ROOT / "LICENSE").read_text()
+    assert text.startswith("MIT License") and "WITHOUT WARRANTY OF ANY KIND" in text
+
+
+def test_runtime_imports_are_declared_dependencies() -> None:
+    """tqdm was imported by `attnkit bench` but not declared: a bare install crashed."""
+    tomllib = pytest.importorskip("tomllib")
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {d.split(">")[0].split("=")[0].split("<")[0].strip().lower() for d in deps}
+    assert {"torch", "numpy", "safetensors", "tqdm", "jinja2"} <= names
+
+
+def test_python_dash_m_attnkit_runs_the_cli() -> None:
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    r = subprocess.run(
+        [sys.executable, "-m", "attnkit", "--help"], env=env, capture_output=True, text=True
+    )
+    assert r.returncode == 0 and "train" in r.stdout and "generate" in r.stdout

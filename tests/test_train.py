@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import io
+import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from attnkit.train import (
     train,
 )
 from attnkit.train.data import IGNORE
-from attnkit.train.loop import Progress
+from attnkit.train.loop import Schedule
 
 
 @pytest.mark.parametrize("task", ["copy", "reverse", "sort", "recall"])
@@ -51,12 +52,49 @@ def test_copy_loss_goes_down():
     assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:10]) / 10
 
 
-def test_progress_bar_shows_step_loss_rate_eta():
-    buf = io.StringIO()
-    bar = Progress(10, stream=buf)
-    bar.update(10, 0.1234, 500, force=True)
-    line = buf.getvalue()
-    assert "step 10/10" in line and "loss 0.1234" in line and "tok/s" in line and "ETA" in line
+def test_lr_schedule_is_warmup_cosine_through_lambdalr():
+    seen: list[float] = []
+    data = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long))
+    gpt = GPT(GPTConfig(vocab_size=4, context_length=2, emb_dim=8, n_layers=1, n_heads=2))
+    opt = torch.optim.AdamW(gpt.parameters(), lr=1.0)
+    train(
+        gpt,
+        lambda: (seen.append(opt.param_groups[0]["lr"]), data)[1],
+        100,
+        optimizer=opt,
+        progress=False,
+    )
+    expected = [Schedule(100).factor(s) for s in range(1, 101)]
+    assert seen == pytest.approx(expected)
+    assert seen[0] == pytest.approx(1 / 50 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 100))))
+    assert seen[-1] == pytest.approx(0.1)
+    # resumed at step 60 with the saved optimizer state: the same rates as without a stop
+    resumed: list[float] = []
+    opt2 = torch.optim.AdamW(gpt.parameters(), lr=123.0)  # --lr on resume does not matter
+    opt2.load_state_dict(opt.state_dict())
+    train(
+        gpt,
+        lambda: (resumed.append(opt2.param_groups[0]["lr"]), data)[1],
+        100,
+        optimizer=opt2,
+        start_step=60,
+        schedule=Schedule(100),
+        progress=False,
+    )
+    assert resumed == pytest.approx(expected[60:])
+
+
+def test_resumed_lr_schedule_does_not_jump_when_steps_grow():
+    old = Schedule(100)
+    new = old.extended(60, 300)
+    assert new.factor(60) == pytest.approx(old.factor(60))  # continuous at the resume point
+    steps = [new.factor(s) for s in range(60, 301)]
+    assert max(abs(a - b) for a, b in itertools.pairwise(steps)) < 0.01  # no jump
+    assert steps[-1] == pytest.approx(0.1)
+    assert old.extended(60, 100) is old  # same total: exactly the original curve
+    assert Schedule.from_dict(new.to_dict()) == new
+    with pytest.raises(ValueError, match="schedule"):
+        Schedule.from_dict({"total": "x"})
 
 
 def test_text_data(tmp_path):
@@ -86,11 +124,14 @@ def test_checkpoint_round_trip_and_corruption(tmp_path):
     )
     assert not list(tmp_path.glob("*.tmp"))  # atomic writes leave no temporaries
     (tmp_path / "model.safetensors").write_bytes(b"garbage")
-    with pytest.raises(CheckpointError, match="corrupt or missing weights"):
+    with pytest.raises(CheckpointError, match="corrupt or mismatched weights|torn checkpoint"):
         load_checkpoint(tmp_path)
+    (tmp_path / "manifest.json").unlink()  # a checkpoint from before manifests
     (tmp_path / "config.json").write_text(json.dumps({"model": {"heads": 3}}))
     with pytest.raises(CheckpointError, match="corrupt checkpoint config"):
         load_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="no manifest.json"):
+        load_checkpoint(tmp_path, require_manifest=True)
     with pytest.raises(CheckpointError, match="config.json not found"):
         load_checkpoint(tmp_path / "nope")
 

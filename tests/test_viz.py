@@ -134,3 +134,136 @@ def test_html_view_in_headless_chromium(tmp_path):
     expected = f"{float(maps.weights[1][2, 3, 1]):.6f}"
     assert f"query “on” → key “cat”: weight {expected}" in dom  # the hover text
     assert "layer 1 · head 2" in dom
+
+
+# --- regressions from the new-user try ------------------------------------------------------
+
+
+@pytest.mark.parametrize("token", ["STOPS", "DATA", "</script>", "{{ x }}", "ID", "<b>&"])
+def test_html_token_containing_template_words_does_not_break_the_page(token):
+    maps = viz.from_hf(_hf_attentions(), ["a", token, "c", "d", "e"])
+    page = viz.AttentionView(maps).to_html()
+    script = re.search(r"<script>(.*)</script>", page, re.S).group(1)
+    assert "</script" not in script.replace("<\\/", "")  # no early end of the script
+    data = json.loads(re.search(r"data=(\{.*?\}), stops=", page).group(1))
+    assert data["tokens"][1] == token
+    stops = json.loads(re.search(r"stops=(\[\[.*?\]\]);", page).group(1))
+    assert len(stops) == 5  # the colour stops were not spliced into a token
+
+
+def test_png_of_64_tokens_and_12_heads_is_capped():
+    from matplotlib.image import imread
+
+    from attnkit.viz.static import MAX_PIXELS
+
+    t = 64
+    w = torch.softmax(torch.randn(1, 12, t, t), dim=-1)
+    maps = viz.from_hf([w], [f"tok{i}" for i in range(t)])
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        img = imread(viz.plot_attention(maps, Path(d) / "big.png"))
+    assert img.shape[0] * img.shape[1] <= MAX_PIXELS * 1.05  # was 94 Mpx
+    assert img.shape[0] > 800 and img.std() > 0.05  # still a real picture
+
+
+def test_plot_selected_heads_and_pdf(tmp_path):
+    maps = viz.from_hf(_hf_attentions(heads=6), TOKENS)
+    svg = viz.plot_attention(maps, tmp_path / "m.svg", layer=1, heads=[0, 4]).read_text()
+    assert svg.count("<image") == 2 + 1 and "head 4" in svg and "head 1" not in svg
+    assert "2 of 6 heads" in svg
+    pdf = viz.plot_attention(maps, tmp_path / "m.pdf", layer=0)
+    assert pdf.read_bytes()[:5] == b"%PDF-"
+    with pytest.raises(ValueError, match="heads \\[9\\] out of range"):
+        viz.plot_attention(maps, tmp_path / "x.png", heads=[9])
+
+
+def test_viz_cli_layer_all_heads_and_pdf(tmp_path, capsys):
+    from attnkit.cli import main
+
+    torch.save(list(_hf_attentions(layers=3)), tmp_path / "a.pt")
+    argv = ["viz", str(tmp_path / "a.pt"), "--tokens", " ".join(TOKENS)]
+    assert main([*argv, "-o", str(tmp_path / "m.png"), "--layer", "all", "--head", "1"]) == 0
+    assert sorted(p.name for p in tmp_path.glob("m-layer*.png")) == [
+        "m-layer0.png",
+        "m-layer1.png",
+        "m-layer2.png",
+    ]
+    assert main([*argv, "-o", str(tmp_path / "m.pdf"), "--layer", "2"]) == 0
+    assert (tmp_path / "m.pdf").read_bytes()[:5] == b"%PDF-"
+    capsys.readouterr()
+    assert main([*argv, "-o", str(tmp_path / "m.png"), "--layer", "7"]) == 2
+    assert "out of range" in capsys.readouterr().err
+
+
+def test_from_hf_accepts_generate_output_attentions():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_head=2, n_embd=16, vocab_size=50, n_positions=32, attn_implementation="eager"
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    out = model.generate(
+        prompt,
+        max_new_tokens=3,
+        do_sample=False,
+        output_attentions=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    tokens = [str(t) for t in out.sequences[0].tolist()]  # 7 tokens; the last is never attended
+    maps = viz.from_hf(out, tokens)
+    assert len(maps.weights) == 2 and maps.weights[0].shape == (2, 6, 6)
+    assert maps.tokens == tokens[:6]
+    with torch.no_grad():
+        full = model(out.sequences[:, :6], output_attentions=True).attentions
+    for layer in range(2):  # stitched steps equal one full forward's causal maps
+        torch.testing.assert_close(maps.weights[layer], full[layer][0], atol=1e-5, rtol=1e-4)
+    assert viz.from_hf(out.attentions, tokens).weights[1].shape == (2, 6, 6)
+
+
+def test_saved_trace_recording_loads_in_attnkit_viz(tmp_path, capsys):
+    from attnkit.cli import main
+
+    with trace.record() as rec:
+        MultiHeadAttention(4, 4, 5, 0.0, num_heads=2)(torch.rand(1, 5, 4))
+    torch.save(dict(rec), tmp_path / "trace.pt")  # as the viz help and README say
+    argv = ["viz", str(tmp_path / "trace.pt"), "--tokens", " ".join(TOKENS)]
+    assert main([*argv, "-o", str(tmp_path / "t.html"), "-o", str(tmp_path / "t.png")]) == 0
+    assert (tmp_path / "t.png").is_file() and "weights" in (tmp_path / "t.html").read_text()
+
+
+def test_text_model_axes_show_characters_not_byte_ids():
+    from attnkit.train.data import ByteTokenizer, CharTokenizer
+
+    assert ByteTokenizer().labels(list(b"hi \n")) == ["h", "i", "\u2423", "\\n"]
+    assert ByteTokenizer().labels(list("é".encode())) == ["0xc3", "0xa9"]
+    assert CharTokenizer("ab>").labels([2, 0]) == [">", "a"]
+
+
+def test_html_view_one_head_has_no_average_and_one_scale_per_layer():
+    maps = viz.AttentionMaps(
+        ["layer 0", "layer 1"],
+        [torch.tensor([[[1.0, 0.0], [0.5, 0.5]]]), torch.tensor([[[1.0, 0.0], [0.2, 0.8]]] * 2)],
+        ["a", "b"],
+    )
+    page = viz.AttentionView(maps).to_html()
+    assert "(many){" in page.replace(" ", "")  # the average option only for several heads
+    assert "layerMax(l)" in page and "(masked)" in page
+
+
+@needs_chromium
+def test_html_view_masked_cells_axes_and_single_head_in_chromium(tmp_path):
+    maps = viz.from_explanation(explain(YOUR_JOURNEY.tokens, YOUR_JOURNEY.tensor()))
+    page = viz.AttentionView(maps).save(tmp_path / "view.html")
+    causal = maps.names.index("causal")
+    dom = _chromium(tmp_path, f"{page.as_uri()}#layer={causal}", "--dump-dom").stdout
+    head_select = re.search(r'<select class="akv-head">(.*?)</select>', dom).group(1)
+    assert "average" not in head_select and head_select.count("<option") == 1  # one head
+    assert dom.count("akv-c akv-m") == 15  # the 6x6 causal map's masked cells
+    assert "query ↓ · key →" in dom
+    multi = maps.names.index("multihead")
+    dom = _chromium(tmp_path, f"{page.as_uri()}#layer={multi}", "--dump-dom").stdout
+    assert "average of heads" in re.search(r'<select class="akv-head">(.*?)</select>', dom).group(1)

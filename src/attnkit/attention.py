@@ -12,15 +12,134 @@ Masking follows the one convention documented in :mod:`attnkit.masks`.
 from __future__ import annotations
 
 import math
+from typing import Literal, overload
 
 import torch
 
 from attnkit import backends, trace
-from attnkit._validate import check_bool
+from attnkit._validate import (
+    check_bool,
+    check_float,
+    check_optional_int,
+    check_probability,
+)
 from attnkit.block_mask import BlockMask
-from attnkit.masks import MaskMod, ScoreMod, normalize_causal
+from attnkit.masks import (
+    MaskMod,
+    ScoreMod,
+    check_mod_sizes,
+    normalize_causal,
+    reachable_keys,
+    removed_keys,
+)
 
 __all__ = ["attention"]
+
+
+# The return type follows need_weights / return_lse (so `attention(q, k, v).shape` type-checks).
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = ...,
+    causal: bool | str = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    need_weights: Literal[False] = ...,
+    window: int | None = ...,
+    mask_mod: MaskMod | None = ...,
+    score_mod: ScoreMod | None = ...,
+    block_mask: BlockMask | None = ...,
+    sinks: torch.Tensor | None = ...,
+    return_lse: Literal[False] = ...,
+    backend: str = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = ...,
+    causal: bool | str = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    need_weights: Literal[True],
+    window: int | None = ...,
+    mask_mod: MaskMod | None = ...,
+    score_mod: ScoreMod | None = ...,
+    block_mask: BlockMask | None = ...,
+    sinks: torch.Tensor | None = ...,
+    return_lse: Literal[False] = ...,
+    backend: str = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = ...,
+    causal: bool | str = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    need_weights: Literal[False] = ...,
+    window: int | None = ...,
+    mask_mod: MaskMod | None = ...,
+    score_mod: ScoreMod | None = ...,
+    block_mask: BlockMask | None = ...,
+    sinks: torch.Tensor | None = ...,
+    return_lse: Literal[True],
+    backend: str = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = ...,
+    causal: bool | str = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    need_weights: Literal[True],
+    window: int | None = ...,
+    mask_mod: MaskMod | None = ...,
+    score_mod: ScoreMod | None = ...,
+    block_mask: BlockMask | None = ...,
+    sinks: torch.Tensor | None = ...,
+    return_lse: Literal[True],
+    backend: str = ...,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = ...,
+    causal: bool | str = ...,
+    scale: float | None = ...,
+    dropout_p: float = ...,
+    need_weights: bool = ...,
+    window: int | None = ...,
+    mask_mod: MaskMod | None = ...,
+    score_mod: ScoreMod | None = ...,
+    block_mask: BlockMask | None = ...,
+    sinks: torch.Tensor | None = ...,
+    return_lse: bool = ...,
+    backend: str = ...,
+) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
 
 
 def attention(
@@ -48,11 +167,16 @@ def attention(
         key: ``(..., h_kv, l_k, d)``, ``h_kv`` dividing ``h_q`` (GQA; 1 = MQA).
         value: ``(..., h_kv, l_k, d_v)``.
         mask: boolean (True = may attend) or float (added to the scaled scores),
-            broadcastable to ``(..., h_q, l_q, l_k)``. See :mod:`attnkit.masks`.
+            broadcastable to ``(..., h_q, l_q, l_k)``. See :mod:`attnkit.masks`. A float
+            mask is cast to the query's dtype with finite values clamped to its range
+            (only ``-inf`` removes a key). Keys it (or causal/window alone) removes for
+            every query are zeroed first: a NaN there reaches nothing.
         causal: False, True (= ``"bottom_right"``), ``"bottom_right"`` or ``"top_left"``:
             how the causal triangle lines up when ``l_q != l_k`` (:mod:`attnkit.masks`
             draws both). Combined with ``mask`` when both are given.
-        scale: factor applied to the scores; ``1 / sqrt(d)`` by default.
+        scale: factor applied to the scores; ``1 / sqrt(d)`` by default. Any finite
+            number: ``0`` gives uniform weights over the kept keys, a negative one flips
+            the scores (honoured exactly on every backend).
         dropout_p: probability of zeroing an attention weight (after softmax), the
             kept ones scaled by ``1 / (1 - dropout_p)``. Modules pass their ``p``
             only in training mode.
@@ -89,11 +213,20 @@ def attention(
     causal_mode = normalize_causal(causal)
     mask = _check_mask(mask, query, key)
     dropout_p = check_dropout(dropout_p)
-    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else _check_scale(scale)
-    _check_mods(window, mask_mod, score_mod, query)
+    need_weights = check_bool(need_weights, "need_weights")
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else check_float(scale, "scale")
+    window = check_optional_int(window, "window")
+    _check_mods(mask_mod, score_mod, query, key)
     _check_block_mask(block_mask, query, key)
     _check_sinks(sinks, query)
     return_lse = check_bool(return_lse, "return_lse")
+    if scale <= 0.0:
+        # torch's fused kernels return NaN for scale <= 0 with is_causal: fold the scale
+        # into the query (the same scores) and hand every backend a positive one.
+        query, scale = query * scale, 1.0
+    lo, hi = reachable_keys(query.shape[-2], key.shape[-2], causal_mode, window)
+    if mask is not None or lo > 0 or hi < key.shape[-2]:
+        key, value = _drop_removed_keys(mask, lo, hi, key, value)
     call = backends.AttentionCall(
         query,
         key,
@@ -146,6 +279,10 @@ def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> N
         )
     if qs[-1] != ks[-1]:
         raise ValueError(f"query head_dim ({qs[-1]}) must equal key head_dim ({ks[-1]})")
+    if qs[-1] == 0 or vs[-1] == 0:
+        raise ValueError(
+            f"head_dim must be >= 1, got query/key head_dim {qs[-1]} and value head_dim {vs[-1]}"
+        )
     if ks[:-1] != vs[:-1]:
         raise ValueError(
             f"key and value must agree in every dim but the last, got {tuple(ks)} and {tuple(vs)}"
@@ -228,37 +365,49 @@ def _check_mask(
     if mask.device != query.device:
         raise ValueError(f"mask is on {mask.device} but query is on {query.device}")
     if mask.is_floating_point() and mask.dtype != query.dtype:
+        # Finite values stay finite (a bias, never a removal): clamp to the target's range.
+        info = torch.finfo(query.dtype)
+        if torch.finfo(mask.dtype).max > info.max:
+            mask = torch.where(mask.isinf(), mask, mask.clamp(info.min, info.max))
         mask = mask.to(query.dtype)
     return mask
 
 
+def _drop_removed_keys(
+    mask: torch.Tensor | None, lo: int, hi: int, key: torch.Tensor, value: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero the keys/values that ``mask``, or causal/window (outside ``[lo, hi)``), remove
+    for every query: masked means removed, so a NaN there reaches no output and no
+    gradient on any backend (a fused kernel would compute ``NaN - inf`` or ``0 * NaN``)."""
+    idx = torch.arange(key.shape[-2], device=key.device).unsqueeze(-1)  # (s, 1)
+    gone = (idx < lo) | (idx >= hi)
+    if mask is not None:
+        gone = gone | removed_keys(mask, key.shape[-3] if key.dim() >= 3 else 1)  # (.., s, 1)
+    # On CPU (where reading a value costs no device sync) skip the copies unless a key is
+    # removed and something is not finite: a sum is a cheap test (NaN/inf propagate; an
+    # overflow only costs the copies). Elsewhere, and under torch.compile, always copy.
+    if (
+        key.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and (not bool(gone.any()) or bool(key.sum().isfinite() & value.sum().isfinite()))
+    ):
+        return key, value
+    key = torch.where(gone, 0.0, key)  # (..., h_kv, s, d)
+    value = torch.where(gone, 0.0, value)
+    return key, value
+
+
 def check_dropout(p: float, name: str = "dropout_p") -> float:
     """Validate a dropout probability: a float in ``[0, 1)``; ``name`` is used in errors."""
-    if isinstance(p, bool) or not isinstance(p, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(p).__name__}")
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"{name} must be in [0, 1), got {p}")
-    return float(p)
-
-
-def _check_scale(scale: float) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
-    return float(scale)
+    return check_probability(p, name)
 
 
 def _check_mods(
-    window: int | None,
     mask_mod: MaskMod | None,
     score_mod: ScoreMod | None,
     query: torch.Tensor,
+    key: torch.Tensor,
 ) -> None:
-    if window is not None and (
-        isinstance(window, bool) or not isinstance(window, int) or window <= 0
-    ):
-        raise ValueError(f"window must be a positive int or None, got {window!r}")
     for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
         if fn is None:
             continue
@@ -269,3 +418,5 @@ def _check_mods(
                 f"{name} needs a 4-D (batch, heads, seq, head_dim) query, got shape "
                 f"{tuple(query.shape)}"
             )
+        b, h, t, _ = query.shape
+        check_mod_sizes(fn, name, b, h, t, key.shape[-2])

@@ -37,6 +37,8 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 
 #: The most mask elements evaluated at once while building a block mask.
 CHUNK_ELEMENTS = 1 << 23
+#: The most bytes of assembled partial-tile masks a block mask keeps for reuse.
+DENSE_CACHE_BYTES = 1 << 26
 
 
 class BlockMask:
@@ -82,6 +84,7 @@ class BlockMask:
         # Plans read the kinds from numpy: no tensor op (and no graph break) per tile.
         self._kinds = block_kind.cpu().numpy()
         self._dense_cache: dict[tuple[int, int, int, int], torch.Tensor | None] = {}
+        self._dense_bytes = 0
 
     # -- shape -----------------------------------------------------------------------------
     @property
@@ -198,8 +201,10 @@ class BlockMask:
             i0, j0 = q0 // qb, k0 // kb
             dense = self._assemble(i0, -(-q1 // qb), j0, -(-k1 // kb))
             cached = dense[..., q0 - i0 * qb : q1 - i0 * qb, k0 - j0 * kb : k1 - j0 * kb]
-            if len(self._dense_cache) < 4096:  # plans reuse their tiles call after call
+            if self._dense_bytes + cached.numel() <= DENSE_CACHE_BYTES:
+                # plans ask for the same tiles call after call, forward and backward
                 self._dense_cache[key] = cached
+                self._dense_bytes += cached.numel()
         return PARTIAL, cached
 
     def is_causal_tile(self, q0: int, q1: int, k0: int, k1: int) -> bool:

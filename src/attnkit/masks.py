@@ -44,9 +44,11 @@ or ``"top_left"`` without),
 :func:`padding`, :func:`prefix_lm`, :func:`document`, combined with :func:`and_masks`
 and :func:`or_masks`. Score mods: :func:`alibi`, :func:`softcap`, :func:`relative_bias`.
 Each backend turns them into what it needs: the reference and sdpa backends a dense
-bool mask (or a dense score tensor), the blockwise backend one tile at a time,
-skipping the tiles a mask mod leaves empty. A score mod's learnable tensors are
-listed in its ``tensors`` attribute, so the blockwise backward can reach them.
+bool mask (or a dense score tensor), the blockwise backend a cached block plan
+(:mod:`attnkit.block_mask`) whose empty tiles it skips. Mods are called with
+FlexAttention's scalar-index semantics (:mod:`attnkit.mods`); the ones here also run on
+broadcast index grids (``grid = True``). A score mod's learnable tensors get gradients
+on every backend (the blockwise one finds them through the mod's autograd graph).
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from typing import Literal
 
 import torch
 
-from attnkit._validate import check_float
+from attnkit._validate import check_float, check_int
 
 __all__ = [
     "CausalAlignment",
@@ -66,6 +68,7 @@ __all__ = [
     "and_masks",
     "causal",
     "causal_mask",
+    "check_mod_sizes",
     "dead_rows",
     "document",
     "materialize",
@@ -74,14 +77,16 @@ __all__ = [
     "padding",
     "position_keep",
     "prefix_lm",
+    "reachable_keys",
     "relative_bias",
+    "removed_keys",
     "sliding_window",
     "softcap",
     "window_mask",
 ]
 
-#: ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (True = may attend), on broadcastable
-#: index tensors, as in FlexAttention.
+#: ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` (True = may attend), written for
+#: scalar indices as in FlexAttention (see :mod:`attnkit.mods`).
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 #: ``score_mod(score, b, h, q_idx, kv_idx) -> score``, applied to the scaled scores.
 ScoreMod = Callable[
@@ -126,13 +131,30 @@ def position_keep(
     """
     if causal:
         keep = kv_idx <= pos
-    elif window is None:
-        raise ValueError("position_keep needs causal=True or a window")
-    else:
+    elif window is not None:
         keep = kv_idx < pos + window
+    else:
+        raise ValueError("position_keep needs causal=True or a window")
     if window is not None:
         keep = keep & (kv_idx > pos - window)
     return keep
+
+
+def reachable_keys(
+    q_len: int, k_len: int, causal: CausalAlignment | None, window: int | None
+) -> tuple[int, int]:
+    """The keys ``[lo, hi)`` that causal/window leave to at least one query (plain ints).
+
+    Keys outside are removed for every query (e.g. the keys after the last query with
+    ``"top_left"`` and ``Lk > Lq``, or before the first query's window).
+    """
+    if q_len == 0 or (causal is None and window is None):
+        return 0, k_len
+    offset = k_len - q_len if (causal or "bottom_right") == "bottom_right" else 0
+    first, last = offset, offset + q_len - 1  # aligned positions of the first/last query
+    lo = 0 if window is None else max(0, first - window + 1)
+    hi = last + 1 if causal is not None else last + (window or 0)  # no causal: a window
+    return min(lo, k_len), max(0, min(hi, k_len))
 
 
 def _aligned_positions(
@@ -225,6 +247,45 @@ def materialize(
     return mask.masked_fill(~keep, float("-inf"))
 
 
+def check_mod_sizes(
+    mod: MaskMod | ScoreMod | None, name: str, batch: int, heads: int, q_len: int, k_len: int
+) -> None:
+    """Check, before any computation, that ``mod`` was built for these sizes.
+
+    The mods of this module that index a tensor by batch, head or position
+    (:func:`padding`, :func:`document`, :func:`alibi`, :func:`relative_bias`) know
+    the sizes they need; a user's plain function is not checked here (its output
+    shape is checked where it is called).
+
+    Raises:
+        ValueError: naming ``name``, the mod and the mismatched sizes.
+    """
+    check = getattr(mod, "check_sizes", None)
+    if check is not None:
+        problem = check(batch, heads, q_len, k_len)
+        if problem is not None:
+            raise ValueError(f"{name} {mod!r} does not fit this call: {problem}")
+
+
+def removed_keys(mask: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The keys ``mask`` removes for *every* query: bool ``(..., h_kv|1, l_k, 1)``.
+
+    A key shared by several query heads (GQA) counts as removed only if every one of
+    them removes it. The result broadcasts against a key ``(..., h_kv, l_k, d)``.
+
+    Args:
+        mask: a bool or float mask broadcastable to ``(..., h_q, l_q, l_k)``.
+        kv_heads: the key/value heads ``h_kv`` (1 for a key without a head dim).
+    """
+    kept = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)
+    if kept.dim() == 1:  # (l_k,)
+        return ~kept.unsqueeze(-1)
+    kept = kept.any(dim=-2)  # (..., h_q|1, l_k): kept by some query
+    if mask.dim() >= 3 and kept.shape[-2] not in (1, kv_heads):
+        kept = kept.unflatten(-2, (kv_heads, -1)).any(dim=-2)  # (..., h_kv, l_k)
+    return ~kept.unsqueeze(-1)
+
+
 def dead_rows(mask: torch.Tensor) -> torch.Tensor:
     """Return a ``(..., Lq, 1)`` bool tensor: True where a query row keeps no key."""
     if mask.dtype == torch.bool:
@@ -247,10 +308,18 @@ class _Mod:
         tensors: tuple[torch.Tensor, ...] = (),
         additive: bool = False,
         grid: bool = True,
+        check_sizes: Callable[[int, int, int, int], str | None] | None = None,
+        spec: tuple = (),
     ) -> None:
         self.name, self._fn, self.tensors = name, fn, tensors
         #: attnkit's mods also run on broadcast index grids (see :mod:`attnkit.mods`)
         self.grid = grid
+        #: ``check_sizes(batch, heads, q_len, k_len) -> problem or None``: what the mod
+        #: needs of a call (see :func:`check_mod_sizes`).
+        self.check_sizes = check_sizes or (lambda batch, heads, q_len, k_len: None)
+        #: what the mod computes, for kernels that run it in-tile (the triton backend):
+        #: ``("alibi", slopes)`` or ``("softcap", cap)``; empty for other mods.
+        self.spec = spec
         #: True when the mod adds a bias that does not depend on the score
         #: (d out / d score = 1): a backward may then skip autograd for the score.
         self.additive = additive
@@ -260,12 +329,6 @@ class _Mod:
 
     def __repr__(self) -> str:
         return self.name
-
-
-def _positive_int(name: str, value: int, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def _mod_offset(name: str, alignment: str, q_len: int | None, k_len: int | None) -> int:
@@ -286,7 +349,7 @@ def _mod_offset(name: str, alignment: str, q_len: int | None, k_len: int | None)
             "k_len, which a mask mod cannot see; pass them, or alignment='top_left' "
             "(the same when q_len == k_len)"
         )
-    return _positive_int("k_len", k_len, minimum=0) - _positive_int("q_len", q_len, minimum=0)
+    return check_int(k_len, "k_len", minimum=0) - check_int(q_len, "q_len", minimum=0)
 
 
 def causal(
@@ -315,7 +378,7 @@ def sliding_window(
     ``kv_idx < p + window``), ``p`` the aligned query position: the same keys as
     ``attention(window=window, causal=causal)``. Aligned like :func:`causal` (bottom-right
     needs ``q_len`` and ``k_len``; ``"top_left"`` needs neither)."""
-    w = _positive_int("window", window)
+    w = check_int(window, "window")
     offset = _mod_offset("sliding_window", alignment, q_len, k_len)
 
     def fn(b, h, q, kv):
@@ -330,12 +393,23 @@ def padding(lengths: torch.Tensor) -> MaskMod:
         raise ValueError(f"lengths must be a 1-D tensor of key counts, got {lengths!r}")
     if lengths.is_floating_point() or bool((lengths < 0).any()):
         raise ValueError(f"lengths must be non-negative integers, got {lengths.tolist()}")
-    return _Mod(f"padding({lengths.tolist()})", lambda b, h, q, kv: kv < lengths.to(kv.device)[b])
+    n = lengths.shape[0]
+
+    def sizes(batch: int, heads: int, q_len: int, k_len: int) -> str | None:
+        if n not in (1, batch):
+            return f"lengths has {n} entries but the batch has {batch} elements"
+        return None
+
+    return _Mod(
+        f"padding({lengths.tolist()})",
+        lambda b, h, q, kv: kv < lengths.to(kv.device)[b if n > 1 else torch.zeros_like(b)],
+        check_sizes=sizes,
+    )
 
 
 def prefix_lm(prefix: int) -> MaskMod:
     """Prefix LM: the first ``prefix`` keys are seen by every query; after that, causal."""
-    n = _positive_int("prefix", prefix, minimum=0)
+    n = check_int(prefix, "prefix", minimum=0)
     return _Mod(f"prefix_lm({n})", lambda b, h, q, kv: (kv < n) | (kv <= q))
 
 
@@ -350,12 +424,36 @@ def document(ids: torch.Tensor) -> MaskMod:
         raise ValueError(f"ids must be a (seq,) or (batch, seq) integer tensor, got {ids!r}")
     table = ids if ids.dim() == 2 else ids.unsqueeze(0)  # (b|1, seq)
 
+    def sizes(batch: int, heads: int, q_len: int, k_len: int) -> str | None:
+        if table.shape[0] not in (1, batch):
+            return f"ids has {table.shape[0]} rows but the batch has {batch} elements"
+        if not table.shape[1] == q_len == k_len:
+            return (
+                f"ids has {table.shape[1]} positions but the call has {q_len} queries and "
+                f"{k_len} keys (document() is for self-attention: all three must be equal)"
+            )
+        return None
+
     def fn(b, h, q, kv):
         t = table.to(q.device)
         bi = b if t.shape[0] > 1 else torch.zeros_like(b)
         return t[bi, q] == t[bi, kv]
 
-    return _Mod(f"document({tuple(ids.shape)})", fn)
+    return _Mod(f"document({tuple(ids.shape)})", fn, check_sizes=sizes)
+
+
+def _all_sizes(mods: tuple[MaskMod, ...]) -> Callable[[int, int, int, int], str | None]:
+    """A ``check_sizes`` for a combination: the first problem any part reports."""
+
+    def sizes(batch: int, heads: int, q_len: int, k_len: int) -> str | None:
+        for m in mods:
+            check = getattr(m, "check_sizes", None)
+            problem = None if check is None else check(batch, heads, q_len, k_len)
+            if problem is not None:
+                return f"{m!r}: {problem}"
+        return None
+
+    return sizes
 
 
 def and_masks(*mods: MaskMod) -> MaskMod:
@@ -370,7 +468,8 @@ def and_masks(*mods: MaskMod) -> MaskMod:
         return keep
 
     grid = all(getattr(m, "grid", False) is True for m in mods)
-    return _Mod(f"and_masks({', '.join(map(repr, mods))})", fn, grid=grid)
+    name = f"and_masks({', '.join(map(repr, mods))})"
+    return _Mod(name, fn, grid=grid, check_sizes=_all_sizes(mods))
 
 
 def or_masks(*mods: MaskMod) -> MaskMod:
@@ -385,19 +484,23 @@ def or_masks(*mods: MaskMod) -> MaskMod:
         return keep
 
     grid = all(getattr(m, "grid", False) is True for m in mods)
-    return _Mod(f"or_masks({', '.join(map(repr, mods))})", fn, grid=grid)
+    name = f"or_masks({', '.join(map(repr, mods))})"
+    return _Mod(name, fn, grid=grid, check_sizes=_all_sizes(mods))
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
-    """The ALiBi paper's head slopes ``2^(-8 i / n)`` (interleaved for non-powers of 2)."""
-    n = _positive_int("num_heads", num_heads)
+    """The ALiBi paper's head slopes ``2^(-8 i / n)`` (interleaved for non-powers of 2).
+
+    Returned in float64, so that a call in any dtype casts them down once, exactly.
+    """
+    n = check_int(num_heads, "num_heads")
     p = 2 ** int(torch.log2(torch.tensor(float(n))).floor())
 
     def powers(k: int) -> list[float]:
         return [2 ** (-8.0 * (i + 1) / k) for i in range(k)]
 
     slopes = powers(p) + powers(2 * p)[0::2][: n - p]
-    return torch.tensor(slopes)
+    return torch.tensor(slopes, dtype=torch.float64)
 
 
 def alibi(num_heads: int, slopes: torch.Tensor | None = None) -> ScoreMod:
@@ -408,22 +511,34 @@ def alibi(num_heads: int, slopes: torch.Tensor | None = None) -> ScoreMod:
         slopes: ``(num_heads,)`` slopes (e.g. an ``nn.Parameter`` to learn them);
             the paper's fixed slopes by default. Gradients flow into it.
     """
+    num_heads = check_int(num_heads, "num_heads")
     s = alibi_slopes(num_heads) if slopes is None else slopes
-    if s.shape != (num_heads,):
-        raise ValueError(f"slopes must have shape ({num_heads},), got {tuple(s.shape)}")
+    if not isinstance(s, torch.Tensor) or s.shape != (num_heads,):
+        raise ValueError(
+            f"slopes must be a tensor of shape ({num_heads},), got {getattr(s, 'shape', s)!r}"
+        )
+
+    def sizes(batch: int, heads: int, q_len: int, k_len: int) -> str | None:
+        if heads != num_heads:
+            return f"it has {num_heads} slopes (num_heads) but the query has {heads} heads"
+        return None
 
     def fn(score, b, h, q, kv):
         dist = (q.to(score.dtype) - kv.to(score.dtype)).abs_()  # (.., q, kv), small
         return torch.addcmul(score, s.to(score.dtype)[h], dist, value=-1.0)
 
-    return _Mod(f"alibi({num_heads})", fn, (s,), additive=True)
+    return _Mod(
+        f"alibi({num_heads})", fn, (s,), additive=True, check_sizes=sizes, spec=("alibi", s)
+    )
 
 
 def softcap(cap: float) -> ScoreMod:
     """Soft-capping score mod: ``cap * tanh(score / cap)`` (Gemma-2 style)."""
     # finite and > 0: an infinite cap gives inf/inf = NaN, a bool is not a number
     c = check_float(cap, "cap", minimum=0.0, min_inclusive=False)
-    return _Mod(f"softcap({c})", lambda score, b, h, q, kv: c * torch.tanh(score / c))
+    return _Mod(
+        f"softcap({c})", lambda score, b, h, q, kv: c * torch.tanh(score / c), spec=("softcap", c)
+    )
 
 
 def relative_bias(table: torch.Tensor) -> ScoreMod:
@@ -439,8 +554,15 @@ def relative_bias(table: torch.Tensor) -> ScoreMod:
         )
     m = (table.shape[1] - 1) // 2
 
+    def sizes(batch: int, heads: int, q_len: int, k_len: int) -> str | None:
+        if table.shape[0] != heads:
+            return f"table has {table.shape[0]} rows (num_heads) but the query has {heads} heads"
+        return None
+
     def fn(score, b, h, q, kv):
         rel = (kv - q).clamp(-m, m) + m
         return score + table.to(score.dtype)[h, rel]
 
-    return _Mod(f"relative_bias({tuple(table.shape)})", fn, (table,), additive=True)
+    return _Mod(
+        f"relative_bias({tuple(table.shape)})", fn, (table,), additive=True, check_sizes=sizes
+    )

@@ -154,7 +154,7 @@ def grad_leaves(
     if not out.requires_grad or out.grad_fn is None:
         return ()
     leaves: dict[int, torch.Tensor] = {}
-    stack = [out.grad_fn]
+    stack: list[Any] = [out.grad_fn]
     seen: set[int] = set()
     while stack:
         node = stack.pop()

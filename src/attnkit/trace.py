@@ -3,8 +3,13 @@
 attnkit's modules and its reference backend announce each intermediate tensor
 (queries, raw scores, weights, context vectors, ...) with :func:`emit`. Nothing
 happens unless a :func:`record` block is active: ``emit`` then returns after one
-truthiness check of a module-level list, so the hot path pays nothing and
+check of a module-level counter, so the hot path pays nothing and
 ``torch.compile`` sees no graph break.
+
+Recording state is context-local (:mod:`contextvars`): a :func:`record` block sees
+only the tensors emitted in its own thread (or asyncio task), a :func:`scope`
+renames only its own context's names, and ``backend="auto"`` switches to the
+reference backend only in the context that records.
 
 Example:
     >>> import torch, attnkit
@@ -18,17 +23,28 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import threading
 from collections.abc import Iterator
 
 import torch
 
 __all__ = ["Recording", "emit", "is_recording", "record", "scope"]
 
-_RECORDINGS: list[Recording] = []
-_SCOPE: list[str] = []
+#: The recordings and the scope path of the current context (thread / asyncio task).
+_RECORDINGS: contextvars.ContextVar[tuple[Recording, ...]] = contextvars.ContextVar(
+    "attnkit_trace_recordings", default=()
+)
+_SCOPE: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
+    "attnkit_trace_scope", default=()
+)
+#: How many record() blocks are open in the whole process, in any context: the
+#: fast path. While it is 0, nothing reads a ContextVar (which torch.compile cannot trace).
+_ACTIVE = 0
+_ACTIVE_LOCK = threading.Lock()
 
 
-class Recording(dict):
+class Recording(dict[str, torch.Tensor]):
     """An ordered mapping ``name -> tensor`` of everything emitted while recording.
 
     Names are dotted paths: ``"heads.1.weights"`` is the attention weights of the
@@ -42,17 +58,20 @@ class Recording(dict):
 
 
 def is_recording() -> bool:
-    """Return True inside a :func:`record` block."""
-    return bool(_RECORDINGS)
+    """Return True inside a :func:`record` block of the current thread / context."""
+    return bool(_ACTIVE) and bool(_RECORDINGS.get())
 
 
 def emit(name: str, tensor: torch.Tensor) -> None:
     """Offer ``tensor`` under ``name`` to the active recordings (no-op otherwise)."""
-    if not _RECORDINGS:
+    if not _ACTIVE:
         return
-    key = ".".join([*_SCOPE, name])
+    recordings = _RECORDINGS.get()
+    if not recordings:
+        return
+    key = ".".join([*_SCOPE.get(), name])
     value = tensor.detach().clone()
-    for rec in _RECORDINGS:
+    for rec in recordings:
         if key in rec:  # a module called twice in one block: keep every call
             n = 1
             while f"{key}#{n}" in rec:
@@ -65,14 +84,14 @@ def emit(name: str, tensor: torch.Tensor) -> None:
 @contextlib.contextmanager
 def scope(name: str) -> Iterator[None]:
     """Prefix the names emitted inside the block with ``name.``."""
-    if not _RECORDINGS:
+    if not is_recording():
         yield
         return
-    _SCOPE.append(name)
+    token = _SCOPE.set((*_SCOPE.get(), name))
     try:
         yield
     finally:
-        _SCOPE.pop()
+        _SCOPE.reset(token)
 
 
 @contextlib.contextmanager
@@ -80,14 +99,20 @@ def record() -> Iterator[Recording]:
     """Record every intermediate emitted inside the block.
 
     While recording, ``backend="auto"`` computes with the reference backend,
-    the only one that materialises every step. Works under ``torch.no_grad()``.
+    the only one that materialises every step, in this thread (context) only:
+    other threads keep their backends and their tensors out of this record. Works under ``torch.no_grad()``.
 
     Yields:
         A :class:`Recording`, filled as the block runs.
     """
+    global _ACTIVE
     rec = Recording()
-    _RECORDINGS.append(rec)
+    token = _RECORDINGS.set((*_RECORDINGS.get(), rec))
+    with _ACTIVE_LOCK:
+        _ACTIVE += 1
     try:
         yield rec
     finally:
-        _RECORDINGS.remove(rec)
+        with _ACTIVE_LOCK:
+            _ACTIVE -= 1
+        _RECORDINGS.reset(token)

@@ -131,9 +131,20 @@ AUTO_ORDER: list[str] = ["sdpa", "blockwise", "reference"]
 SPARSE_MIN_KEYS = 1024
 
 
+#: On CUDA, ``"auto"`` tries the Triton kernels (where registered) right after sdpa, and
+#: before it for the calls sdpa would run on a dense mask or cannot run: score mods,
+#: windows, mask mods, block masks and sinks.
+CUDA_KERNEL = "triton"
+
+
 def auto_order(call: AttentionCall) -> list[str]:
     """The backends ``"auto"`` tries for ``call``, fastest first."""
     sparse = call.window is not None or call.mask_mod is not None or call.block_mask is not None
+    if call.query.is_cuda and CUDA_KERNEL in _REGISTRY:
+        rest = [n for n in AUTO_ORDER if n != CUDA_KERNEL]
+        if sparse or call.score_mod is not None or call.sinks is not None:
+            return [CUDA_KERNEL, *rest]
+        return [*rest[:1], CUDA_KERNEL, *rest[1:]]
     if sparse and call.k_len >= SPARSE_MIN_KEYS and "blockwise" in AUTO_ORDER:
         return ["blockwise", *(n for n in AUTO_ORDER if n != "blockwise")]
     return AUTO_ORDER
@@ -211,3 +222,4 @@ def dispatch(name: str, call: AttentionCall) -> BackendResult:
 from attnkit.backends import blockwise as _blockwise  # noqa: E402,F401
 from attnkit.backends import reference as _reference  # noqa: E402,F401
 from attnkit.backends import sdpa as _sdpa  # noqa: E402,F401
+from attnkit.backends import triton as _triton  # noqa: E402,F401

@@ -82,9 +82,10 @@ def _softmax_dtype(t: torch.Tensor) -> torch.dtype:
 def reference_attention(call: AttentionCall) -> BackendResult:
     """Compute attention with explicit tensors for every step (see :func:`attnkit.attention`)."""
     key, value = expand_kv(call)
-    scores = call.query @ key.transpose(-2, -1)  # (b, h, t, s)
-    trace.emit("scores", scores)
-    scores = scores * call.scale
+    if trace.is_recording():  # the unscaled scores, computed only to be shown
+        trace.emit("scores", call.query @ key.transpose(-2, -1))  # (b, h, t, s)
+    # Scale the query first, as the fused kernels do: q @ k^T itself can overflow float16.
+    scores = (call.query * call.scale) @ key.transpose(-2, -1)  # (b, h, t, s)
     trace.emit("scaled_scores", scores)
     if call.score_mod is not None:
         scores = eval_score_mod(call.score_mod, scores, 0, 0)

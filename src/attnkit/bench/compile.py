@@ -146,8 +146,9 @@ def run(
         ``workload, backend, shape, eager_ms, compiled_ms, speedup, compile_s, max_abs_diff``.
     """
     backends = backends or ["reference", "sdpa"]
+    sizes: dict[str, Any]
     if quick:
-        sizes: dict[str, Any] = dict(batch=1, tokens=8, d_out=16, num_heads=2)
+        sizes = dict(batch=1, tokens=8, d_out=16, num_heads=2)
         sizes.update(emb_dim=16, n_layers=1, context_length=16)
         repeats, warmup = min(repeats, 3), min(warmup, 1)
     else:

@@ -54,6 +54,7 @@ def kernel_runner(
     """
     q, k, v = (torch.randn(b, h, t, d, dtype=dtype, requires_grad=backward) for _ in range(3))
     kwargs: dict = {"causal": True}
+    fn: Callable[[], object]
     if pattern == "window256":
         kwargs["window"] = 256
     elif pattern == "alibi":
@@ -180,6 +181,7 @@ def module_runner(
 ) -> Runner:
     """Return a closure running causal self-attention with module ``name`` on ``(b, t, d_model)``."""
     x = torch.randn(b, t, d_model, dtype=dtype, requires_grad=backward)
+    mod: nn.Module
     if name == "attnkit-mha":
         mod = MultiHeadAttention(d_model, d_model, t, 0.0, num_heads).to(dtype)
         fn = lambda: mod(x)  # noqa: E731

@@ -21,6 +21,14 @@ def markdown(result: dict) -> str:
     ]
     if result.get("note"):
         lines += [result["note"], ""]
+    quick = bool(result.get("quick"))
+    if quick:
+        lines += [
+            "**Smoke run (`--quick`)**: toy sizes, to check that every case runs. Its ratios "
+            "are not comparable with the targets (set for T = 1024-16384), so none is graded; "
+            "run `attnkit bench` without `--quick` to measure them.",
+            "",
+        ]
     lines += [
         "## Targets (ratios measured in this run)",
         "",
@@ -29,7 +37,7 @@ def markdown(result: dict) -> str:
     ]
     for row in result["targets"]:
         r, goal = row["ratio"], row["goal"]
-        met = "—" if r is None else ("yes" if _meets(r, goal) else "NO")
+        met = "—" if r is None else ("smoke run" if quick else ("yes" if _meets(r, goal) else "NO"))
         lines.append(f"| {row['target']}: {row['what']} | {_fmt(r)} | {goal} | {met} |")
     lines += [
         "",
@@ -53,7 +61,11 @@ def _meets(ratio: float, goal: str) -> bool:
 
 
 def plots(result: dict, out: Path) -> list[Path]:
-    """One PNG per (pattern, dtype, direction) of the grid: seconds against T, log-log."""
+    """``targets.png`` (each target's ratio against its goal), and one PNG per
+    (pattern, dtype, direction) of the grid: seconds against T, log-log.
+
+    Returns no paths when matplotlib (the ``[viz]`` extra) is missing.
+    """
     try:
         import matplotlib
 
@@ -61,7 +73,7 @@ def plots(result: dict, out: Path) -> list[Path]:
         import matplotlib.pyplot as plt
     except ImportError:
         return []
-    written = []
+    written = [_targets_plot(plt, result, out / "targets.png")]
     groups: dict[tuple, dict[str, list[tuple[int, float]]]] = {}
     for c in result["grid"]:
         if c["group"] != "kernel" or c["seconds"] is None:
@@ -87,3 +99,21 @@ def plots(result: dict, out: Path) -> list[Path]:
         plt.close(fig)
         written.append(path)
     return written
+
+
+def _targets_plot(plt, result: dict, path: Path) -> Path:
+    rows = [r for r in result["targets"] if r["ratio"] is not None]
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(rows) + 1.5), layout="constrained")
+    labels = [f"{r['target']}: {r['what']}"[:60] for r in rows]
+    ax.barh(range(len(rows)), [r["ratio"] for r in rows], color="#3b528b")
+    for i, r in enumerate(rows):
+        goal = float(r["goal"].split()[1])
+        ax.plot([goal, goal], [i - 0.4, i + 0.4], color="#e4572e", lw=2)
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    smoke = "\nsmoke run (--quick): toy sizes, not graded" if result.get("quick") else ""
+    ax.set(xlabel="ratio (red: the goal)", title=f"benchmark targets{smoke}")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -48,6 +48,13 @@ class Case:
 
 def _build(case: Case):
     dt = DTYPES[case.dtype]
+    if case.group == "layer":  # the kernel layer's targets (attnkit.bench.kernel_layer)
+        from attnkit.bench import kernel_layer
+
+        shape = {k: v for k, v in case.shape.items() if k != "group"}
+        return kernel_layer.runner(
+            case.impl, pattern=case.pattern, t=case.t, dtype=dt, backward=case.backward, **shape
+        )
     if case.group == "module":
         return peers.module_runner(
             case.impl, t=case.t, dtype=dt, backward=case.backward, **case.shape
@@ -264,14 +271,21 @@ def machine() -> dict:
     }
 
 
-def run_suite(out: Path, *, quick: bool, grid: bool, reps: int, note: str = "") -> dict:
+def run_suite(
+    out: Path, *, quick: bool, grid: bool, reps: int, note: str = "", quiet: bool = False
+) -> dict:
     """Measure the targets (and the grid if asked); write JSON, Markdown and plots to ``out``."""
     from tqdm.auto import tqdm
 
     targets = target_cases(quick)
     todo = [c for group in "abce" for c in targets[group]]
     grid_list = grid_cases(quick) if grid else []
-    bar = tqdm(total=len(todo) + len(grid_list) + 2, desc="attnkit bench", unit="case")
+    bar = tqdm(
+        total=len(todo) + len(grid_list) + 4,
+        desc="attnkit bench" + (" (smoke run)" if quick else ""),
+        unit="case",
+        disable=quiet,
+    )
     for case in targets["d"]:  # first, while nothing else holds memory
         bar.set_postfix_str(f"peak memory {case.impl} t={case.t}")
         memory_case(case)
@@ -282,6 +296,12 @@ def run_suite(out: Path, *, quick: bool, grid: bool, reps: int, note: str = "") 
             bar.set_postfix_str(f"target {group}{' fwd+bwd' if backward else ' fwd'}")
             time_cases(cases, reps)
             bar.update(len(cases))
+    from attnkit.bench import kernel_layer
+
+    layer = kernel_layer.target_cases(quick)
+    bar.set_postfix_str("kernel layer targets f-j")
+    layer_rows = kernel_layer.time_targets(layer, reps)
+    bar.update(2)
     for case in grid_list:
         bar.set_postfix_str(f"{case.impl} t={case.t}{' bwd' if case.backward else ''}")
         time_case(case, 1 if case.t >= 8192 else reps)
@@ -291,8 +311,8 @@ def run_suite(out: Path, *, quick: bool, grid: bool, reps: int, note: str = "") 
         "machine": machine(),
         "note": note,
         "quick": quick,
-        "targets": ratios(targets),
-        "target_cases": {g: [asdict(c) for c in cs] for g, cs in targets.items()},
+        "targets": ratios(targets) + layer_rows,
+        "target_cases": {g: [asdict(c) for c in cs] for g, cs in {**targets, **layer}.items()},
         "grid": [asdict(c) for c in grid_list],
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -300,14 +320,18 @@ def run_suite(out: Path, *, quick: bool, grid: bool, reps: int, note: str = "") 
     from attnkit.bench.report import markdown, plots
 
     (out / "results.md").write_text(markdown(result))
-    plots(result, out)
+    result["plots"] = [str(p) for p in plots(result, out)]
     return result
 
 
 def build_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the suite's options to ``parser`` (shared by the CLI and ``python -m``)."""
     parser.add_argument("--out", type=Path, default=Path("bench-results"), help="output folder")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test in seconds")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="toy sizes: a smoke test in seconds (its ratios are not graded against the targets)",
+    )
     parser.add_argument(
         "--grid", action="store_true", help="also run the full comparison grid (slow)"
     )

@@ -11,10 +11,12 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
 
 from attnkit import __version__
 
-__all__ = ["CliError", "main"]
+__all__ = ["CliError", "HelpFormatter", "main", "output_dir", "output_file"]
 
 #: Subcommand modules, in the order ``--help`` lists them.
 SUBCOMMANDS = ["demo", "explain", "viz", "bench", "train", "generate"]
@@ -24,14 +26,51 @@ class CliError(Exception):
     """A user error: printed as one line, exit code 2."""
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Help with defaults shown and descriptions/examples kept as written."""
+
+
+def output_dir(path: str | Path, flag: str = "--out") -> Path:
+    """``path`` as an output folder: refused (CliError) if it, or a parent, is a file.
+
+    Nothing is created here; the caller creates the folder when it writes.
+    """
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise CliError(f"{flag} {str(p)!r} is a file, not a directory")
+    _check_parents(p, flag)
+    return p
+
+
+def output_file(path: str | Path, flag: str = "--out") -> Path:
+    """``path`` as an output file: refused (CliError) if it is a directory or under a file."""
+    p = Path(path)
+    if p.is_dir():
+        raise CliError(f"{flag} {str(p)!r} is a directory, not a file")
+    _check_parents(p, flag)
+    return p
+
+
+def _check_parents(p: Path, flag: str) -> None:
+    for parent in p.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise CliError(f"{flag} {str(p)!r}: {str(parent)!r} is a file, not a directory")
+            return
+
+
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # argparse's own usage errors: exit 2, one line
+    def error(self, message: str) -> NoReturn:  # argparse's own usage errors: exit 2, one line
         raise CliError(message)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with every subcommand registered."""
-    parser = _Parser(prog="attnkit", description="Attention mechanisms for PyTorch.")
+    parser = _Parser(
+        prog="attnkit",
+        description="Attention mechanisms for PyTorch.",
+        epilog="Run `attnkit COMMAND --help` for a command's options and examples.",
+    )
     parser.add_argument("--version", action="version", version=f"attnkit {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in SUBCOMMANDS:
@@ -54,6 +93,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `attnkit demo | head`
         sys.stderr.close()
         return 0
+    except OSError as err:  # a path the user named cannot be read or written
+        where = f" {err.filename!r}:" if err.filename else ""
+        print(f"attnkit: error:{where} {err.strerror or err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("attnkit: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

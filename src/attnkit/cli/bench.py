@@ -3,15 +3,35 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
-from attnkit.cli import CliError
+from attnkit.cli import CliError, HelpFormatter, output_dir
+
+EXAMPLES = """\
+examples:
+  attnkit bench --quick --out /tmp/bench     # smoke run: toy sizes, seconds, not graded
+  attnkit bench                              # the targets (~4 min on 2 cores)
+  attnkit bench --grid --note "idle VM"      # plus the full grid (~20 min more)
+"""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from attnkit.bench.suite import build_arg_parser
 
-    parser = sub.add_parser("bench", help="benchmark attnkit's backends and modules against peers")
+    parser = sub.add_parser(
+        "bench",
+        help="benchmark attnkit's backends and modules against peers",
+        description=(
+            "Time attnkit's backends and MultiHeadAttention against torch SDPA, "
+            "nn.MultiheadAttention, FlexAttention and the seed tutorial's MHA; every ratio "
+            "is measured within this run. Writes results.json, results.md and PNG plots "
+            "(plots need the [viz] extra)."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=HelpFormatter,
+    )
     build_arg_parser(parser)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (for logs)")
     parser.set_defaults(func=run)
 
 
@@ -20,6 +40,16 @@ def run(args: argparse.Namespace) -> int:
 
     if args.reps < 1:
         raise CliError(f"--reps must be at least 1, got {args.reps}")
-    run_suite(args.out, quick=args.quick, grid=args.grid, reps=args.reps, note=args.note)
-    print((args.out / "results.md").read_text())
+    out = output_dir(args.out)
+    result = run_suite(
+        out, quick=args.quick, grid=args.grid, reps=args.reps, note=args.note, quiet=args.quiet
+    )
+    print((out / "results.md").read_text())
+    print(f"results: {out / 'results.json'}, {out / 'results.md'}")
+    if result.get("plots"):
+        print(f"plots: {', '.join(result['plots'])}")
+    elif importlib.util.find_spec("matplotlib") is None:
+        print("plots: skipped (they need matplotlib: pip install 'attnkit[viz]')")
+    if args.quick:
+        print("this was a smoke run (--quick): toy sizes, ratios not graded against the targets")
     return 0

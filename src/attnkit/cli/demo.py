@@ -3,21 +3,35 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import torch
 
 from attnkit import modules
+from attnkit.cli import HelpFormatter, output_dir
 from attnkit.examples import HELLO_SHINY_SUN, YOUR_JOURNEY
+
+EXAMPLES = """\
+examples:
+  attnkit demo                      # the whole tour (about a minute on 2 cores)
+  attnkit demo --no-gpt --out /tmp/tour
+  attnkit generate --checkpoint attnkit-out/gpt/checkpoint --prompt "12345678>"
+"""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "demo", help="the tour: every seed stage, the explain walkthrough, a tiny GPT trained"
+        "demo",
+        help="the tour: every seed stage, the explain walkthrough, a tiny GPT trained",
+        description=(
+            "Run every stage of the seed tutorial on its example sentence, walk through how "
+            '"journey" gets its context vector, draw the attention maps, then train a tiny '
+            "GPT to reverse digits and save it for `attnkit generate`. Pictures (PNG/SVG) "
+            "need the [viz] extra; the HTML view does not."
+        ),
+        epilog=EXAMPLES,
+        formatter_class=HelpFormatter,
     )
-    p.add_argument(
-        "--out", default="attnkit-out", help="folder for the pictures the demo writes (attnkit-out)"
-    )
+    p.add_argument("--out", default="attnkit-out", help="folder for what the demo writes")
     p.add_argument("--no-gpt", action="store_true", help="skip training the tiny GPT")
     p.set_defaults(func=run)
 
@@ -33,6 +47,9 @@ def _fmt(t: torch.Tensor) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    out = output_dir(args.out)
+    output_dir(out / "maps")
+    output_dir(out / "gpt")
     torch.set_printoptions(precision=4, sci_mode=False)
     hello = HELLO_SHINY_SUN.tensor()
     print("attnkit demo: the seed tutorial, stage by stage\n")
@@ -62,9 +79,9 @@ def run(args: argparse.Namespace) -> int:
         _show("MultiHeadAttention(3, 2, 6, 0.0, num_heads=2), seed 123", mha(batch))
     from attnkit.explain import demo_section as explain_section
 
-    explain_section(Path(args.out) / "maps")  # the explain walkthrough and attention maps
+    explain_section(out / "maps")  # the explain walkthrough and attention maps
     if not args.no_gpt:
         from attnkit.train import demo_section as gpt_section
 
-        gpt_section(Path(args.out) / "gpt")  # train, evaluate and sample the tiny GPT
+        gpt_section(out / "gpt")  # train, evaluate and sample the tiny GPT
     return 0

@@ -5,14 +5,31 @@ from __future__ import annotations
 import argparse
 import sys
 
-from attnkit.cli import CliError
-from attnkit.explain import FORMATS, STAGES, explain, render, resolve_sentence
+from attnkit.cli import CliError, HelpFormatter
+from attnkit.explain import FORMATS, STAGES, explain, render
+from attnkit.explain.inputs import resolve_sentence_source
+
+EXAMPLES = """\
+examples:
+  attnkit explain                                   # the seeds' sentence and embeddings
+  attnkit explain "Hello shiny sun!" --stage simplified --query shiny
+  attnkit explain "the cat saw the dog" --query the#2   # the second "the"
+  attnkit explain --embeddings vectors.csv          # tokens from the CSV's labels
+  attnkit explain "a b c" --format json > run.json && attnkit viz run.json -o run.html
+
+Embeddings: the seeds' own for their two sentences; otherwise --embeddings FILE (JSON list
+of vectors, or CSV rows "token,x1,x2,...", an optional header row) or seeded random ones,
+labelled as random in the output: they show the arithmetic, not meaning. --seed is a random
+seed (for those embeddings and the modules); "the seeds" are the tutorial this follows.
+"""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "explain",
         help="show every step of self-attention on a sentence",
+        epilog=EXAMPLES,
+        formatter_class=HelpFormatter,
         description=(
             "Compute the seed tutorial's stages (simplified, trainable, causal, dropout, "
             "multihead) on a sentence and print every intermediate. Without a sentence: "
@@ -31,7 +48,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--seed", type=int, help="seed for embeddings and modules (default: the book's seeds)"
     )
-    p.add_argument("--query", metavar="TOKEN", help="follow one token step by step")
+    p.add_argument(
+        "--query",
+        metavar="TOKEN",
+        help="follow one token step by step; TOKEN#n picks the n-th of a repeated token",
+    )
     p.add_argument("--format", choices=FORMATS, default="text", help="output format (text)")
     p.set_defaults(func=run)
 
@@ -41,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"unknown stage {args.stage!r}; choose from {', '.join(STAGES)} or all")
     stages = STAGES if args.stage == "all" else (args.stage,)
     try:
-        tokens, x = resolve_sentence(
+        tokens, x, source = resolve_sentence_source(
             args.sentence,
             embeddings_file=args.embeddings,
             dim=args.dim,
@@ -56,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
             dropout=args.dropout,
             seed=args.seed,
         )
+        expl.options["embeddings"] = source
         text = render(expl, fmt=args.format, query=args.query)
     except (ValueError, TypeError) as err:
         raise CliError(str(err)) from None

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from attnkit import trace
+from attnkit._validate import check_int, check_probability
 from attnkit.modules import (
     CausalAttention,
     MultiHeadAttention,
@@ -76,11 +77,14 @@ class Explanation:
                 stages[name] = {"heads": heads, "output": _lists(values["output"])}
             else:
                 stages[name] = {key: _lists(values[key]) for key in JSON_KEYS[name]}
-        return {
+        out = {
             "tokens": list(self.tokens),
             "embeddings": _lists(self.embeddings),
             "stages": stages,
         }
+        if "embeddings" in self.options:  # where the vectors came from ("random (seed 0, ...)")
+            out["embeddings_source"] = str(self.options["embeddings"])
+        return out
 
     def attention_maps(self) -> dict[str, torch.Tensor]:
         """``stage -> weights (heads, t, t)`` for the pictures (one head but in multihead)."""
@@ -161,7 +165,7 @@ def explain(
             elif stage in ("causal", "dropout"):
                 seeded(stage)
                 p = dropout if stage == "dropout" else 0.0
-                module = CausalAttention(d_in, d_out, context_length=t, dropout=p)
+                module: torch.nn.Module = CausalAttention(d_in, d_out, context_length=t, dropout=p)
                 module.train(stage == "dropout")  # dropout acts in training mode only
                 seeded(stage)  # the dropout mask's seed, as the book seeds it before dropping
                 rec = _record(module, x)
@@ -208,11 +212,9 @@ def _check(
         raise ValueError(f"{len(tokens)} tokens but {embeddings.shape[0]} embedding vectors")
     if not torch.isfinite(embeddings).all():
         raise ValueError("embeddings contain inf or NaN")
-    for name, value in (("d_out", d_out), ("heads", heads)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    check_int(d_out, "d_out")
+    check_int(heads, "heads")
     if "multihead" in stages and d_out % heads != 0:
         raise ValueError(f"d_out ({d_out}) must be divisible by heads ({heads})")
-    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-        raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+    check_probability(dropout, "dropout")
     return [s for s in STAGES if s in stages]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,15 +53,30 @@ _Block = _Heading | _Step | _Table | _Walk
 def find_token(tokens: Sequence[str], token: str) -> int:
     """Index of ``token`` in ``tokens`` (exact match first, then case-insensitive).
 
+    A token that occurs more than once is chosen with ``#n`` (1-based): ``"the#2"`` is the
+    second "the". Without ``#n`` a repeated token is refused rather than guessed.
+
     Raises:
-        ValueError: the token is not in the sentence; the message lists the tokens.
+        ValueError: the token is not in the sentence (the message lists the tokens), it is
+            repeated and no ``#n`` says which, or ``n`` is out of range.
     """
-    if token in tokens:
-        return list(tokens).index(token)
-    lowered = [t.lower() for t in tokens]
-    if token.lower() in lowered:
-        return lowered.index(token.lower())
-    raise ValueError(f"token {token!r} is not in the sentence {list(tokens)}")
+    name, nth = token, None
+    match = re.fullmatch(r"(.+)#(\d+)", token)
+    if match and token not in tokens:
+        name, nth = match.group(1), int(match.group(2))
+    hits = [i for i, t in enumerate(tokens) if t == name]
+    if not hits:
+        hits = [i for i, t in enumerate(tokens) if t.lower() == name.lower()]
+    if not hits:
+        raise ValueError(f"token {name!r} is not in the sentence {list(tokens)}")
+    if nth is None:
+        if len(hits) > 1:
+            choices = ", ".join(f"{name}#{k}" for k in range(1, len(hits) + 1))
+            raise ValueError(f"token {name!r} occurs {len(hits)} times; choose one of {choices}")
+        return hits[0]
+    if not 1 <= nth <= len(hits):
+        raise ValueError(f"token {name!r} occurs {len(hits)} times, so #{nth} does not exist")
+    return hits[nth - 1]
 
 
 def render(
@@ -101,7 +117,10 @@ def _blocks(expl: Explanation, qi: int | None, width: int) -> list[_Block]:
     dims = [f"d{j}" for j in range(d_in)]
     out: list[_Block] = [
         _Heading(f'inputs: "{" ".join(tok)}" -- {t} tokens, d_in={d_in}'),
-        _Step(f"inputs: one embedding per token, shape {_shape(x)}"),
+        _Step(
+            f"inputs: one embedding per token, shape {_shape(x)}"
+            + (f"; embeddings {expl.options['embeddings']}" if "embeddings" in expl.options else "")
+        ),
         _Table(tok, dims, x.tolist()),
     ]
     for stage, v in expl.stages.items():

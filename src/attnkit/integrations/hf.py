@@ -33,8 +33,14 @@ Keywords:
     ``sliding_window``: already part of the mask (as for eager); applied by attnkit only
         when a layer gets no mask.
     ``is_causal``: with a mask, causality is the mask's; without one it is applied by attnkit.
-    Bookkeeping keywords that do not change the attention (position ids, cache objects,
-    output flags) are accepted; any other keyword with a value raises ``ValueError``.
+    ``position_bias`` (T5 and its family): an additive float bias ``(b or 1, h, l_q, l_k)`` on
+        the scaled scores, as eager adds it; combined with the mask into one float mask.
+    Keywords that cannot change the attention are ignored: bookkeeping (position ids, cache
+    objects, output flags) and flags meant for other parts or kernels
+    (``output_router_logits`` of Mixtral/Qwen3-MoE, ``deterministic`` of ModernBERT's
+    flash-attention path). Any other keyword with a value raises ``ValueError`` naming it:
+    it might change the attention (``s_aux`` sinks, packed-sequence lengths), and dropping
+    it would give a silently wrong answer.
 
 A query row with no key left (the padding positions of a left-padded batch) returns zeros,
 where eager spreads it uniformly over the masked keys; real tokens never read those rows,
@@ -63,7 +69,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
 try:  # transformers >= 5 records attentions with hooks and no longer tells every layer
     from transformers.utils.output_capturing import _active_collector
 except ImportError:  # pragma: no cover - older transformers pass output_attentions instead
-    _active_collector = None
+    _active_collector = None  # type: ignore[assignment]
 
 from attnkit import backends
 from attnkit.attention import attention
@@ -92,6 +98,9 @@ _BOOKKEEPING = frozenset(
         "layer_idx",
         "position_embeddings",
         "kwargs",
+        # meant for other parts of the model or other kernels; the attention is the same:
+        "output_router_logits",  # MoE routers (Mixtral, Qwen3-MoE)
+        "deterministic",  # flash-attention's deterministic backward (ModernBERT)
     }
 )
 # transformers' own implementations, which register() refuses to replace.
@@ -142,6 +151,26 @@ def _check_mask(attention_mask: Any) -> None:
             "attention_mask must be 4-D (b, 1 or h, l_q, l_k) when it reaches the attention "
             f"function, got shape {tuple(attention_mask.shape)}"
         )
+
+
+def _with_position_bias(
+    attention_mask: torch.Tensor | None, position_bias: Any, query: torch.Tensor
+) -> torch.Tensor | None:
+    """T5's additive ``position_bias`` merged with the mask into one float mask (or the mask)."""
+    if position_bias is None:
+        return attention_mask
+    if not isinstance(position_bias, torch.Tensor) or not position_bias.is_floating_point():
+        raise TypeError(f"position_bias must be a float tensor, got {type(position_bias).__name__}")
+    if position_bias.dim() != 4:
+        raise ValueError(
+            f"position_bias must be (b or 1, h, l_q, l_k), got shape {tuple(position_bias.shape)}"
+        )
+    bias = position_bias.to(query.dtype)
+    if attention_mask is None:
+        return bias
+    if attention_mask.dtype == torch.bool:  # True = may attend: keep the bias, -inf elsewhere
+        return bias.masked_fill(~attention_mask, float("-inf"))
+    return bias + attention_mask.to(query.dtype)
 
 
 def _attentions_requested(module: torch.nn.Module) -> bool:
@@ -199,6 +228,7 @@ def make_attention_function(backend: str = "auto") -> Callable[..., tuple[torch.
         softcap: float | None = None,
         is_causal: bool | None = None,
         output_attentions: bool | None = None,
+        position_bias: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         _check_kwargs(kwargs)
@@ -207,6 +237,12 @@ def make_attention_function(backend: str = "auto") -> Callable[..., tuple[torch.
                 f"query must be (b, h, l_q, d) as transformers lays it out, got {tuple(query.shape)}"
             )
         _check_mask(attention_mask)
+        if position_bias is not None and attention_mask is None and (is_causal or sliding_window):
+            raise ValueError(
+                "position_bias without an attention_mask on a causal or windowed layer: "
+                "pass the mask (register() installs the mask function that builds it)"
+            )
+        attention_mask = _with_position_bias(attention_mask, position_bias, query)
         if output_attentions is None:
             output_attentions = _attentions_requested(module)
         causal, window = False, None
@@ -232,13 +268,16 @@ def make_attention_function(backend: str = "auto") -> Callable[..., tuple[torch.
             score_mod=None if softcap is None else _softcap_mod(float(softcap)),
             backend=backend,
         )
-        context, weights = result if output_attentions else (result, None)
+        if isinstance(result, tuple):
+            context, weights = result[0], result[1]
+        else:
+            context, weights = result, None
         return context.transpose(1, 2).contiguous(), weights  # (b, l_q, h_q, d)
 
     return attnkit_attention_forward
 
 
-def attnkit_mask(*args: Any, **kwargs: Any) -> torch.Tensor:
+def attnkit_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """The mask function registered with ``AttentionMaskInterface``.
 
     transformers' ``sdpa_mask`` with its "skip the mask" shortcuts disabled, so that every

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from attnkit import backends
+from attnkit._validate import check_int
 
 
 def check_input(
@@ -38,10 +39,14 @@ def check_input(
 
 
 def check_dims(**dims: int) -> None:
-    """Raise ValueError unless every named dimension is a positive int."""
+    """Check that every named dimension is a positive int (``bool`` is not an int).
+
+    Raises:
+        TypeError: a value that is not an int (a ``bool``, a float, ...).
+        ValueError: an int below 1.
+    """
     for name, value in dims.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_int(value, name)
 
 
 def check_backend(name: str) -> str:

@@ -27,7 +27,7 @@ def fused_qkv(
     biases = [W_query.bias, W_key.bias, W_value.bias]
     if any(b is None for b in biases) != all(b is None for b in biases):
         raise ValueError("W_query, W_key and W_value must all have a bias or none")
-    weight = torch.cat([W_query.weight, W_key.weight, W_value.weight])  # (3 * d_out, d_in)
-    bias = None if biases[0] is None else torch.cat(biases)
+    weight = torch.cat((W_query.weight, W_key.weight, W_value.weight))  # (3 * d_out, d_in)
+    bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
     qkv = F.linear(x, weight, bias)  # (b, t, 3 * d_out)
     return qkv.split(W_query.out_features, dim=-1)

@@ -21,7 +21,9 @@ class SimplifiedSelfAttention(nn.Module):
     products (no scaling); ``normalize="softmax"`` turns them into weights with a
     softmax, ``normalize="sum"`` divides by their sum (the naive normalisation the
     seeds show first, which is not guaranteed positive). Context vectors are the
-    weighted sums of the embeddings.
+    weighted sums of the embeddings. ``"sum"`` refuses a row whose scores sum to 0
+    (an all-zero embedding, say): there is no weight to give, and dividing would
+    give NaN.
 
     Args:
         normalize: ``"softmax"`` (default) or ``"sum"``.
@@ -48,7 +50,16 @@ class SimplifiedSelfAttention(nn.Module):
         else:
             scores = xb @ xb.transpose(-2, -1)  # (b, t, t)
             trace.emit("scores", scores)
-            weights = scores / scores.sum(dim=-1, keepdim=True)
+            total = scores.sum(dim=-1, keepdim=True)  # (b, t, 1)
+            zero = (total == 0).nonzero()
+            if zero.numel():
+                b, t = zero[0, 0].item(), zero[0, 1].item()
+                raise ValueError(
+                    f"normalize='sum' divides each row of scores by its sum, but the scores of "
+                    f"token {t} (batch element {b}) sum to 0 (e.g. an all-zero embedding); "
+                    "use normalize='softmax'"
+                )
+            weights = scores / total
             trace.emit("weights", weights)
             context = weights @ xb  # (b, t, d)
             trace.emit("context", context)

@@ -1,39 +1,42 @@
-"""Checkpoints: ``model.safetensors`` + ``optimizer.safetensors`` + ``config.json``.
+"""The tiny GPT's checkpoint: what goes in it, written through :mod:`attnkit.checkpoints`.
 
-Each file is written to a temporary name and moved into place with ``os.replace``;
-``config.json`` is written last, so a directory with a readable ``config.json``
-holds a complete checkpoint, and an interrupted save leaves the previous one intact.
+A checkpoint is a directory: ``model.safetensors``, ``optimizer.safetensors`` (for
+``--resume``), ``config.json`` (model config, tokenizer, run metadata) and ``manifest.json``
+(sizes and SHA-256 of the others, written last). :func:`attnkit.checkpoints.write_directory`
+swaps a whole new directory into place, so an interrupted save leaves the previous checkpoint
+whole; a directory whose files do not match its manifest is refused.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from attnkit.checkpoints import (
+    MANIFEST,
+    CheckpointError,
+    read_directory,
+    write_directory,
+)
+from attnkit.checkpoints import load_checkpoint as load_state
+from attnkit.checkpoints import save_checkpoint as save_state
 from attnkit.models import GPT, GPTConfig
 from attnkit.train.data import ByteTokenizer, CharTokenizer, tokenizer_from_dict
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "is_checkpoint", "load_checkpoint", "save_checkpoint"]
+
+FORMAT = "attnkit-gpt/2"
+_FORMATS = ("attnkit-gpt/1", FORMAT)  # /1: written before manifests
 
 
-class CheckpointError(ValueError):
-    """A missing, incomplete or corrupt checkpoint."""
-
-
-def _atomic_write(path: Path, write: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def is_checkpoint(directory: str | Path) -> bool:
+    """True if ``directory`` holds an attnkit GPT checkpoint (whole or not)."""
+    d = Path(directory)
+    return (d / "config.json").is_file() or (d / MANIFEST).is_file()
 
 
 def save_checkpoint(
@@ -44,87 +47,167 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     meta: dict[str, Any] | None = None,
 ) -> Path:
-    """Write ``model`` (and ``optimizer``) to ``directory``, atomically file by file.
+    """Write ``model`` (and ``optimizer``) to ``directory``, atomically as a whole.
 
     Args:
-        directory: created if missing.
+        directory: created if missing; other files in it (pictures) are kept.
         model: the GPT.
         tokenizer: saved in ``config.json`` so ``attnkit generate`` can encode prompts.
         optimizer: AdamW-like optimizer whose state is saved for ``--resume``.
         meta: JSON-ready extras (step, task, losses, ...).
     """
-    from safetensors.torch import save_file
-
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    _atomic_write(d / "model.safetensors", lambda p: save_file(state, p))
     config: dict[str, Any] = {
-        "format": "attnkit-gpt/1",
+        "format": FORMAT,
         "model": model.cfg.to_dict(),
         "tokenizer": tokenizer.to_dict(),
         "meta": meta or {},
     }
+    files: dict[str, Any] = {"model.safetensors": lambda p: save_state(model, p)}
     if optimizer is not None:
         opt = optimizer.state_dict()
         tensors = {
-            f"{i}.{name}": t.detach().contiguous()
+            f"{i}.{name}": t.detach()
             for i, s in opt["state"].items()
             for name, t in s.items()
             if isinstance(t, torch.Tensor)
         }
-        _atomic_write(d / "optimizer.safetensors", lambda p: save_file(tensors, p))
+        files["optimizer.safetensors"] = lambda p: save_state(tensors, p)
         config["optimizer"] = {"param_groups": opt["param_groups"]}
-    text = json.dumps(config, indent=2)
-    _atomic_write(d / "config.json", lambda p: Path(p).write_text(text))
-    return d
+    files["config.json"] = (json.dumps(config, indent=2) + "\n").encode()
+    return write_directory(directory, files)
+
+
+def _check_meta(meta: Any) -> dict[str, Any]:
+    """The run metadata with the types ``--resume`` relies on, or ValueError naming the key."""
+    if not isinstance(meta, dict):
+        raise ValueError(f"meta must be an object, got {type(meta).__name__}")
+    for key in ("step", "length"):
+        value = meta.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"meta.{key} must be an int, got {value!r}")
+        if isinstance(value, int) and value < 0:
+            raise ValueError(f"meta.{key} must be >= 0, got {value}")
+    losses = meta.get("losses", [])
+    if not isinstance(losses, list) or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in losses
+    ):
+        raise ValueError("meta.losses must be a list of numbers")
+    for key in ("task", "text"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            raise ValueError(f"meta.{key} must be a string or null, got {meta[key]!r}")
+    return meta
+
+
+def _check_param_groups(groups: Any) -> list[dict[str, Any]]:
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise ValueError("optimizer.param_groups must be a list of objects")
+    for g in groups:
+        params = g.get("params")
+        if not isinstance(params, list) or not all(
+            isinstance(p, int) and not isinstance(p, bool) for p in params
+        ):
+            raise ValueError("optimizer.param_groups[].params must be a list of ints")
+        lr = g.get("lr")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr):
+            raise ValueError(f"optimizer.param_groups[].lr must be a finite number, got {lr!r}")
+    return groups
 
 
 def load_checkpoint(
-    directory: str | Path,
+    directory: str | Path, *, require_manifest: bool = False
 ) -> tuple[GPT, CharTokenizer | ByteTokenizer, dict[str, Any], dict[str, Any] | None]:
     """Load a checkpoint written by :func:`save_checkpoint`.
+
+    Args:
+        directory: the checkpoint directory.
+        require_manifest: refuse a checkpoint from before manifests (``attnkit-gpt/1``), whose
+            files cannot be checked against each other (``--resume`` asks for this).
 
     Returns:
         ``(model, tokenizer, meta, optimizer_state)``; the optimizer state (for
         ``optimizer.load_state_dict``) is None when none was saved.
 
     Raises:
-        CheckpointError: a missing directory or file, or unreadable / mismatched contents.
+        CheckpointError: a missing directory or file, a torn save, or unreadable / mistyped
+            contents; the message is one line naming the file.
     """
-    from safetensors.torch import load_file
-
     d = Path(directory)
-    if not (d / "config.json").is_file():
+    if not (d / "config.json").is_file() and not (d / MANIFEST).is_file():
         raise CheckpointError(f"no checkpoint in {str(d)!r} (config.json not found)")
+    files = read_directory(d, require_manifest=require_manifest)
+    if "config.json" not in files or "model.safetensors" not in files:
+        raise CheckpointError(f"incomplete checkpoint {str(d)!r}: config.json or weights missing")
     try:
-        config = json.loads((d / "config.json").read_text())
+        config = json.loads(files["config.json"].read_text())
+        if not isinstance(config, dict) or config.get("format", _FORMATS[0]) not in _FORMATS:
+            raise ValueError(
+                f"unknown format {config.get('format') if isinstance(config, dict) else config!r}"
+            )
+        if not isinstance(config.get("model"), dict) or not isinstance(
+            config.get("tokenizer"), dict
+        ):
+            raise ValueError("'model' and 'tokenizer' must be objects")
         cfg = GPTConfig.from_dict(config["model"])
+        _check_backend(cfg.attn_backend)
         tokenizer = tokenizer_from_dict(config["tokenizer"])
-        meta = dict(config.get("meta", {}))
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(
-            f"corrupt checkpoint config {str(d / 'config.json')!r}: {err}"
-        ) from None
-    model = GPT(cfg)
-    try:
-        state = load_file(str(d / "model.safetensors"))
-        model.load_state_dict(state, strict=True)
-    except Exception as err:  # safetensors raises its own error types
+        meta = _check_meta(dict(config.get("meta", {})))
+        groups = None
+        if "optimizer" in config:
+            groups = _check_param_groups(config["optimizer"].get("param_groups"))
+        model = GPT(cfg)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         msg = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CheckpointError(
-            f"corrupt or missing weights {str(d / 'model.safetensors')!r}: {msg}"
+            f"corrupt checkpoint config {str(d / 'config.json')!r}: {msg}"
+        ) from None
+    try:
+        model.load_state_dict(load_state(files["model.safetensors"]), strict=True)
+    except (ValueError, RuntimeError) as err:
+        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(
+            f"corrupt or mismatched weights {str(d / 'model.safetensors')!r}: {msg}"
         ) from None
     model.eval()
     opt_state = None
-    if "optimizer" in config and (d / "optimizer.safetensors").is_file():
-        try:
-            tensors = load_file(str(d / "optimizer.safetensors"))
-        except Exception as err:
-            raise CheckpointError(f"corrupt optimizer state in {str(d)!r}: {err}") from None
-        state_by_param: dict[int, dict[str, torch.Tensor]] = {}
-        for key, t in tensors.items():
-            i, name = key.split(".", 1)
-            state_by_param.setdefault(int(i), {})[name] = t
-        opt_state = {"state": state_by_param, "param_groups": config["optimizer"]["param_groups"]}
+    if groups is not None and "optimizer.safetensors" in files:
+        opt_state = _optimizer_state(files["optimizer.safetensors"], groups, model)
     return model, tokenizer, meta, opt_state
+
+
+def _check_backend(name: str) -> None:
+    from attnkit.backends import available_backends
+
+    if name != "auto" and name not in available_backends():
+        raise ValueError(
+            f"unknown attn_backend {name!r}; available: auto, {', '.join(available_backends())}"
+        )
+
+
+def _optimizer_state(path: Path, groups: list[dict[str, Any]], model: GPT) -> dict[str, Any]:
+    try:
+        tensors = load_state(path)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+    n_params = sum(len(g["params"]) for g in groups)
+    state_by_param: dict[int, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        i, sep, name = key.partition(".")
+        if not sep or not name or not i.isdigit() or int(i) >= n_params:
+            raise CheckpointError(
+                f"corrupt optimizer state {str(path)!r}: key {key!r} is not '<param index>.<name>'"
+            )
+        state_by_param.setdefault(int(i), {})[name] = t
+    params = list(model.parameters())
+    if n_params != len(params):
+        raise CheckpointError(
+            f"corrupt optimizer state {str(path)!r}: {n_params} parameters for a model of "
+            f"{len(params)}"
+        )
+    for index, state in state_by_param.items():  # moments must have their parameter's shape
+        for name, t in state.items():
+            if t.dim() > 0 and t.shape != params[index].shape:
+                raise CheckpointError(
+                    f"corrupt optimizer state {str(path)!r}: {index}.{name} has shape "
+                    f"{tuple(t.shape)}, its parameter {tuple(params[index].shape)}"
+                )
+    return {"state": state_by_param, "param_groups": groups}

@@ -52,6 +52,10 @@ class CharTokenizer:
     def decode(self, ids: list[int]) -> str:
         return "".join(self.symbols[i] for i in ids)
 
+    def labels(self, ids: list[int]) -> list[str]:
+        """One printable label per token (its character), for the axes of pictures."""
+        return [self.symbols[i] for i in ids]
+
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "symbols": self.symbols}
 
@@ -67,6 +71,22 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
+
+    def labels(self, ids: list[int]) -> list[str]:
+        """One printable label per byte, for the axes of pictures: the character for
+        printable ASCII, ``␣`` for a space, an escape such as ``\\n`` or ``0xe2`` otherwise."""
+        out = []
+        for i in ids:
+            c = chr(i)
+            if c == " ":
+                out.append("\u2423")
+            elif c.isprintable() and i < 128:
+                out.append(c)
+            elif c in "\n\t\r":
+                out.append(repr(c)[1:-1])
+            else:
+                out.append(f"0x{i:02x}")
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind}

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from pathlib import Path
 
 import torch
 
 from attnkit.models import GPT, GPTConfig
+from attnkit.train.checkpoint import save_checkpoint
 from attnkit.train.data import TaskData
 from attnkit.train.loop import evaluate_task, train
-from attnkit.train.plots import plot_attention_maps, plot_loss
 
 __all__ = ["DEMO_STEPS", "demo_section", "reverse_model_config"]
 
@@ -28,7 +29,9 @@ def reverse_model_config(data: TaskData) -> GPTConfig:
 def demo_section(out_dir: str | Path, steps: int = DEMO_STEPS, seed: int = 0) -> dict[str, float]:
     """Train the tiny GPT on the reverse task, report held-out accuracy, a sample and maps.
 
-    Prints as it goes; writes ``loss.png`` and ``attention/layer<i>.png`` under ``out_dir``.
+    Prints as it goes; writes the trained model to ``out_dir/checkpoint`` (for
+    ``attnkit generate``) and, with the ``[viz]`` extra, ``loss.png`` and
+    ``attention/layer<i>.png`` under ``out_dir``.
 
     Returns:
         ``{"sequence_accuracy", "token_accuracy", "seconds", "final_loss"}``.
@@ -55,12 +58,27 @@ def demo_section(out_dir: str | Path, steps: int = DEMO_STEPS, seed: int = 0) ->
     )
     sample = torch.cat((prompts[0], answers[0]))
     print(f"sample: {tok.decode(prompts[0].tolist())} -> {tok.decode(answers[0].tolist())}")
-    plot_loss(losses, out / "loss.png")
-    maps = plot_attention_maps(
-        model, sample[:-1], list(tok.decode(sample[:-1].tolist())), out / "attention"
+    ckpt = save_checkpoint(
+        out / "checkpoint",
+        model,
+        tok,
+        meta={"task": data.task, "text": None, "length": data.length, "step": steps},
     )
-    print(f"loss curve: {out / 'loss.png'}")
-    print(f"learned attention maps: {', '.join(str(p) for p in maps)}")
+    print(
+        f"model saved: {ckpt}; try: attnkit generate --checkpoint {ckpt} "
+        f'--prompt "{tok.decode(prompts[1].tolist())}"'
+    )
+    if importlib.util.find_spec("matplotlib") is None:
+        print("pictures skipped: loss.png and attention maps need pip install 'attnkit[viz]'")
+    else:
+        from attnkit.train.plots import plot_attention_maps, plot_loss
+
+        plot_loss(losses, out / "loss.png")
+        maps = plot_attention_maps(
+            model, sample[:-1], tok.labels(sample[:-1].tolist()), out / "attention"
+        )
+        print(f"loss curve: {out / 'loss.png'}")
+        print(f"learned attention maps: {', '.join(str(p) for p in maps)}")
     return {
         "sequence_accuracy": seq_acc,
         "token_accuracy": tok_acc,

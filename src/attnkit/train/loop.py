@@ -1,11 +1,14 @@
-"""The training loop, with a one-line progress bar (step, loss, tokens/s, ETA)."""
+"""The training loop: tqdm progress bar, AdamW, warm-up + cosine via ``LambdaLR``."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import sys
 import time
 from collections.abc import Callable
-from typing import TextIO
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -13,41 +16,73 @@ import torch.nn.functional as F
 from attnkit.models import GPT
 from attnkit.train.data import IGNORE, TaskData
 
-__all__ = ["Progress", "evaluate_task", "train"]
+__all__ = ["WARMUP_STEPS", "LossFn", "Schedule", "evaluate_task", "next_token_loss", "train"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+#: ``loss_fn(model, inputs, targets) -> (loss to backpropagate, value to record)``
+LossFn = Callable[[GPT, torch.Tensor, torch.Tensor], tuple[torch.Tensor, float]]
 
 
-class Progress:
-    """A minimal progress bar: ``step 120/600 [####----] loss 0.4321 | 12.3k tok/s | ETA 0:42``."""
+def next_token_loss(
+    model: GPT, inputs: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, float]:
+    """Mean next-token cross-entropy of ``model`` on ``(b, t)`` ids (targets -100 skipped)."""
+    logits = model(inputs)  # (b, t, vocab)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+    return loss, loss.item()
 
-    def __init__(self, total: int, stream: TextIO | None = None, width: int = 20) -> None:
-        self.total, self.width = total, width
-        self.stream = stream if stream is not None else sys.stderr
-        self.t0 = time.perf_counter()
-        self.tokens = 0
-        self._last = 0.0
 
-    def update(self, step: int, loss: float, tokens: int, force: bool = False) -> None:
-        """Report ``step`` (1-based) and the tokens processed since the last call."""
-        self.tokens += tokens
-        now = time.perf_counter()
-        if not force and now - self._last < 0.2 and step < self.total:
-            return
-        self._last = now
-        elapsed = max(now - self.t0, 1e-9)
-        rate = self.tokens / elapsed
-        eta = elapsed / max(step, 1) * (self.total - step)
-        filled = int(self.width * step / max(self.total, 1))
-        bar = "#" * filled + "-" * (self.width - filled)
-        line = (
-            f"\rstep {step}/{self.total} [{bar}] loss {loss:.4f} | "
-            f"{rate / 1000:.1f}k tok/s | ETA {int(eta) // 60}:{int(eta) % 60:02d}"
-        )
-        self.stream.write(line)
-        if step >= self.total:
-            self.stream.write("\n")
-        self.stream.flush()
+WARMUP_STEPS = 50
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Learning-rate factor per step: linear warm-up, then cosine decay to 10% at ``total``.
+
+    A schedule resumed with a different ``total`` continues from the factor it had reached
+    (``start``, ``start_factor``) with a cosine to 10% at the new total, so the rate never jumps.
+    """
+
+    total: int
+    start: int = 0
+    start_factor: float = 1.0
+    warmup: int = WARMUP_STEPS
+
+    def factor(self, step: int) -> float:
+        """The factor of the learning rate used for ``step`` (1-based)."""
+        if self.start == 0:
+            warm = min(1.0, step / self.warmup)
+            return warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / self.total)))
+        span = max(self.total - self.start, 1)
+        frac = min(max((step - self.start) / span, 0.0), 1.0)
+        return 0.1 + (self.start_factor - 0.1) * 0.5 * (1 + math.cos(math.pi * frac))
+
+    def extended(self, step: int, total: int) -> Schedule:
+        """This schedule, continued from ``step`` (the last one done) to a new ``total``."""
+        if total == self.total:
+            return self
+        return Schedule(total, start=step, start_factor=self.factor(step), warmup=self.warmup)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Schedule:
+        """Rebuild from :meth:`to_dict`; ValueError on anything else."""
+        try:
+            sched = cls(
+                total=int(data["total"]),
+                start=int(data["start"]),
+                start_factor=float(data["start_factor"]),
+                warmup=int(data["warmup"]),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"bad learning-rate schedule {data!r}") from err
+        if not (0 <= sched.start < sched.total and sched.warmup > 0):
+            raise ValueError(f"bad learning-rate schedule {data!r}")
+        if not (math.isfinite(sched.start_factor) and sched.start_factor > 0):
+            raise ValueError(f"bad learning-rate schedule {data!r}")
+        return sched
 
 
 def train(
@@ -58,8 +93,12 @@ def train(
     optimizer: torch.optim.Optimizer | None = None,
     lr: float = 3e-3,
     start_step: int = 0,
+    schedule: Schedule | None = None,
     progress: bool = True,
     on_step: Callable[[int, float], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    loss_fn: LossFn | None = None,
+    after_backward: Callable[[GPT], None] | None = None,
 ) -> list[float]:
     """Train ``model`` on next-token cross-entropy for steps ``start_step + 1 .. steps``.
 
@@ -67,39 +106,68 @@ def train(
         model: the GPT (put in training mode).
         batches: returns ``(inputs, targets)`` ``(b, t)``; targets of -100 are skipped.
         steps: the last step number.
-        optimizer: AdamW with ``lr`` and cosine decay to 10% when None.
+        optimizer: AdamW with ``lr`` when None. The peak rate is each group's ``initial_lr``
+            (set from ``lr`` the first time).
         lr: peak learning rate for the default optimizer.
         start_step: steps already done (``--resume``).
-        progress: draw the progress bar on stderr.
+        schedule: the learning-rate schedule (``torch.optim.lr_scheduler.LambdaLR`` over
+            :meth:`Schedule.factor`); warm-up + cosine over ``steps`` when None.
+        progress: draw a tqdm progress bar on stderr (step numbers run start+1..steps;
+            redrawn at most every 10 s when stderr is not a terminal).
         on_step: called as ``on_step(step, loss)`` after each step.
+        should_stop: checked after each whole step; True ends training early (Ctrl-C).
+        loss_fn: ``loss_fn(model, inputs, targets) -> (loss to backpropagate, loss to
+            record)``; next-token cross-entropy by default. Context parallelism passes
+            each rank's share of the whole batch's loss (:mod:`attnkit.train.context_parallel`).
+        after_backward: called with the model after ``loss.backward()``, before clipping
+            (context parallelism all-reduces the gradients there).
 
     Returns:
         The loss of every step run.
     """
+    from tqdm.auto import tqdm
+
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    base_lrs = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
-    for g, base in zip(optimizer.param_groups, base_lrs, strict=True):
-        g["initial_lr"] = base
-    bar = Progress(steps - start_step) if progress else None
+    schedule = schedule or Schedule(steps)
+    # epoch e of the scheduler is step start_step + 1 + e
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda e: schedule.factor(start_step + 1 + e)
+    )
+    bar = tqdm(
+        total=steps,
+        initial=start_step,
+        desc="train",
+        unit="step",
+        disable=not progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=0.1 if sys.stderr.isatty() else 10.0,  # a log file gets a line per 10 s
+    )
     losses: list[float] = []
+    tokens, t0 = 0, time.perf_counter()
     model.train()
-    for step in range(start_step + 1, steps + 1):
-        warm = min(1.0, step / 50)
-        decay = 0.1 + 0.9 * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * step / steps)).item())
-        for g, base in zip(optimizer.param_groups, base_lrs, strict=True):
-            g["lr"] = base * warm * decay
-        inputs, targets = batches()
-        logits = model(inputs)  # (b, t, vocab)
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss.item())
-        if bar is not None:
-            bar.update(step - start_step, losses[-1], inputs.numel())
-        if on_step is not None:
-            on_step(step, losses[-1])
+    try:
+        for step in range(start_step + 1, steps + 1):
+            inputs, targets = batches()
+            loss, value = (loss_fn or next_token_loss)(model, inputs, targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if after_backward is not None:
+                after_backward(model)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            scheduler.step()
+            losses.append(value)
+            tokens += inputs.numel()
+            rate = tokens / max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix_str(f"loss {losses[-1]:.4f}, {rate / 1000:.1f}k tok/s", refresh=False)
+            bar.update()
+            if on_step is not None:
+                on_step(step, losses[-1])
+            if should_stop is not None and should_stop():
+                break
+    finally:
+        bar.close()
     model.eval()
     return losses
 

@@ -26,7 +26,7 @@ __all__ = [
 def save(
     maps: AttentionMaps, path: str | Path, *, layer: int = 0, title: str = "attention"
 ) -> Path:
-    """Write ``maps`` to ``path``: ``.html`` (every layer) or ``.png``/``.svg`` (one layer)."""
+    """Write ``maps`` to ``path``: ``.html`` (every layer) or ``.png``/``.svg``/``.pdf`` (one layer)."""
     path = Path(path)
     if path.suffix.lower() in (".html", ".htm"):
         return AttentionView(maps, title=title).save(path)

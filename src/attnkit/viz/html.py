@@ -1,9 +1,13 @@
 """A self-contained, offline HTML attention view: no CDN, all JS and CSS inline.
 
 One :class:`AttentionView` is a heatmap of one layer and head (or the average of
-the heads) with layer and head pickers; hovering a cell shows the query token,
-the key token and the exact weight. Several views work on one page (or in one
-notebook): each has its own element id and its script only touches its own element.
+the heads, when there are several) with layer and head pickers; rows are queries and
+columns keys (both axes labelled); one colour scale per layer, shared by its heads and
+their average; a weight of exactly 0 (a masked cell) is hatched grey, not coloured as a
+small weight. Hovering a cell shows the query token, the key token and the exact weight.
+Several views work on one page (or in one notebook): each has its own element id and its
+script only touches its own element. The page is rendered by a jinja2 template; tokens and
+weights go in as JSON (``tojson``), so no token can break the page.
 
 Test hook: the page's URL hash ``#layer=1&head=2&hover=3,4`` selects the layer,
 the head (``head=avg`` for the average) and hovers query 3 / key 4 on load, through
@@ -12,11 +16,12 @@ the same event handlers a person triggers.
 
 from __future__ import annotations
 
+import functools
 import html
 import itertools
-import json
 import secrets
 from pathlib import Path
+from typing import Any
 
 from attnkit.viz.maps import AttentionMaps
 
@@ -32,6 +37,8 @@ _CSS = """
 #ID table{border-collapse:collapse;margin-top:8px}
 #ID td.akv-c{width:28px;height:28px;border:1px solid #fff;cursor:crosshair}
 #ID td.akv-c.akv-on{outline:2px solid #e4572e;outline-offset:-2px}
+#ID td.akv-c.akv-m{background:repeating-linear-gradient(45deg,#eee 0 3px,#ccc 3px 5px)}
+#ID th.akv-axis{font-style:italic;color:#666;font-size:11px}
 #ID th{font-weight:400;padding:2px 4px;white-space:nowrap}
 #ID th.akv-k{writing-mode:vertical-rl;transform:rotate(180deg);text-align:left;height:auto}
 #ID th.akv-q{text-align:right}
@@ -46,7 +53,7 @@ _STOPS = [(68, 1, 84), (59, 82, 139), (33, 145, 140), (94, 201, 98), (253, 231, 
 
 _JS = r"""
 (function(){
-const root=document.getElementById("ID"), data=DATA, stops=STOPS;
+const root=document.getElementById({{ eid|tojson }}), data={{ data|tojson }}, stops={{ stops|tojson }};
 const selL=root.querySelector(".akv-layer"), selH=root.querySelector(".akv-head");
 const grid=root.querySelector("table"), hover=root.querySelector(".akv-hover");
 const title=root.querySelector(".akv-title"), vmaxEl=root.querySelector(".akv-vmax");
@@ -55,25 +62,28 @@ function colour(x){x=Math.max(0,Math.min(1,x))*(stops.length-1);const i=Math.min
 data.layers.forEach((l,i)=>{const o=document.createElement("option");o.value=i;o.textContent=l.name;selL.appendChild(o);});
 function matrix(){const l=data.layers[+selL.value];if(selH.value!=="avg")return l.weights[+selH.value];
  const h=l.weights.length;return l.weights[0].map((row,q)=>row.map((_,k)=>l.weights.reduce((s,w)=>s+w[q][k],0)/h));}
-function heads(){const l=data.layers[+selL.value],keep=selH.value;selH.innerHTML="";
- const a=document.createElement("option");a.value="avg";a.textContent="average of heads";selH.appendChild(a);
+function heads(){const l=data.layers[+selL.value],keep=selH.value,many=l.weights.length>1;selH.innerHTML="";
+ if(many){const a=document.createElement("option");a.value="avg";a.textContent="average of heads";selH.appendChild(a);}
  l.weights.forEach((_,i)=>{const o=document.createElement("option");o.value=i;o.textContent="head "+i;selH.appendChild(o);});
- selH.value=(keep!==""&&(keep==="avg"||+keep<l.weights.length))?keep:(l.weights.length>1?"avg":"0");}
-function draw(){const l=data.layers[+selL.value],m=matrix(),q0=data.tokens.length-m.length;
- let vmax=0;m.forEach(r=>r.forEach(v=>{vmax=Math.max(vmax,v);}));vmax=vmax||1;
+ selH.value=(keep!==""&&((keep==="avg"&&many)||(keep!=="avg"&&+keep<l.weights.length)))?keep:(many?"avg":"0");}
+function layerMax(l){let v=0;l.weights.forEach(h=>h.forEach(r=>r.forEach(x=>{v=Math.max(v,x);})));return v||1;}
+function draw(){const l=data.layers[+selL.value],m=matrix(),q0=data.tokens.length-m.length,vmax=layerMax(l);
  vmaxEl.textContent=vmax.toFixed(4);
  title.textContent=l.label+" \u00b7 "+(selH.value==="avg"?"average of "+l.weights.length+" heads":"head "+selH.value);
- grid.innerHTML="";const head=grid.insertRow();head.appendChild(document.createElement("th"));
+ grid.innerHTML="";const head=grid.insertRow(),corner=document.createElement("th");corner.className="akv-axis";
+ corner.textContent="query \u2193 \u00b7 key \u2192";head.appendChild(corner);
  data.tokens.forEach(t=>{const th=document.createElement("th");th.className="akv-k";th.textContent=t;head.appendChild(th);});
  m.forEach((row,q)=>{const tr=grid.insertRow(),th=document.createElement("th");th.className="akv-q";
   th.textContent=data.tokens[q0+q];tr.appendChild(th);
   row.forEach((v,k)=>{const td=tr.insertCell();td.className="akv-c";td.dataset.q=q;td.dataset.k=k;
-   td.style.background=colour(v/vmax);td.title=data.tokens[q0+q]+" \u2192 "+data.tokens[k]+": "+v.toFixed(6);});});
- hover.textContent="hover a cell: query \u2192 key: weight";}
+   const tip=data.tokens[q0+q]+" \u2192 "+data.tokens[k]+": ";
+   if(v===0){td.classList.add("akv-m");td.title=tip+"0 (masked)";}
+   else{td.style.background=colour(v/vmax);td.title=tip+v.toFixed(6);}});});
+ hover.textContent="hover a cell: query \u2192 key: weight (hatched: weight 0, masked)";}
 function show(td){root.querySelectorAll(".akv-on,.akv-hl").forEach(e=>e.classList.remove("akv-on","akv-hl"));
  const q=+td.dataset.q,k=+td.dataset.k,m=matrix(),q0=data.tokens.length-m.length;td.classList.add("akv-on");
  grid.rows[0].cells[k+1].classList.add("akv-hl");grid.rows[q+1].cells[0].classList.add("akv-hl");
- hover.textContent="query \u201c"+data.tokens[q0+q]+"\u201d \u2192 key \u201c"+data.tokens[k]+"\u201d: weight "+m[q][k].toFixed(6);}
+ hover.textContent="query \u201c"+data.tokens[q0+q]+"\u201d \u2192 key \u201c"+data.tokens[k]+"\u201d: weight "+m[q][k].toFixed(6)+(m[q][k]===0?" (masked)":"");}
 grid.addEventListener("mouseover",e=>{const td=e.target.closest("td.akv-c");if(td)show(td);});
 selL.addEventListener("change",()=>{heads();draw();});
 selH.addEventListener("change",draw);
@@ -86,6 +96,26 @@ if(p.has("hover")){const [q,k]=p.get("hover").split(",").map(Number);
  if(td)td.dispatchEvent(new MouseEvent("mouseover",{bubbles:true}));}
 })();
 """
+
+
+_FRAGMENT = (
+    '<div id="{{ eid }}" class="akv"><style>{{ css|safe }}</style>'
+    "<div><strong>{{ title }}</strong></div>"
+    '<div class="akv-controls"><label>{{ kind }} <select class="akv-layer"></select></label>'
+    '<label>head <select class="akv-head"></select></label></div>'
+    '<div class="akv-title"></div><table></table>'
+    '<div class="akv-bar"><span>0</span><span class="akv-grad"></span>'
+    '<span class="akv-vmax"></span> (one scale per layer)</div>'
+    '<div class="akv-hover"></div><script>' + _JS + "</script></div>"
+)
+
+
+@functools.cache
+def _template() -> Any:
+    import jinja2
+
+    env = jinja2.Environment(autoescape=True, undefined=jinja2.StrictUndefined)
+    return env.from_string(_FRAGMENT)
 
 
 class AttentionView:
@@ -119,22 +149,14 @@ class AttentionView:
 
     def fragment(self) -> str:
         """The view as an HTML fragment (``<div>`` with inline ``<style>`` and ``<script>``)."""
-        eid = self.element_id
         grad = ",".join(f"rgb({r},{g},{b})" for r, g, b in _STOPS)
-        css = _CSS.replace("#ID", f"#{eid}").replace("GRAD", grad)
-        data = json.dumps(self._data()).replace("</", "<\\/")  # no early </script>
-        js = _JS.replace('"ID"', json.dumps(eid)).replace("DATA", data, 1)
-        js = js.replace("STOPS", json.dumps(_STOPS), 1)
-        kind = html.escape(self.maps.kind)
-        return (
-            f'<div id="{eid}" class="akv"><style>{css}</style>'
-            f"<div><strong>{html.escape(self.title)}</strong></div>"
-            f'<div class="akv-controls"><label>{kind} <select class="akv-layer"></select></label>'
-            '<label>head <select class="akv-head"></select></label></div>'
-            '<div class="akv-title"></div><table></table>'
-            '<div class="akv-bar"><span>0</span><span class="akv-grad"></span>'
-            '<span class="akv-vmax"></span></div>'
-            f'<div class="akv-hover"></div><script>{js}</script></div>'
+        return _template().render(
+            eid=self.element_id,
+            css=_CSS.replace("#ID", f"#{self.element_id}").replace("GRAD", grad),
+            title=self.title,
+            kind=self.maps.kind,
+            data=self._data(),
+            stops=_STOPS,
         )
 
     def to_html(self) -> str:

@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from attnkit.checkpoints import safe_torch_load
+
 __all__ = ["AttentionMaps", "from_explanation", "from_hf", "load_attentions"]
 
 
@@ -79,14 +81,27 @@ def from_hf(
 
     Args:
         attentions: a sequence of ``(batch, heads, q, k)`` tensors (one per layer), or
-            one tensor ``(layers, batch, heads, q, k)``, or a single layer ``(batch, heads, q, k)``.
-        tokens: one label per key position.
+            one tensor ``(layers, batch, heads, q, k)``, or a single layer ``(batch, heads, q, k)``;
+            or the output of ``model.generate(..., output_attentions=True,
+            return_dict_in_generate=True)`` (or its ``.attentions``: one tuple of layers per
+            generated token), whose steps are stitched into one causal map per layer.
+        tokens: one label per key position (for a ``generate`` output, the whole sequence;
+            the last token, never attended to, may be included).
         batch_index: which sequence of the batch to draw.
         names: layer labels (default ``"layer 0"``, ``"layer 1"``, ...).
 
     Raises:
         ValueError: wrong ranks, mismatched token count or batch index.
     """
+    if not isinstance(attentions, (torch.Tensor, np.ndarray, list, tuple)) and hasattr(
+        attentions, "attentions"
+    ):
+        attentions = attentions.attentions  # a model output or a generate() output
+    if _is_generate_steps(attentions):
+        attentions = _stitch_generate_steps(attentions)
+        total = attentions[0].shape[-1]
+        if len(tokens) == total + 1:  # the last generated token was never attended to
+            tokens = list(tokens)[:-1]
     layers = _as_layers(attentions)
     weights = []
     for i, layer in enumerate(layers):
@@ -99,6 +114,41 @@ def from_hf(
             raise ValueError(f"layer {i} has inf or NaN attention weights")
     labels = list(names) if names is not None else [f"layer {i}" for i in range(len(weights))]
     return AttentionMaps(labels, weights, list(tokens))
+
+
+def _is_generate_steps(attentions: Any) -> bool:
+    return (
+        isinstance(attentions, (list, tuple))
+        and len(attentions) > 0
+        and all(isinstance(step, (list, tuple)) for step in attentions)
+    )
+
+
+def _stitch_generate_steps(steps: Any) -> list[torch.Tensor]:
+    """``generate`` attentions (per step, per layer ``(b, h, q_i, k_i)``) -> per layer
+    ``(b, h, T, T)``: the prompt's rows, then one row per generated token, zero-padded keys."""
+    n_layers = len(steps[0])
+    if n_layers == 0 or any(len(step) != n_layers for step in steps):
+        raise ValueError("generate attentions must have the same number of layers at every step")
+    out = []
+    for layer in range(n_layers):
+        rows = [torch.as_tensor(step[layer]) for step in steps]
+        if any(r.dim() != 4 for r in rows):
+            raise ValueError("generate attentions must be (batch, heads, q, k) per layer and step")
+        total = rows[-1].shape[-1]
+        padded = []
+        for r in rows:
+            if r.shape[-1] > total:
+                raise ValueError("generate attentions: a step has more keys than the last one")
+            padded.append(torch.nn.functional.pad(r.float(), (0, total - r.shape[-1])))
+        full = torch.cat(padded, dim=2)  # (b, h, q_total, total)
+        if full.shape[2] != total:
+            raise ValueError(
+                f"generate attentions: {full.shape[2]} query rows for {total} keys; "
+                "pass every step of one generate() call"
+            )
+        out.append(full)
+    return out
 
 
 def _as_layers(attentions: Any) -> list[torch.Tensor]:
@@ -137,7 +187,8 @@ def load_attentions(
     ``.json``: an ``attnkit explain --format json`` run (tokens included).
     ``.npz`` / ``.safetensors``: one array per layer (keys in natural order) or a
     single ``attentions`` array ``(layers, batch, heads, q, k)``.
-    Anything else is read with ``torch.load(weights_only=True)``: a tuple/list of
+    Anything else is read with :func:`attnkit.checkpoints.safe_torch_load`
+    (``torch.load(weights_only=True)``): a tuple/list of
     layers (``outputs.attentions``), a tensor, or a dict — a saved
     :class:`attnkit.trace.Recording` (every ``*weights`` entry becomes a layer) or
     ``{"attentions": ..., "tokens": [...]}``.
@@ -165,9 +216,12 @@ def load_attentions(
 
             data = load_file(str(path))
         else:
-            data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # any reader's failure is a user error: the file is not what we read
+            data = safe_torch_load(path)
+    except ValueError as err:  # safe_torch_load's one-line refusal or read error
         raise ValueError(f"cannot read {path.name!r} as attention maps: {err}") from None
+    except Exception as err:  # any reader's failure is a user error: the file is not what we read
+        first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise ValueError(f"cannot read {path.name!r} as attention maps: {first}") from None
     names = None
     if isinstance(data, Mapping):
         if tokens is None and isinstance(data.get("tokens"), (list, tuple)):
@@ -209,6 +263,7 @@ def _from_explain_json(path: Path, tokens: Sequence[str] | None) -> AttentionMap
             names.append(name)
             weights.append(w)  # (heads, t, t)
         labels = list(tokens) if tokens is not None else [str(t) for t in data["tokens"]]
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{path.name!r} is not an attnkit explain JSON run: {err}") from None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+        msg = "nested too deeply" if isinstance(err, RecursionError) else err
+        raise ValueError(f"{path.name!r} is not an attnkit explain JSON run: {msg}") from None
     return AttentionMaps(names, weights, labels, kind="stage")

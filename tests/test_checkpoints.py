@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import attnkit
-from attnkit.io import load_checkpoint, load_module, safe_torch_load, save_checkpoint
+from attnkit.checkpoints import load_checkpoint, load_module, safe_torch_load, save_checkpoint
 
 
 class _CreatesFile:
@@ -36,7 +36,7 @@ def test_malicious_pickle_is_refused_and_runs_nothing(tmp_path: Path) -> None:
         pickle.load(f).get("weight").close()
     assert target.exists()
     target.unlink()
-    with pytest.raises(ValueError, match=r"refusing to load .*evil\.pt.*no code in it was run"):
+    with pytest.raises(ValueError, match=r"refusing to load .*evil\.pt.*nothing in it was run"):
         safe_torch_load(evil)
     with pytest.raises(ValueError, match="refusing to load"):
         load_checkpoint(evil)
@@ -107,3 +107,85 @@ def test_load_module_strict_reports_missing_keys(tmp_path: Path) -> None:
     save_checkpoint({"W_query.weight": torch.ones(2, 3)}, tmp_path / "part.safetensors")
     with pytest.raises(RuntimeError, match="Missing key"):
         load_module(attnkit.SelfAttentionV2(3, 2), tmp_path / "part.safetensors")
+
+
+# --- regressions from the reliability audit ---------------------------------------------------
+
+
+def test_tied_weights_are_written_once_and_come_back_tied(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    emb = torch.nn.Embedding(10, 4)
+    head = torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight  # tied, as GPT-2 does
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    path = save_checkpoint(model, tmp_path / "tied.safetensors")
+    with safe_open(str(path), framework="pt") as f:
+        assert list(f.keys()) == ["emb.weight"]  # one copy on disk
+    loaded = load_checkpoint(path)
+    assert loaded["head.weight"] is loaded["emb.weight"]
+    other = torch.nn.ModuleDict(
+        {"emb": torch.nn.Embedding(10, 4), "head": torch.nn.Linear(4, 10, bias=False)}
+    )
+    other["head"].weight = other["emb"].weight
+    load_module(other, path)
+    assert torch.equal(other["head"].weight, emb.weight)
+    assert other["head"].weight is other["emb"].weight
+
+
+def test_empty_and_truncated_pt_files_raise_value_error(tmp_path: Path) -> None:
+    (tmp_path / "empty.pt").write_bytes(b"")
+    torch.save({"w": torch.ones(64)}, tmp_path / "ok.pt")
+    data = (tmp_path / "ok.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(data[: len(data) // 3])
+    for name in ("empty.pt", "cut.pt"):
+        with pytest.raises(ValueError, match=name) as info:
+            safe_torch_load(tmp_path / name)
+        assert "\n" not in str(info.value)
+
+
+def _umask() -> int:
+    import os
+
+    old = os.umask(0)
+    os.umask(old)
+    return old
+
+
+def test_checkpoint_files_have_normal_permissions_and_no_temporaries(tmp_path: Path) -> None:
+    import os
+    import stat
+
+    from attnkit.checkpoints import write_directory
+
+    d = write_directory(tmp_path / "ck", {"a.bin": b"1", "b.bin": lambda p: p.write_bytes(b"2")})
+    save_checkpoint({"w": torch.ones(2)}, d / "w.safetensors")
+    expected_file, expected_dir = 0o666 & ~_umask(), 0o777 & ~_umask()
+    for p in [*d.iterdir()]:
+        assert stat.S_IMODE(os.stat(p).st_mode) == expected_file, p  # not mkstemp's 0600
+    assert stat.S_IMODE(os.stat(d).st_mode) == expected_dir  # not mkdtemp's 0700
+    write_directory(d, {"a.bin": b"3"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]  # no .ck.new-* / .ck.old-*
+    assert not [p for p in d.iterdir() if p.name.startswith(".")]
+
+
+def test_directory_save_is_whole_and_keeps_other_files(tmp_path: Path) -> None:
+    from attnkit.checkpoints import CheckpointError, read_directory, write_directory
+
+    d = write_directory(tmp_path / "ck", {"model.bin": b"old", "config.json": b"{}"})
+    (d / "loss.png").write_bytes(b"picture")
+    (d / "attention").mkdir()
+    (d / "attention" / "layer0.png").write_bytes(b"map")
+    write_directory(d, {"model.bin": b"new", "config.json": b'{"step": 2}'})
+    assert (d / "model.bin").read_bytes() == b"new"
+    assert (d / "loss.png").read_bytes() == b"picture"  # carried over
+    assert (d / "attention" / "layer0.png").read_bytes() == b"map"
+    assert set(read_directory(d)) == {"model.bin", "config.json"}
+    (d / "model.bin").write_bytes(b"neW")  # same size, other bytes: a torn save
+    with pytest.raises(CheckpointError, match="torn checkpoint .*model.bin"):
+        read_directory(d)
+    (d / "model.bin").unlink()
+    with pytest.raises(CheckpointError, match="model.bin is missing"):
+        read_directory(d)
+    with pytest.raises(ValueError, match="bad checkpoint file name"):
+        write_directory(d, {"../escape": b""})
