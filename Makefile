@@ -22,10 +22,12 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m ruff check src tests
+	$(PY) -m mypy
 	$(PY) -m pytest -n 2 -q -m "not slow"
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check src tests
+	$(PY) -m mypy
 	$(PY) -m ruff format --check src tests
 
 clean:
