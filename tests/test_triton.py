@@ -97,7 +97,13 @@ def make_case(case, b, h, lq, lk, gen):
     if case == "document":
         ids = (torch.arange(max(lq, lk)) * 3 // max(lq, lk))[: max(lq, lk)]
         keep = (ids[:lq].view(-1, 1) == ids[:lk].view(1, -1)) & (j <= i)
-        mod = M.and_masks(M.document(ids), M.causal("top_left"))
+        if lq == lk:
+            mod = M.and_masks(M.document(ids), M.causal("top_left"))
+        else:  # masks.document() is for self-attention: a user's own mod indexes the ids
+
+            def mod(b, h, q, kv):
+                return (ids[q] == ids[kv]) & (kv <= q)
+
         return {"mask_mod": mod}, keep.view(1, 1, lq, lk), None
     if case in ("block_mask", "block_mask16"):
         # per batch element and head: batch 1 pads its keys, odd heads are causal
