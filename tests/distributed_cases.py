@@ -419,6 +419,9 @@ def gpt_case(strategy: str, layout: str, **cfg_overrides: Any):
 GPT_VARIANTS = {
     "plain": {},
     "rope_gqa_window": {"rope": True, "n_kv_heads": 2, "window": 5},
+    # local/global layers with learned sinks: the per-layer window and the layer's sinks
+    # reach the attention function the model hands down (AttentionInputs.attend)
+    "local_global_sinks": {"rope": True, "window": 3, "global_every": 2, "attn_sinks": True},
 }
 
 

@@ -218,7 +218,7 @@ def attention(
     window = check_optional_int(window, "window")
     _check_mods(mask_mod, score_mod, query, key)
     _check_block_mask(block_mask, query, key)
-    _check_sinks(sinks, query)
+    check_sinks(sinks, query)
     return_lse = check_bool(return_lse, "return_lse")
     if scale <= 0.0:
         # torch's fused kernels return NaN for scale <= 0 with is_causal: fold the scale
@@ -327,7 +327,8 @@ def _check_block_mask(block_mask: BlockMask | None, query: torch.Tensor, key: to
         raise ValueError(f"block_mask is on {block_mask.device} but query is on {query.device}")
 
 
-def _check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> None:
+def check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> None:
+    """Validate ``sinks``: None, or a float ``(h_q,)`` tensor on the query's device."""
     if sinks is None:
         return
     if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():

@@ -7,6 +7,7 @@ import math
 import torch
 
 from attnkit._validate import check_bool, check_choice, check_float, check_optional_int
+from attnkit.attention import check_sinks
 from attnkit.distributed.all_to_all import all_to_all_attention
 from attnkit.distributed.comm import Group, rank_and_size
 from attnkit.distributed.layout import LAYOUTS, local_lengths, seq_len_of
@@ -46,15 +47,6 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(
             f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})"
         )
-
-
-def _check_sinks(sinks: torch.Tensor | None, h_q: int) -> None:
-    if sinks is None:
-        return
-    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
-        raise TypeError(f"sinks must be a float tensor of shape ({h_q},), got {sinks!r}")
-    if sinks.shape != (h_q,):
-        raise ValueError(f"sinks must have shape ({h_q},), got {tuple(sinks.shape)}")
 
 
 def context_parallel_attention(
@@ -116,7 +108,7 @@ def context_parallel_attention(
     for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
-    _check_sinks(sinks, q.shape[1])
+    check_sinks(sinks, q)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else check_float(scale, "scale")
     rank, _ = rank_and_size(group)
     lay = seq_len_of(local_lengths(q, 2, group), layout)

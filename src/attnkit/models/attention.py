@@ -16,6 +16,7 @@ Shapes: b batch, t new tokens, s keys, h query heads, h_kv key/value heads, d he
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,11 @@ class AttentionInputs:
         causal: with no mask, whether :func:`attnkit.attention` applies causality
             (bottom-right aligned: the keys are exactly the times ``0 .. end - 1``).
         window: with no mask, the window :func:`attnkit.attention` applies.
+        attend: the attention function, called like :func:`attnkit.attention` with
+            ``(q, k, v, mask=, causal=, window=, dropout_p=, sinks=, backend=)``; None =
+            :func:`attnkit.attention`. Context parallelism hands in one that attends
+            over the whole sequence split across processes
+            (:mod:`attnkit.train.context_parallel`).
     """
 
     input_pos: torch.Tensor
@@ -54,6 +60,7 @@ class AttentionInputs:
     mask: torch.Tensor | None = None
     causal: bool = True
     window: int | None = None
+    attend: Callable[..., torch.Tensor] | None = None
 
 
 def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -151,7 +158,7 @@ class CausalSelfAttention(nn.Module):
         trace.emit("queries", q)
         trace.emit("keys", k)
         trace.emit("values", v)
-        ctx = attention(
+        ctx = (inputs.attend or attention)(
             q,
             k,
             v,

@@ -15,10 +15,9 @@ Only rank 0 draws the progress bar. Every rank must draw the same batches (seed 
 data generator identically).
 
 What this relies on in :class:`~attnkit.models.GPT`: ``tok_emb``, ``pos_emb`` (or None),
-``trf_blocks`` of ``norm1``/``att``/``norm2``/``ff``, ``final_norm``, ``out_head``; the
-attention layer's ``W_query``/``W_key``/``W_value``/``out_proj``, ``num_heads``,
-``num_kv_heads``, ``head_dim``, ``d_out``, ``window`` and ``sinks``; the model's one RoPE table
-``rope`` (``rope(x, positions)``).
+``rope`` (the one RoPE table), ``windows``, ``trf_blocks``, ``final_norm`` and ``out_head``;
+each block runs as it is, with its attention function handed down in
+:class:`~attnkit.models.attention.AttentionInputs` (``attend``).
 """
 
 from __future__ import annotations
@@ -34,8 +33,7 @@ from torch import nn
 from attnkit.distributed import context_parallel_attention, rank_and_size, shard
 from attnkit.distributed.comm import Group
 from attnkit.models import GPT
-from attnkit.models.attention import CausalSelfAttention
-from attnkit.rope import RotaryEmbedding
+from attnkit.models.attention import AttentionInputs
 from attnkit.train.data import IGNORE
 from attnkit.train.loop import train
 
@@ -66,36 +64,6 @@ def check_model(model: GPT) -> None:
         )
 
 
-def _attend(
-    att: CausalSelfAttention,
-    rope: RotaryEmbedding | None,
-    x: torch.Tensor,
-    positions: torch.Tensor,
-    group: Group,
-    layout: str,
-    strategy: str,
-) -> torch.Tensor:
-    b, t, _ = x.shape
-    # (b, t, h * head_dim) -> (b, h, t, head_dim)
-    q = att.W_query(x).view(b, t, att.num_heads, att.head_dim).transpose(1, 2)
-    k = att.W_key(x).view(b, t, att.num_kv_heads, att.head_dim).transpose(1, 2)
-    v = att.W_value(x).view(b, t, att.num_kv_heads, att.head_dim).transpose(1, 2)
-    if rope is not None:  # the model's one table, at this shard's global positions
-        q, k = rope(q, positions), rope(k, positions)
-    out: torch.Tensor = context_parallel_attention(  # type: ignore[assignment]
-        q,
-        k,
-        v,
-        group=group,
-        layout=layout,
-        strategy=strategy,
-        causal=True,
-        window=att.window,
-        sinks=att.sinks,
-    )  # (b, h, t, head_dim)
-    return att.out_proj(out.transpose(1, 2).reshape(b, t, att.d_out))  # (b, t, d_out)
-
-
 def sharded_logits(
     model: GPT,
     idx_local: torch.Tensor,
@@ -105,14 +73,53 @@ def sharded_logits(
     layout: str = "zigzag",
     strategy: str = "ring",
 ) -> torch.Tensor:
-    """Logits ``(b, t_local, vocab)`` of this rank's tokens ``idx_local`` at ``positions``."""
+    """Logits ``(b, t_local, vocab)`` of this rank's tokens ``idx_local`` at ``positions``.
+
+    The model's own blocks run on the shard; what differs from :meth:`GPT.forward` is
+    handed down in :class:`AttentionInputs`: the global ``positions`` (RoPE from the
+    model's one table) and the attention function, which attends over the group.
+    """
+
+    def attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        mask: torch.Tensor | None,
+        causal: bool,
+        window: int | None,
+        dropout_p: float,
+        sinks: torch.Tensor | None,
+        backend: str,
+    ) -> torch.Tensor:
+        # No mask (no padding) and no dropout here: check_model refused dropout, and the
+        # layer's backend is replaced by the ring / all-to-all kernels.
+        if mask is not None or dropout_p:
+            raise ValueError("context parallelism takes no attention mask and no dropout")
+        out: torch.Tensor = context_parallel_attention(  # type: ignore[assignment]
+            q,
+            k,
+            v,
+            group=group,
+            layout=layout,
+            strategy=strategy,
+            causal=causal,
+            window=window,
+            sinks=sinks,
+        )  # (b, h, t_local, d)
+        return out
+
+    rope = None
+    if model.rope is not None:  # (1, 1, t_local, d) each, at this shard's global positions
+        rope = (model.rope.cos[positions][None, None], model.rope.sin[positions][None, None])
     x = model.tok_emb(idx_local)  # (b, t_local, d)
     if model.pos_emb is not None:
         x = x + model.pos_emb(positions)
-    block: Any
-    for block in model.trf_blocks:
-        x = x + _attend(block.att, model.rope, block.norm1(x), positions, group, layout, strategy)
-        x = x + block.ff(block.norm2(x))  # (b, t_local, d)
+    kinds: dict[int | None, AttentionInputs] = {}
+    for block, window in zip(model.trf_blocks, model.windows, strict=True):
+        if window not in kinds:
+            kinds[window] = AttentionInputs(positions, rope, window=window, attend=attend)
+        x = block(x, kinds[window])  # (b, t_local, d)
     return model.out_head(model.final_norm(x))  # (b, t_local, vocab)
 
 
