@@ -121,6 +121,7 @@ def profile_step(model: GPT, prompt: torch.Tensor, steps: int = 16, top: int = 8
     from torch.profiler import ProfilerActivity, profile
 
     t0 = prompt.shape[1]
+    model.pack_weights()  # as generate() does
     model.setup_cache(1, t0 + steps + 1)
     try:
         with torch.inference_mode():

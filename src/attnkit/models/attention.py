@@ -26,6 +26,7 @@ from attnkit import trace
 from attnkit._validate import check_int, check_optional_int, check_probability
 from attnkit.attention import attention
 from attnkit.kv_cache import KVCache
+from attnkit.models.linear import Linear
 from attnkit.modules._common import check_backend
 from attnkit.rope import apply_rope
 
@@ -121,10 +122,10 @@ class CausalSelfAttention(nn.Module):
         self.window = check_optional_int(window, "window")
         self.backend = check_backend(backend)
         kv_out = num_kv_heads * self.head_dim
-        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_key = nn.Linear(d_in, kv_out, bias=qkv_bias)
-        self.W_value = nn.Linear(d_in, kv_out, bias=qkv_bias)
-        self.out_proj = nn.Linear(d_out, d_out)
+        self.W_query = Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = Linear(d_in, kv_out, bias=qkv_bias)
+        self.W_value = Linear(d_in, kv_out, bias=qkv_bias)
+        self.out_proj = Linear(d_out, d_out)
         self.dropout_p = check_probability(dropout, "dropout")
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
 

@@ -37,6 +37,7 @@ from attnkit._validate import check_int, check_optional_int, check_probability
 from attnkit.attention import attention
 from attnkit.kv_cache import KVCache
 from attnkit.models.attention import AttentionInputs, rotate
+from attnkit.models.linear import Linear
 from attnkit.modules._common import check_backend
 
 __all__ = ["MultiHeadLatentAttention"]
@@ -88,11 +89,11 @@ class MultiHeadLatentAttention(nn.Module):
         self.window = check_optional_int(window, "window")
         self.backend = check_backend(backend)
         h, d = num_heads, self.head_dim
-        self.W_query = nn.Linear(d_in, h * (d + rope_dim), bias=qkv_bias)
-        self.W_dkv = nn.Linear(d_in, kv_rank + rope_dim, bias=qkv_bias)
+        self.W_query = Linear(d_in, h * (d + rope_dim), bias=qkv_bias)
+        self.W_dkv = Linear(d_in, kv_rank + rope_dim, bias=qkv_bias)
         self.kv_norm = nn.RMSNorm(kv_rank, eps=1e-6)
-        self.W_ukv = nn.Linear(kv_rank, h * 2 * d, bias=False)  # per head: (k_nope, v)
-        self.out_proj = nn.Linear(d_out, d_out)
+        self.W_ukv = Linear(kv_rank, h * 2 * d, bias=False)  # per head: (k_nope, v)
+        self.out_proj = Linear(d_out, d_out)
         self.dropout_p = check_probability(dropout, "dropout")
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
         self.scale = 1.0 / math.sqrt(d + rope_dim)
