@@ -8,7 +8,7 @@ import torch
 
 from attnkit import attention, backends
 from attnkit import masks as M
-from attnkit.backends.blockwise import flash_cpu, score_mod_tensors, torch_tiles
+from attnkit.backends.blockwise import flash_cpu, score_mod_tensors, toeplitz, torch_tiles
 from attnkit.backends.blockwise import plan as _tiles
 from tests.conftest import TOL
 from tests.reference import ref_attention
@@ -100,8 +100,19 @@ def test_fused_engine_segments(monkeypatch):
     assert len(seen) == 15  # 8 query tiles: 1 + 7 x 2
     torch.testing.assert_close(out, ref_attention(q, k, v, causal="bottom_right")[0])
     seen.clear()
-    attention(q, k, v, causal=True, window=32, backend="blockwise")
+    with monkeypatch.context() as mp:  # the tile path (not the band layout)
+        mp.setattr(toeplitz, "layout", lambda plan: None)
+        attention(q, k, v, causal=True, window=32, backend="blockwise")
     assert [s for s in seen if s[3]] and all(s[1] <= 32 for s in seen)  # no key beyond the band
+    seen.clear()
+    # the band layout: every block of BAND_BLOCK_Q rows sees its bq + w - 1 keys, interior
+    # blocks in one call, the first blocks (keys before 0) in another
+    out = attention(q, k, v, causal=True, window=32, backend="blockwise")
+    bq = _tiles.BAND_BLOCK_Q
+    assert len(seen) == 2 and all(s[:2] == (bq, bq + 31) and s[3] for s in seen)
+    i, j = torch.arange(256).view(-1, 1), torch.arange(256)
+    band = (j <= i) & (j > i - 32)
+    torch.testing.assert_close(out, ref_attention(q, k, v, band)[0].to(out.dtype))
     seen.clear()
     ids = torch.arange(256).div(128, rounding_mode="floor")  # two documents of 128
     out = attention(q, k, v, mask_mod=M.document(ids), backend="blockwise")

@@ -85,6 +85,7 @@ class BlockMask:
         self._kinds = block_kind.cpu().numpy()
         self._dense_cache: dict[tuple[int, int, int, int], torch.Tensor | None] = {}
         self._dense_bytes = 0
+        self._runs: dict[tuple[int, bool], list[tuple[int, int]]] = {}
 
     # -- shape -----------------------------------------------------------------------------
     @property
@@ -207,14 +208,62 @@ class BlockMask:
                 self._dense_bytes += cached.numel()
         return PARTIAL, cached
 
-    def is_causal_tile(self, q0: int, q1: int, k0: int, k1: int) -> bool:
-        """Whether rows ``[q0, q1)`` x keys ``[k0, k1)`` are one aligned square tile whose
-        mask is exactly the top-left causal triangle (for every batch element and head)."""
+    def is_causal_tile(self, q0: int, q1: int, k0: int, k1: int, causal: bool = False) -> bool:
+        """Whether rows ``[q0, q1)`` x keys ``[k0, k1)`` are an aligned square of whole
+        tiles whose mask is exactly the top-left causal triangle, for every batch element
+        and head: the diagonal tiles causal PARTIAL ones, those below FULL, those above
+        EMPTY (a document of a causal document mask, say).
+
+        ``causal``: the call applies the triangle itself (``causal=True`` on this square),
+        so diagonal tiles may also be FULL and tiles above the diagonal anything."""
         qb, kb = self.Q_BLOCK_SIZE, self.KV_BLOCK_SIZE
-        if qb != kb or q0 % qb or k0 % kb or q1 - q0 != k1 - k0 or q1 - q0 > qb:
+        size = q1 - q0
+        if qb != kb or q0 % qb or k0 % kb or size != k1 - k0 or size <= 0:
             return False
-        idx = self._index[:, :, q0 // qb, k0 // kb]
-        return bool((idx >= 0).all() and self._tril[idx].all())
+        if size > qb and size % qb:
+            return False
+        n, i0, j0 = max(1, size // qb), q0 // qb, k0 // kb
+        if i0 + n > self._index.shape[2] or j0 + n > self._index.shape[3]:
+            return False
+        idx = self._index[:, :, i0 : i0 + n, j0 : j0 + n]
+        kinds = self._kinds[:, :, i0 : i0 + n, j0 : j0 + n]
+        diag, diag_kind = (
+            idx[:, :, np.arange(n), np.arange(n)],
+            kinds[:, :, np.arange(n), np.arange(n)],
+        )
+        tril = np.zeros(diag.shape, dtype=bool)  # no partial tiles at all: none is a triangle
+        tril[diag >= 0] = self._tril[diag[diag >= 0]]
+        if not (tril | (causal & (diag_kind == FULL))).all():
+            return False
+        below, above = np.tri(n, k=-1, dtype=bool), np.tri(n, k=-1, dtype=bool).T
+        if not (kinds[:, :, below] == FULL).all():
+            return False
+        return causal or bool((kinds[:, :, above] == EMPTY).all())
+
+    def causal_runs(self, max_rows: int, causal: bool = False) -> list[tuple[int, int]]:
+        """The query rows cut for a kernel with a causal flag: maximal runs of whole block
+        rows (at most ``max_rows`` rows) whose diagonal square :meth:`is_causal_tile`
+        (each run is then ONE causal tile), single block rows elsewhere. Cached.
+
+        ``causal``: the call applies causality itself (see :meth:`is_causal_tile`)."""
+        runs = self._runs.get((max_rows, causal))
+        if runs is not None:
+            return runs
+        qb, nq = self.Q_BLOCK_SIZE, self.num_blocks()[0]
+        runs, i = [], 0
+        while i < nq:
+            j = i + 1
+            if self.is_causal_tile(i * qb, j * qb, i * qb, j * qb, causal):
+                while (
+                    j < nq
+                    and (j + 1 - i) * qb <= max_rows
+                    and self.is_causal_tile(i * qb, (j + 1) * qb, i * qb, (j + 1) * qb, causal)
+                ):
+                    j += 1
+            runs.append((i * qb, min(j * qb, self.Q_LEN)))
+            i = j
+        self._runs[(max_rows, causal)] = runs
+        return runs
 
     def _assemble(self, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
         """Dense bool of the tiles ``[i0, i1) x [j0, j1)``: ``(Bk, Hk, ni*qb, nj*kb)``."""

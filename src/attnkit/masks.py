@@ -310,6 +310,7 @@ class _Mod:
         grid: bool = True,
         check_sizes: Callable[[int, int, int, int], str | None] | None = None,
         spec: tuple = (),
+        relative: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None,
     ) -> None:
         self.name, self._fn, self.tensors = name, fn, tensors
         #: attnkit's mods also run on broadcast index grids (see :mod:`attnkit.mods`)
@@ -320,6 +321,11 @@ class _Mod:
         #: what the mod computes, for kernels that run it in-tile (the triton backend):
         #: ``("alibi", slopes)`` or ``("softcap", cap)``; empty for other mods.
         self.spec = spec
+        #: ``relative(kv_minus_q (n,), dtype) -> (heads, n)``: for an additive mod whose
+        #: bias depends on the head and ``kv_idx - q_idx`` only (the same for every batch
+        #: element), that bias, computed as the mod computes it; kernels then build a
+        #: tile's bias from one vector (:mod:`attnkit.backends.blockwise.toeplitz`).
+        self.relative = relative
         #: True when the mod adds a bias that does not depend on the score
         #: (d out / d score = 1): a backward may then skip autograd for the score.
         self.additive = additive
@@ -527,8 +533,18 @@ def alibi(num_heads: int, slopes: torch.Tensor | None = None) -> ScoreMod:
         dist = (q.to(score.dtype) - kv.to(score.dtype)).abs_()  # (.., q, kv), small
         return torch.addcmul(score, s.to(score.dtype)[h], dist, value=-1.0)
 
+    def relative(rel: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # the same arithmetic as fn on a zero score: -(slope * |q - kv|)
+        return -(s.to(dtype).view(-1, 1) * rel.to(dtype).abs())  # (h, n)
+
     return _Mod(
-        f"alibi({num_heads})", fn, (s,), additive=True, check_sizes=sizes, spec=("alibi", s)
+        f"alibi({num_heads})",
+        fn,
+        (s,),
+        additive=True,
+        check_sizes=sizes,
+        spec=("alibi", s),
+        relative=relative,
     )
 
 
@@ -563,6 +579,14 @@ def relative_bias(table: torch.Tensor) -> ScoreMod:
         rel = (kv - q).clamp(-m, m) + m
         return score + table.to(score.dtype)[h, rel]
 
+    def relative(rel: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return table.to(dtype)[:, rel.clamp(-m, m) + m]  # (h, n)
+
     return _Mod(
-        f"relative_bias({tuple(table.shape)})", fn, (table,), additive=True, check_sizes=sizes
+        f"relative_bias({tuple(table.shape)})",
+        fn,
+        (table,),
+        additive=True,
+        check_sizes=sizes,
+        relative=relative,
     )

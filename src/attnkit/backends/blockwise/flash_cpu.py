@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from attnkit.backends.blockwise import toeplitz
 from attnkit.backends.blockwise.merge import merge_partials
 from attnkit.backends.blockwise.plan import Tile, TilePlan, acc_dtype
 
@@ -117,10 +118,13 @@ GATHER_MASK_ELEMENTS = 1 << 24
 
 class _Group:
     """Query tiles of one gathered call: their rows ``(n, bq)``, their keys ``(n, L)``
-    and the float mask ``(n, b|1, h|1, bq, L)``."""
+    and the float mask ``(n, b|1, h|1, bq, L)``, or None with ``causal``: every tile is
+    one causal square (documents), run with the kernel's ``is_causal``."""
 
-    def __init__(self, rows: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> None:
-        self.rows, self.keys, self.mask = rows, keys, mask
+    def __init__(
+        self, rows: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, causal: bool
+    ) -> None:
+        self.rows, self.keys, self.mask, self.causal = rows, keys, mask, causal
 
 
 def _gather_plan(plan: TilePlan, dtype: torch.dtype, device) -> list[_Group] | None:
@@ -141,9 +145,13 @@ def _gather_plan(plan: TilePlan, dtype: torch.dtype, device) -> list[_Group] | N
     for (bq, width), members in per_len.items():
         if width == 0:
             continue
+        rows = torch.stack([torch.arange(q0, q1, device=device) for q0, q1, _ in members])
+        if all(len(ts) == 1 and ts[0].square and not ts[0].masked for _, _, ts in members):
+            keys = torch.stack([torch.arange(ts[0].k0, ts[0].k1) for _, _, ts in members])
+            groups.append(_Group(rows, keys.to(device), None, causal=True))
+            continue
         if len(members) * lead * bq * width > GATHER_MASK_ELEMENTS:
             return None
-        rows = torch.stack([torch.arange(q0, q1, device=device) for q0, q1, _ in members])
         keys = torch.zeros(len(members), width, dtype=torch.long, device=device)
         masks = []
         for n, (q0, q1, tiles) in enumerate(members):
@@ -165,7 +173,7 @@ def _gather_plan(plan: TilePlan, dtype: torch.dtype, device) -> list[_Group] | N
             masks.append(torch.cat([p.expand(*shape, bq, p.shape[-1]) for p in parts], -1))
         shape = torch.broadcast_shapes(*(m.shape[:2] for m in masks))
         mask = torch.stack([m.expand(*shape, bq, width) for m in masks])  # (n, b|1, h|1, bq, L)
-        groups.append(_Group(rows, keys, mask))
+        groups.append(_Group(rows, keys, mask, causal=False))
     return groups
 
 
@@ -185,9 +193,11 @@ def _keys_of(plan: TilePlan, group: _Group, x: torch.Tensor) -> torch.Tensor:
     return g.reshape(n * plan.b, x.shape[1], width, x.shape[-1])
 
 
-def _group_mask(plan: TilePlan, group: _Group) -> torch.Tensor:
+def _group_mask(plan: TilePlan, group: _Group) -> torch.Tensor | None:
     n = group.rows.shape[0]
     mask = group.mask  # (n, b|1, h|1, bq, L)
+    if mask is None:
+        return None
     return mask.expand(n, plan.b, *mask.shape[2:]).reshape(n * plan.b, *mask.shape[2:])
 
 
@@ -206,13 +216,14 @@ def _gathered_forward(plan: TilePlan, groups: list[_Group], q, k, v, out, lse) -
             _keys_of(plan, group, k),
             _keys_of(plan, group, v),
             0.0,
-            False,
+            group.causal,
             attn_mask=mask,
             scale=plan.scale,
         )[:2]
-        alive = ~torch.isneginf(mask).all(-1)  # (n*b, h|1, bq)
-        o = o.masked_fill(~alive.unsqueeze(-1), 0.0)
-        l_ = l_.masked_fill(~alive, float("-inf"))
+        if mask is not None:  # (a causal square keeps every row's diagonal key)
+            alive = ~torch.isneginf(mask).all(-1)  # (n*b, h|1, bq)
+            o = o.masked_fill(~alive.unsqueeze(-1), 0.0)
+            l_ = l_.masked_fill(~alive, float("-inf"))
         rows = group.rows.flatten()
         out[:, :, rows] = _to_rows(plan, group, o).to(out.dtype)
         lse[:, :, rows] = _to_rows(plan, group, l_).squeeze(-1).to(lse.dtype)
@@ -230,7 +241,7 @@ def _gathered_backward(
             _rows_of(plan, group, out),
             _rows_of(plan, group, lse.unsqueeze(-1)).squeeze(-1).contiguous(),
             0.0,
-            False,
+            group.causal,
             attn_mask=_group_mask(plan, group),
             scale=plan.scale,
         )
@@ -249,6 +260,8 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     b, h, dv = plan.b, plan.h, v.shape[-1]
     out = torch.zeros(b, h, plan.t, dv, dtype=out_dtype, device=q.device)
     lse = torch.full((b, h, plan.t), float("-inf"), dtype=acc, device=q.device)
+    if toeplitz.forward(plan, _FORWARD, q, k, v, out, lse):
+        return out, lse
     groups = _gather_plan(plan, q.dtype, q.device)
     if groups is not None:
         _gathered_forward(plan, groups, q, k, v, out, lse)

@@ -37,6 +37,13 @@ FUSED_BLOCK_Q = 1024
 #: page-faulted in anew (an ALiBi bias tile of 12 x 1024 x 1024 took 3x longer per element).
 MASK_TILE_ELEMENTS = 1 << 22
 
+#: Query rows per block of the fused engine's Toeplitz layouts (:mod:`.toeplitz`): a
+#: window's band (narrow: a block computes ``bq + w - 1`` keys per row for ``w`` needed;
+#: 32 was fastest for w=256 at T=8192) and the rows of a relative bias (each block
+#: wastes half its ``bq x bq`` diagonal square).
+BAND_BLOCK_Q = 32
+ROWS_BLOCK_Q = 256
+
 #: Tile size of the block mask a plain ``mask_mod=`` is turned into (at most; smaller
 #: when the tiles above are made smaller, as tests do).
 MOD_BLOCK = 128
@@ -98,6 +105,20 @@ class TilePlan:
         return self.engine == FLASH_CPU
 
     def q_blocks(self) -> list[tuple[int, int]]:
+        """The query blocks ``[(q0, q1), ...]``. The fused engine walks a block mask's
+        rows one block row at a time, except where rows form causal squares (documents
+        of a causal document mask): each such run, up to ``FUSED_BLOCK_Q`` rows, is one
+        block whose diagonal is ONE ``is_causal`` tile."""
+        bm = self.block_mask
+        if (
+            self.fused
+            and bm is not None
+            and self.block_q == bm.Q_BLOCK_SIZE
+            and self.offset == 0
+            and self.t == self.s == bm.Q_LEN == bm.KV_LEN
+            and self.q_base == self.k_base
+        ):
+            return bm.causal_runs(FUSED_BLOCK_Q, self.causal)
         return [(i, min(i + self.block_q, self.t)) for i in range(0, self.t, self.block_q)]
 
     def k_range(self, q0: int, q1: int) -> tuple[int, int]:
@@ -154,6 +175,9 @@ class TilePlan:
         if self.block_mask is not None:
             kb = self.block_mask.KV_BLOCK_SIZE
             points.update(range(lo - lo % kb + kb, hi, kb))
+            if self.fused and q1 - q0 > self.block_mask.Q_BLOCK_SIZE and lo <= q0 < q1 <= hi:
+                # a causal run of q_blocks(): its diagonal square stays one tile
+                points = {p for p in points if not q0 < p < q1} | {q0, q1}
         out: list[Tile] = []
         limit = hi if self.fused else step
         for k0, k1 in itertools.pairwise(sorted(points)):
@@ -190,8 +214,9 @@ class TilePlan:
             if kind == EMPTY:
                 return None
             if kind != FULL:
-                if self.fused and not square and self.block_mask.is_causal_tile(q0, q1, k0, k1):
-                    square = True  # a causal mod's diagonal tile: the kernel's is_causal
+                # (a square of the call's own causality may hold FULL tiles on its diagonal)
+                if self.fused and self.block_mask.is_causal_tile(q0, q1, k0, k1, square):
+                    square = True  # a causal mod's diagonal square: the kernel's is_causal
                 else:
                     keep = _and(keep, m)
         bias = None
