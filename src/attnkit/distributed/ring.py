@@ -198,8 +198,8 @@ def _circulate(
             if s + 1 < w:
                 # travels(origin, p, s) implies the piece arrived: a rank further on needs it
                 if plan.travels(origin, p, s) and held is not None:
-                    wire = (held[0].contiguous(), held[1].contiguous())  # own piece: one copy
-                    sends.append((wire, (r + 1) % w, "kv"))
+                    # dense for the wire: one copy of an own piece, none of a received one
+                    sends.append(((held[0].contiguous(), held[1].contiguous()), (r + 1) % w, "kv"))
                 src = (r - s - 1) % w
                 src_piece = plan.piece(src, p)
                 if src_piece is not None and plan.travels(src, p, s):
@@ -210,7 +210,7 @@ def _circulate(
             held = None
             for work in works:
                 work.wait()
-            del sends, works
+            del sends, recvs, works
             held, incoming = incoming, None
 
 
@@ -290,7 +290,7 @@ def ring_backward(plan: RingPlan, q, k, v, out, lse, grad_out, grad_lse, group: 
         works = exchange(sends, recvs, group=group, phase="backward", step=s, piece=p)  # type: ignore[arg-type]
         for work in works:
             work.wait()
-        del sends, works
+        del sends, recvs, works
         if buf is not None and own is not None:
             dk.narrow(2, own[0], own[1].length).add_(buf[0])
             dv.narrow(2, own[0], own[1].length).add_(buf[1])
