@@ -78,7 +78,7 @@ def context_parallel_attention(
         v: ``(b, h_kv, t_local, d_v)``.
         group: the process group (None = the default world group).
         layout: ``"zigzag"`` or ``"contiguous"`` (:mod:`attnkit.distributed.layout`).
-        strategy: ``"ring"`` (K/V blocks travel round the ranks) or ``"all_to_all"``
+        strategy: ``"ring"`` (K/V pieces travel round the ranks) or ``"all_to_all"``
             (Ulysses: re-shard to heads; needs ``h_q`` divisible by the group size).
         causal: keys after the query's position are masked.
         window: sliding window (``q - window < k``; symmetric without ``causal``).
