@@ -1,0 +1,105 @@
+"""The ring's plan (no process group): tiles, the pieces each rank needs, what travels.
+
+Checked against brute force over positions, for random layouts, lengths, world sizes,
+tile sizes, causal masks and windows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnkit.distributed import Layout, ring
+from attnkit.distributed.ring import RingPlan
+
+
+@contextlib.contextmanager
+def _tile(size: int) -> Iterator[None]:
+    saved, ring.TILE = ring.TILE, size
+    try:
+        yield
+    finally:
+        ring.TILE = saved
+
+
+def _keep(i: int, j: int, causal: bool, window: int | None) -> bool:
+    """May query position i attend to key position j (written out here)."""
+    if causal and j > i:
+        return False
+    if window is not None:
+        if causal:
+            return i - window < j
+        return abs(i - j) < window
+    return True
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    world=st.integers(1, 4),
+    layout=st.sampled_from(["zigzag", "contiguous"]),
+    extra=st.integers(0, 19),
+    tile=st.integers(1, 7),
+    causal=st.booleans(),
+    window=st.none() | st.integers(1, 9),
+)
+def test_plan_matches_positions(world, layout, extra, tile, causal, window):
+    chunks = 2 * world if layout == "zigzag" else world
+    lay = Layout(layout, world, chunks + extra)
+    with _tile(tile):
+        plans = [RingPlan(lay, r, causal, window, None, None, 1.0) for r in range(world)]
+        plan = plans[0]
+        for r in range(world):
+            # the tiles cut the shard in order, none longer than TILE
+            tiles = plan.tiles(r)
+            flat = [pos for _, c in tiles for pos in range(c.start, c.stop)]
+            assert flat == lay.positions(r).tolist()
+            assert [o for o, _ in tiles] == [
+                sum(c.length for _, c in tiles[:i]) for i in range(len(tiles))
+            ]
+            assert all(1 <= c.length <= tile for _, c in tiles)
+        pieces = plan.num_pieces
+        assert pieces == max(len(plan.tiles(r)) for r in range(world))
+        for d in range(world):
+            queries = lay.positions(d).tolist()
+            for o in range(world):
+                for p in range(pieces):
+                    piece = plan.piece(o, p)
+                    keys = [] if piece is None else list(range(piece[1].start, piece[1].stop))
+                    sees = any(_keep(i, j, causal, window) for i in queries for j in keys)
+                    assert plan.needed[d][o][p] == sees, (d, o, p)
+                    # every rank's plan agrees (sender and receiver decide alike)
+                    assert all(pl.needed[d][o][p] == sees for pl in plans)
+                    want = [
+                        (qo, qc)
+                        for qo, qc in plan.tiles(d)
+                        if any(
+                            _keep(i, j, causal, window)
+                            for i in range(qc.start, qc.stop)
+                            for j in keys
+                        )
+                    ]
+                    assert plan.pairs(d, o, p) == want
+        # delivery: a piece reaches every rank that sees it, hop by hop, and its last
+        # hop lands on a rank that sees it (nothing is sent in vain)
+        for o in range(world):
+            for p in range(pieces):
+                hops = 0
+                while hops < world - 1 and plan.travels(o, p, hops):
+                    hops += 1
+                for s in range(1, world):
+                    if plan.needed[(o + s) % world][o][p]:
+                        assert s <= hops, (o, p, s, hops)
+                if hops:
+                    assert plan.needed[(o + hops) % world][o][p]
+                assert all(not plan.travels(o, p, s) for s in range(hops, world))
+
+
+def test_default_tile_keeps_pieces_small():
+    """A shard of 16384 positions travels as 32 pieces of 512 (the benchmark's shape)."""
+    plan = RingPlan(Layout("zigzag", 2, 32768), 0, True, None, None, None, 1.0)
+    assert ring.TILE == 512
+    assert plan.num_pieces == 32
+    assert {c.length for _, c in plan.tiles(0)} == {512}
