@@ -235,7 +235,8 @@ def traffic_case(layout: str, kind: str):
 def memory_case(rank: int, world: int) -> dict[str, Any]:
     """The K/V and dK/dV buffers a rank holds at once, seen at every exchange (a spy on
     ``ring.exchange`` keeps weak references to every tensor sent or received): with
-    pieces of 8 positions in shards of 64, a few pieces, never a shard-sized block."""
+    tiles of 8 positions (pieces of 16: one tile of each zigzag chunk) in shards of 128,
+    a few pieces, never a shard-sized block."""
     import weakref
 
     from attnkit.distributed import ring
@@ -255,7 +256,7 @@ def memory_case(rank: int, world: int) -> dict[str, Any]:
         seen["exchanges"] += 1
         return real(sends, recvs, **kw)
 
-    b, h, t, d = 1, 2, 64 * world, 8
+    b, h, t, d = 1, 2, 128 * world, 8
     g = torch.Generator().manual_seed(2)
     q, k, v, gout = (torch.randn(b, h, t, d, generator=g, dtype=torch.float64) for _ in range(4))
     _bcast(q, k, v, gout)
@@ -271,7 +272,7 @@ def memory_case(rank: int, world: int) -> dict[str, Any]:
         with_tile(8, step)(rank, world)
     finally:
         ring.exchange = real
-    piece_bytes = 2 * b * h * 8 * d * 8  # one K/V piece of 8 positions: its k and its v
+    piece_bytes = 2 * b * h * 16 * d * 8  # one K/V piece of 16 positions: its k and its v
     return {**seen, "piece_bytes": piece_bytes, "shard_bytes": 2 * kl.nbytes}
 
 
@@ -381,8 +382,9 @@ PIECE_KINDS = ("full", "causal_gqa", "mqa", "window", "window_sym", "documents",
 
 
 def piece_length(world: int) -> int:
-    """A length whose shards hold different numbers of 3-position pieces (contiguous: 7
-    positions, pieces 3+3+1, and 6, pieces 3+3; zigzag: chunks of 4 and of 3)."""
+    """A length whose shards hold different numbers of pieces of 3-position tiles
+    (contiguous: 7 positions, pieces 3+3+1, and 6, pieces 3+3; zigzag: chunks of 4,
+    two tiles, and of 3, one)."""
     return 7 * world - 1
 
 

@@ -61,27 +61,41 @@ def test_plan_matches_positions(world, layout, extra, tile, causal, window):
             ]
             assert all(1 <= c.length <= tile for _, c in tiles)
         pieces = plan.num_pieces
-        assert pieces == max(len(plan.tiles(r)) for r in range(world))
+        for o in range(world):
+            # piece p: tile p of each chunk, packed in order; every tile in one piece
+            cut = [
+                [t for t in plan.tiles(o) if c.start <= t[1].start < c.stop] for c in lay.chunks(o)
+            ]
+            assert pieces >= max(len(c) for c in cut)
+            got = [(so, t) for p in range(pieces) for so, _, t in plan.piece(o, p)]
+            assert sorted(got, key=lambda x: x[0]) == plan.tiles(o)
+            for p in range(pieces):
+                parts = plan.piece(o, p)
+                assert [t for _, _, t in parts] == [c[p][1] for c in cut if p < len(c)]
+                assert [po for _, po, _ in parts] == [
+                    sum(t.length for _, _, t in parts[:i]) for i in range(len(parts))
+                ]
+                assert plan.piece_len(o, p) == sum(t.length for _, _, t in parts)
         for d in range(world):
             queries = lay.positions(d).tolist()
             for o in range(world):
                 for p in range(pieces):
-                    piece = plan.piece(o, p)
-                    keys = [] if piece is None else list(range(piece[1].start, piece[1].stop))
+                    keys = [j for _, _, t in plan.piece(o, p) for j in range(t.start, t.stop)]
                     sees = any(_keep(i, j, causal, window) for i in queries for j in keys)
                     assert plan.needed[d][o][p] == sees, (d, o, p)
                     # every rank's plan agrees (sender and receiver decide alike)
                     assert all(pl.needed[d][o][p] == sees for pl in plans)
-                    want = [
-                        (qo, qc)
-                        for qo, qc in plan.tiles(d)
-                        if any(
-                            _keep(i, j, causal, window)
-                            for i in range(qc.start, qc.stop)
-                            for j in keys
-                        )
-                    ]
-                    assert plan.pairs(d, o, p) == want
+                    for _, _, kc in plan.piece(o, p):
+                        want = [
+                            (qo, qc)
+                            for qo, qc in plan.tiles(d)
+                            if any(
+                                _keep(i, j, causal, window)
+                                for i in range(qc.start, qc.stop)
+                                for j in range(kc.start, kc.stop)
+                            )
+                        ]
+                        assert plan.queries(d, kc) == want
         # delivery: a piece reaches every rank that sees it, hop by hop, and its last
         # hop lands on a rank that sees it (nothing is sent in vain)
         for o in range(world):
@@ -98,8 +112,10 @@ def test_plan_matches_positions(world, layout, extra, tile, causal, window):
 
 
 def test_default_tile_keeps_pieces_small():
-    """A shard of 16384 positions travels as 32 pieces of 512 (the benchmark's shape)."""
+    """A zigzag shard of 16384 positions (chunks of 8192) travels as 16 pieces, each a
+    tile of 512 from each chunk (the benchmark's shape)."""
     plan = RingPlan(Layout("zigzag", 2, 32768), 0, True, None, None, None, 1.0)
     assert ring.TILE == 512
-    assert plan.num_pieces == 32
-    assert {c.length for _, c in plan.tiles(0)} == {512}
+    assert plan.num_pieces == 16
+    assert {plan.piece_len(0, p) for p in range(16)} == {1024}
+    assert [t.start for _, _, t in plan.piece(0, 1)] == [512, 3 * 8192 + 512]

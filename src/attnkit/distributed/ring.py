@@ -90,44 +90,54 @@ class RingPlan:
         return self.layout.world_size
 
     @cached_property
-    def _tiles(self) -> list[list[tuple[int, Chunk]]]:
+    def _chunk_tiles(self) -> list[list[list[tuple[int, Chunk]]]]:
+        """``[rank][chunk]``: the chunk's tiles ``(offset in the shard, positions)``."""
         out = []
         for rank in range(self.world):
-            tiles, offset = [], 0
+            chunks, offset = [], 0
             for c in self.layout.chunks(rank):
+                tiles = []
                 for start in range(c.start, c.stop, TILE):
-                    piece = Chunk(start, min(TILE, c.stop - start))
-                    tiles.append((offset, piece))
-                    offset += piece.length
-            out.append(tiles)
+                    tile = Chunk(start, min(TILE, c.stop - start))
+                    tiles.append((offset, tile))
+                    offset += tile.length
+                chunks.append(tiles)
+            out.append(chunks)
         return out
 
     def tiles(self, rank: int) -> list[tuple[int, Chunk]]:
         """``rank``'s shard cut into tiles of at most :data:`TILE` positions:
-        ``(offset in the shard, global positions)``. Its query tiles and its K/V pieces
-        are both these; a tile never straddles two chunks."""
-        return self._tiles[rank]
+        ``(offset in the shard, global positions)``, in shard order; a tile never
+        straddles two chunks. Its query tiles, and the key tiles of its pieces."""
+        return [t for chunk in self._chunk_tiles[rank] for t in chunk]
 
     @property
     def num_pieces(self) -> int:
-        """The number of sub-rings: the most pieces any rank's shard has."""
-        return max(len(t) for t in self._tiles)
+        """The number of sub-rings: the most tiles any rank has in one chunk."""
+        return max(len(c) for chunks in self._chunk_tiles for c in chunks)
 
-    def piece(self, origin: int, p: int) -> tuple[int, Chunk] | None:
-        """``origin``'s piece ``p`` ``(offset in its shard, positions)``, None if it has none."""
-        tiles = self._tiles[origin]
-        return tiles[p] if p < len(tiles) else None
+    def piece(self, origin: int, p: int) -> list[tuple[int, int, Chunk]]:
+        """``origin``'s piece ``p``: tile ``p`` of each of its chunks (zigzag: one early,
+        one late, so every rank has as much to compute at each step), as ``(offset in
+        the shard, offset in the piece, positions)``; empty where it has no such tile."""
+        out, at = [], 0
+        for chunk in self._chunk_tiles[origin]:
+            if p < len(chunk):
+                offset, tile = chunk[p]
+                out.append((offset, at, tile))
+                at += tile.length
+        return out
 
-    def pairs(self, dest: int, origin: int, p: int) -> list[tuple[int, Chunk]]:
-        """``dest``'s query tiles ``(q_offset, q_tile)`` that see some key of ``origin``'s
-        piece ``p`` (empty when the piece does not exist)."""
-        piece = self.piece(origin, p)
-        if piece is None:
-            return []
+    def piece_len(self, origin: int, p: int) -> int:
+        """Positions in ``origin``'s piece ``p`` (0 where it has none)."""
+        return sum(t.length for _, _, t in self.piece(origin, p))
+
+    def queries(self, dest: int, kc: Chunk) -> list[tuple[int, Chunk]]:
+        """``dest``'s query tiles ``(q_offset, q_tile)`` that see some key of tile ``kc``."""
         return [
             (qo, qc)
-            for qo, qc in self._tiles[dest]
-            if not pair_empty(qc, piece[1], self.causal, self.window)
+            for qo, qc in self.tiles(dest)
+            if not pair_empty(qc, kc, self.causal, self.window)
         ]
 
     @cached_property
@@ -135,23 +145,20 @@ class RingPlan:
         """``needed[dest][origin][p]``: whether ``dest``'s queries see any key of
         ``origin``'s piece ``p`` (checked chunk by chunk: cheap and exact)."""
         w, n = self.world, self.num_pieces
-        table = []
-        for d in range(w):
-            rows = []
-            for o in range(w):
-                row = []
-                for p in range(n):
-                    piece = self.piece(o, p)
-                    row.append(
-                        piece is not None
-                        and any(
-                            not pair_empty(qc, piece[1], self.causal, self.window)
-                            for qc in self.layout.chunks(d)
-                        )
+        return [
+            [
+                [
+                    any(
+                        not pair_empty(qc, kc, self.causal, self.window)
+                        for _, _, kc in self.piece(o, p)
+                        for qc in self.layout.chunks(d)
                     )
-                rows.append(row)
-            table.append(rows)
-        return table
+                    for p in range(n)
+                ]
+                for o in range(w)
+            ]
+            for d in range(w)
+        ]
 
     def travels(self, origin: int, p: int, step: int) -> bool:
         """Whether ``origin``'s piece ``p``, held at ``step`` by rank ``origin + step``,
@@ -171,6 +178,9 @@ class RingPlan:
 
 
 Piece = tuple[torch.Tensor, torch.Tensor]  # (k, v) of one piece: (b, h_kv, len, d), (.., d_v)
+#: One key tile of a piece: (offset in its owner's shard, offset in the piece, positions,
+#: k (b, h_kv, len, d), v (b, h_kv, len, d_v)).
+KeyTile = tuple[int, int, Chunk, torch.Tensor, torch.Tensor]
 
 
 def _empty_piece(k: torch.Tensor, v: torch.Tensor, length: int) -> Piece:
@@ -181,37 +191,53 @@ def _empty_piece(k: torch.Tensor, v: torch.Tensor, length: int) -> Piece:
 
 def _circulate(
     plan: RingPlan, k: torch.Tensor, v: torch.Tensor, group: Group, phase: str
-) -> Iterator[tuple[int, int, int, Piece | None]]:
-    """Run the sub-rings; yield ``(p, step, origin, piece)`` at every step, ``piece``
-    being ``origin``'s K/V piece ``p`` where this rank's queries see it, else None.
+) -> Iterator[tuple[int, int, int, list[KeyTile] | None]]:
+    """Run the sub-rings; yield ``(p, step, origin, key tiles)`` at every step: the
+    tiles of ``origin``'s piece ``p`` where this rank's queries see it, else None (views
+    of this rank's own ``k``/``v`` at step 0, of the received piece after).
 
     The transfer of the next step is posted before the yield and waited after it, so
-    it overlaps the caller's compute. The caller must drop its ``piece`` before asking
-    for the next one: then at most two pieces (this one and the next) are alive.
+    it overlaps the caller's compute. The caller must drop its tiles before asking for
+    the next step: then at most two pieces (this one and the next) are alive.
     """
     r, w = plan.rank, plan.world
     for p in range(plan.num_pieces):
-        held: Piece | None = None  # origin's piece p, where it reached this rank
-        own = plan.piece(r, p)
-        if own is not None:
-            held = (k.narrow(2, own[0], own[1].length), v.narrow(2, own[0], own[1].length))
+        held: Piece | None = None  # the piece received for this step
         for s in range(w):
             origin = (r - s) % w
+            tiles = plan.piece(origin, p)
             sends, recvs, incoming = [], [], None
             if s + 1 < w:
                 if plan.travels(origin, p, s):
-                    if held is None:  # travels(o, p, s) implies travels(o, p, s - 1)
+                    if s == 0:  # own piece: its tiles packed for the wire (one copy)
+                        wire = tuple(
+                            torch.cat([x.narrow(2, so, t.length) for so, _, t in tiles], 2)
+                            for x in (k, v)
+                        )
+                    elif held is None:  # travels(o, p, s) implies travels(o, p, s - 1)
                         raise RuntimeError(f"ring schedule: piece {p} of rank {origin} missing")
-                    # dense for the wire: one copy of an own piece, none of a received one
-                    sends.append(((held[0].contiguous(), held[1].contiguous()), (r + 1) % w, "kv"))
+                    else:
+                        wire = held
+                    sends.append((wire, (r + 1) % w, "kv"))
+                    del wire
                 src = (r - s - 1) % w
-                src_piece = plan.piece(src, p)
-                if src_piece is not None and plan.travels(src, p, s):
-                    incoming = _empty_piece(k, v, src_piece[1].length)
+                if plan.travels(src, p, s):
+                    incoming = _empty_piece(k, v, plan.piece_len(src, p))
                     recvs.append((incoming, (r - 1) % w, "kv"))
             works = exchange(sends, recvs, group=group, phase=phase, step=s, piece=p)  # type: ignore[arg-type]
-            yield p, s, origin, (held if plan.needed[r][origin][p] else None)
-            held = None
+            keys: list[KeyTile] | None = None
+            if plan.needed[r][origin][p]:
+                kv = (k, v) if s == 0 else held
+                if kv is None:
+                    raise RuntimeError(f"ring schedule: piece {p} of rank {origin} missing")
+                keys = []
+                for so, po, t in tiles:
+                    at = so if s == 0 else po  # own k/v: shard offsets; a received piece: its own
+                    keys.append(
+                        (so, po, t, kv[0].narrow(2, at, t.length), kv[1].narrow(2, at, t.length))
+                    )
+            yield p, s, origin, keys
+            keys = held = None
             for work in works:
                 work.wait()
             del sends, recvs, works
@@ -236,17 +262,16 @@ def ring_forward(plan: RingPlan, q, k, v, sinks, group: Group):
     acc = _kernel.acc_dtype(q.dtype)
     out = q.new_zeros(b, h, t, v.shape[-1], dtype=acc)  # (b, h, t, d_v)
     lse = q.new_full((b, h, t), float("-inf"), dtype=acc)  # (b, h, t)
-    for p, _s, origin, piece in _circulate(plan, k, v, group, "forward"):
-        if piece is not None:
-            kc = plan.tiles(origin)[p][1]
-            for qo, qc in plan.pairs(r, origin, p):
+    for _p, _s, _origin, keys in _circulate(plan, k, v, group, "forward"):
+        for _so, _po, kc, kt, vt in keys or ():
+            for qo, qc in plan.queries(r, kc):
                 n = qc.length
                 o, lse_o = _kernel.segment_forward(
-                    q.narrow(2, qo, n), piece[0], piece[1], plan.segment(qc, kc), scale=plan.scale
+                    q.narrow(2, qo, n), kt, vt, plan.segment(qc, kc), scale=plan.scale
                 )
                 _merge_into(out.narrow(2, qo, n), lse.narrow(2, qo, n), o, lse_o)
                 del o, lse_o
-        del piece
+        del keys
     if sinks is not None:  # a sink is a partial with output 0 and lse = its logit
         zero = torch.zeros((), dtype=acc, device=q.device)
         for qo, qc in plan.tiles(r):
@@ -263,69 +288,69 @@ def ring_backward(plan: RingPlan, q, k, v, out, lse, grad_out, grad_lse, group: 
     Memory: besides the shards and their gradients, at most the piece being computed
     on, the next one arriving, the dK/dV share of another rank's piece (sent straight
     back to its owner) and a buffer receiving this rank's own piece's share from the
-    rank that holds it, each at most :data:`TILE` positions; plus one kernel call's
-    temporaries.
+    rank that holds it, each a piece (one :data:`TILE` per chunk); plus one kernel
+    call's temporaries.
     """
     r, w = plan.rank, plan.world
     rows = (q, out, lse, grad_out, grad_lse)
     dq = torch.zeros_like(q)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    for p, s, origin, piece in _circulate(plan, k, v, group, "backward"):
+    for p, s, origin, keys in _circulate(plan, k, v, group, "backward"):
         sends = []
-        if piece is not None:
-            # this rank's own piece accumulates in place; another's in a share to send
-            ko, kc = plan.tiles(origin)[p]
-            share = (
-                (dk.narrow(2, ko, kc.length), dv.narrow(2, ko, kc.length))
-                if origin == r
-                else (torch.zeros_like(piece[0]), torch.zeros_like(piece[1]))
-            )
-            _piece_grads(plan, origin, p, rows, piece, share, dq)
-            if origin != r:
+        if keys is not None:
+            if origin == r:  # this rank's own piece accumulates in place
+                _piece_grads(plan, rows, keys, [(dk, dv, so) for so, _, _, _, _ in keys], dq)
+            else:  # another's in a share sent straight back to its owner
+                share = _empty_piece(k, v, plan.piece_len(origin, p))
+                for x in share:
+                    x.zero_()
+                _piece_grads(plan, rows, keys, [(*share, po) for _, po, _, _, _ in keys], dq)
                 sends.append((share, origin, "dkv"))
-            del share
-        del piece
+                del share
+        del keys
         # ... and this rank's own piece's share from the rank holding it at this step.
         holder = (r + s) % w
-        recvs, buf, own = [], None, plan.piece(r, p)
-        if holder != r and own is not None and plan.needed[holder][r][p]:
-            buf = _empty_piece(k, v, own[1].length)
+        recvs, buf = [], None
+        if holder != r and plan.needed[holder][r][p]:
+            buf = _empty_piece(k, v, plan.piece_len(r, p))
             recvs.append((buf, holder, "dkv"))
         works = exchange(sends, recvs, group=group, phase="backward", step=s, piece=p)  # type: ignore[arg-type]
         for work in works:
             work.wait()
         del sends, recvs, works
-        if buf is not None and own is not None:
-            dk.narrow(2, own[0], own[1].length).add_(buf[0])
-            dv.narrow(2, own[0], own[1].length).add_(buf[1])
+        if buf is not None:
+            for so, po, t in plan.piece(r, p):
+                dk.narrow(2, so, t.length).add_(buf[0].narrow(2, po, t.length))
+                dv.narrow(2, so, t.length).add_(buf[1].narrow(2, po, t.length))
             del buf
     return dq, dk, dv
 
 
-def _piece_grads(plan: RingPlan, origin: int, p: int, rows, piece: Piece, share: Piece, dq) -> None:
-    """Add the gradients of this rank's queries against ``origin``'s piece ``p``: dQ into
-    ``dq``, dK/dV into ``share``.
+def _piece_grads(plan: RingPlan, rows, keys: list[KeyTile], targets, dq) -> None:
+    """Add the gradients of this rank's queries against a piece's key tiles: dQ into
+    ``dq``, each tile's dK/dV into ``targets`` ``(dk, dv, offset)`` (the same length).
 
     ``rows``: this rank's q, the merged out and lse, and their gradients (or None)."""
     q, out, lse, grad_out, grad_lse = rows
-    kc = plan.tiles(origin)[p][1]
-    for qo, qc in plan.pairs(plan.rank, origin, p):
-        n = qc.length
-        g_q, g_k, g_v = _kernel.segment_backward(
-            q.narrow(2, qo, n),
-            piece[0],
-            piece[1],
-            out.narrow(2, qo, n),
-            lse.narrow(2, qo, n),
-            grad_out.narrow(2, qo, n),
-            plan.segment(qc, kc),
-            scale=plan.scale,
-            grad_lse=None if grad_lse is None else grad_lse.narrow(2, qo, n),
-        )
-        dq.narrow(2, qo, n).add_(g_q)
-        share[0].add_(g_k)
-        share[1].add_(g_v)
-        del g_q, g_k, g_v
+    for (_so, _po, kc, kt, vt), (dk, dv, at) in zip(keys, targets, strict=True):
+        m = kc.length
+        for qo, qc in plan.queries(plan.rank, kc):
+            n = qc.length
+            g_q, g_k, g_v = _kernel.segment_backward(
+                q.narrow(2, qo, n),
+                kt,
+                vt,
+                out.narrow(2, qo, n),
+                lse.narrow(2, qo, n),
+                grad_out.narrow(2, qo, n),
+                plan.segment(qc, kc),
+                scale=plan.scale,
+                grad_lse=None if grad_lse is None else grad_lse.narrow(2, qo, n),
+            )
+            dq.narrow(2, qo, n).add_(g_q)
+            dk.narrow(2, at, m).add_(g_k)
+            dv.narrow(2, at, m).add_(g_v)
+            del g_q, g_k, g_v
 
 
 def _sinks_grad(plan: RingPlan, out, lse, grad_out, grad_lse, sinks) -> torch.Tensor:
