@@ -1,13 +1,14 @@
 """Ring attention: K/V pieces travel round the ranks, partial results merge by log-sum-exp.
 
-Rank ``r`` keeps its query shard. Its K/V shard is cut into *pieces* of at most
-:data:`TILE` positions (:meth:`RingPlan.tiles`), and piece ``p`` of every rank
-circulates on its own *sub-ring* ``p``: at step ``s`` rank ``r`` holds piece ``p`` of
-rank ``o = r - s`` (mod W). Before computing on it, it posts it onward to ``r + 1`` and
-the receive of the next one (piece ``p`` of ``r - s - 1``) from ``r - 1``
-(``batch_isend_irecv``), so the transfer overlaps the compute. The sub-rings run one
-after another, so a rank holds at most two pieces of K/V at a time (the one it computes
-on and the one arriving), never another rank's whole block::
+Rank ``r`` keeps its query shard. Each chunk of its shard (zigzag: an early and a late
+one; contiguous: one) is cut into tiles of at most :data:`TILE` positions, and its
+*piece* ``p`` is tile ``p`` of each chunk. Piece ``p`` of every rank circulates on its
+own *sub-ring* ``p``: at step ``s`` rank ``r`` holds piece ``p`` of rank ``o = r - s``
+(mod W). Before computing on it, it posts it onward to ``r + 1`` and the receive of
+the next one (piece ``p`` of ``r - s - 1``) from ``r - 1`` (``batch_isend_irecv``), so
+the transfer overlaps the compute. The sub-rings run one after another, so a rank
+holds at most two pieces of K/V at a time (the one it computes on and the one
+arriving), never another rank's whole block::
 
     sub-ring 0            sub-ring 1            ...   W = 3; "2.1" = piece 1 of rank 2
     step 0    1    2      step 0    1    2
@@ -15,19 +16,25 @@ on and the one arriving), never another rank's whole block::
     r1:  1.0  0.0  2.0    r1:  1.1  0.1  2.1
     r2:  2.0  1.0  0.0    r2:  2.1  1.1  0.1
 
-Each query tile (also at most :data:`TILE` positions) whose positions a causal mask or
-window leaves some key of a piece is one call of the kernel layer's ``segment_forward``,
-so a call's temporaries stay tile-sized; the partials merge through ``merge_partials``
-(the blockwise kernel's one merge) straight into the preallocated output.
+Why a tile of *each* chunk: under a causal mask a rank sees an early tile of another
+rank whole with both its chunks, or with its late chunk only; a late tile, with its
+late chunk or not at all. Together the two always make the same work, so at every step
+every rank has as much to compute (the zigzag balance, step by step); with pieces of
+one tile the ranks took turns waiting for each other (a fifth of the time at W = 2).
 
-A piece is sent on only while a rank further round the ring needs it (a rank with no
-piece ``p``, its shard being shorter, sends nothing on sub-ring ``p``): a causal
-contiguous layout never sends the last rank's pieces back to rank 0, under zigzag the
-late chunk's pieces of rank 0 stay home, and with a window only the pieces near a
-shard's end travel, as far as the ranks whose queries can see them. Every piece still
-goes at most ``W - 1`` hops, so the bytes are the whole-block ring's: ``(W-1)/W`` of
-``|K| + |V|`` per rank and pass without a mask. The backward runs the same sub-rings;
-each rank's dK/dV share of a piece goes straight back to the piece's owner.
+Each (query tile, key tile) pair whose positions a causal mask or window leaves
+non-empty is one call of the kernel layer's ``segment_forward``, so a call's
+temporaries stay tile-sized; the partials merge through ``merge_partials`` (the
+blockwise kernel's one merge) straight into the preallocated output.
+
+A piece is sent on only while a rank further round the ring sees one of its keys (a
+rank with no piece ``p``, its chunks being shorter, sends nothing on sub-ring ``p``):
+a causal contiguous layout never sends the last rank's pieces back to rank 0, and with
+a window only the pieces near a chunk's end travel, as far as the ranks whose queries
+see them. Every piece goes at most ``W - 1`` hops, so the bytes are at most the
+whole-block ring's: ``(W-1)/W`` of ``|K| + |V|`` per rank and pass without a mask.
+The backward runs the same sub-rings; each rank's dK/dV share of a piece goes straight
+back to the piece's owner.
 """
 
 from __future__ import annotations
@@ -46,11 +53,10 @@ from attnkit.masks import MaskMod, ScoreMod
 __all__ = ["RingPlan", "ring_attention"]
 
 
-#: Positions per tile of a kernel call (query rows and keys alike) and per K/V piece on
-#: the wire. A rank's extra memory is a few pieces plus one call's temporaries (about
-#: five tiles' worth of K/V): 512 rather than 1024 took the benchmark's peak per rank
-#: from 0.50 to 0.47 of one process's (W = 2, T = 32768, 2 heads of 64) for about 5%
-#: more time (four times the calls), within the noise of a shared machine.
+#: Positions per tile: query rows and keys of one kernel call; a piece on the wire is
+#: one tile per chunk. A rank's extra memory is about four pieces plus one call's
+#: temporaries, both proportional to TILE (``attnkit.bench.context_parallel``: peak per
+#: rank 0.49 of one process's at 512); smaller tiles mean more calls and messages.
 TILE = 512
 
 
