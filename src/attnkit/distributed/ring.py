@@ -20,7 +20,8 @@ Why a tile of *each* chunk: under a causal mask a rank sees an early tile of ano
 rank whole with both its chunks, or with its late chunk only; a late tile, with its
 late chunk or not at all. Together the two always make the same work, so at every step
 every rank has as much to compute (the zigzag balance, step by step); with pieces of
-one tile the ranks took turns waiting for each other (a fifth of the time at W = 2).
+one tile the ranks took turns waiting for each other (about a sixth of the step time
+at W = 2).
 
 Each (query tile, key tile) pair whose positions a causal mask or window leaves
 non-empty is one call of the kernel layer's ``segment_forward``, so a call's
