@@ -185,13 +185,13 @@ def with_tile(tile: int, inner):
     """``inner`` run with the ring's tiles (query tiles and K/V pieces) of ``tile`` positions."""
 
     def run(rank: int, world: int) -> dict[str, Any]:
-        from attnkit.distributed import ring
+        from attnkit.distributed import ring_plan
 
-        saved, ring.TILE = ring.TILE, tile
+        saved, ring_plan.TILE = ring_plan.TILE, tile
         try:
             return inner(rank, world)
         finally:
-            ring.TILE = saved
+            ring_plan.TILE = saved
 
     return run
 

@@ -11,7 +11,8 @@ from attnkit.attention import check_sinks
 from attnkit.distributed.all_to_all import all_to_all_attention
 from attnkit.distributed.comm import Group, rank_and_size
 from attnkit.distributed.layout import LAYOUTS, local_lengths, seq_len_of
-from attnkit.distributed.ring import RingPlan, ring_attention
+from attnkit.distributed.ring import ring_attention
+from attnkit.distributed.ring_plan import RingPlan
 from attnkit.masks import MaskMod, ScoreMod
 
 __all__ = ["STRATEGIES", "context_parallel_attention"]

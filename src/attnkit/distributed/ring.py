@@ -1,7 +1,8 @@
 """Ring attention: K/V pieces travel round the ranks, partial results merge by log-sum-exp.
 
 Rank ``r`` keeps its query shard. Each chunk of its shard (zigzag: an early and a late
-one; contiguous: one) is cut into tiles of at most :data:`TILE` positions, and its
+one; contiguous: one) is cut into tiles of at most
+:data:`~attnkit.distributed.ring_plan.TILE` positions (:class:`RingPlan`), and its
 *piece* ``p`` is tile ``p`` of each chunk. Piece ``p`` of every rank circulates on its
 own *sub-ring* ``p``: at step ``s`` rank ``r`` holds piece ``p`` of rank ``o = r - s``
 (mod W). Before computing on it, it posts it onward to ``r + 1`` and the receive of
@@ -41,147 +42,15 @@ back to the piece's owner.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 
 from attnkit.distributed import _kernel
 from attnkit.distributed.comm import Group, exchange
-from attnkit.distributed.layout import Chunk, Layout
-from attnkit.masks import MaskMod, ScoreMod
+from attnkit.distributed.layout import Chunk
+from attnkit.distributed.ring_plan import RingPlan
 
 __all__ = ["RingPlan", "ring_attention"]
-
-
-#: Positions per tile: query rows and keys of one kernel call; a piece on the wire is
-#: one tile per chunk. A rank's extra memory is about four pieces plus one call's
-#: temporaries, both proportional to TILE (``attnkit.bench.context_parallel``: peak per
-#: rank 0.49 of one process's at 512); smaller tiles mean more calls and messages.
-TILE = 512
-
-
-def pair_empty(qc: Chunk, kc: Chunk, causal: bool, window: int | None) -> bool:
-    """Whether causal/window rules leave no (query, key) pair of two chunks.
-
-    Keeps ``k <= q`` (causal) and ``q - window < k`` (window; ``k < q + window`` too
-    when not causal), as :func:`attnkit.masks.position_keep`. Exact for intervals: a
-    chunk pair is non-empty iff some pair of their tiles is.
-    """
-    q_first, q_last = qc.start, qc.stop - 1
-    k_first, k_last = kc.start, kc.stop - 1
-    if causal and k_first > q_last:
-        return True
-    if window is not None:
-        if k_last <= q_first - window:
-            return True
-        if not causal and k_first >= q_last + window:
-            return True
-    return False
-
-
-@dataclass(frozen=True)
-class RingPlan:
-    """What one ring call computes and sends, built once per call (no communication)."""
-
-    layout: Layout
-    rank: int
-    causal: bool
-    window: int | None
-    mask_mod: MaskMod | None
-    score_mod: ScoreMod | None
-    scale: float
-
-    @property
-    def world(self) -> int:
-        return self.layout.world_size
-
-    @cached_property
-    def _chunk_tiles(self) -> list[list[list[tuple[int, Chunk]]]]:
-        """``[rank][chunk]``: the chunk's tiles ``(offset in the shard, positions)``."""
-        out = []
-        for rank in range(self.world):
-            chunks, offset = [], 0
-            for c in self.layout.chunks(rank):
-                tiles = []
-                for start in range(c.start, c.stop, TILE):
-                    tile = Chunk(start, min(TILE, c.stop - start))
-                    tiles.append((offset, tile))
-                    offset += tile.length
-                chunks.append(tiles)
-            out.append(chunks)
-        return out
-
-    def tiles(self, rank: int) -> list[tuple[int, Chunk]]:
-        """``rank``'s shard cut into tiles of at most :data:`TILE` positions:
-        ``(offset in the shard, global positions)``, in shard order; a tile never
-        straddles two chunks. Its query tiles, and the key tiles of its pieces."""
-        return [t for chunk in self._chunk_tiles[rank] for t in chunk]
-
-    @property
-    def num_pieces(self) -> int:
-        """The number of sub-rings: the most tiles any rank has in one chunk."""
-        return max(len(c) for chunks in self._chunk_tiles for c in chunks)
-
-    def piece(self, origin: int, p: int) -> list[tuple[int, int, Chunk]]:
-        """``origin``'s piece ``p``: tile ``p`` of each of its chunks (zigzag: one early,
-        one late, so every rank has as much to compute at each step), as ``(offset in
-        the shard, offset in the piece, positions)``; empty where it has no such tile."""
-        out, at = [], 0
-        for chunk in self._chunk_tiles[origin]:
-            if p < len(chunk):
-                offset, tile = chunk[p]
-                out.append((offset, at, tile))
-                at += tile.length
-        return out
-
-    def piece_len(self, origin: int, p: int) -> int:
-        """Positions in ``origin``'s piece ``p`` (0 where it has none)."""
-        return sum(t.length for _, _, t in self.piece(origin, p))
-
-    def queries(self, dest: int, kc: Chunk) -> list[tuple[int, Chunk]]:
-        """``dest``'s query tiles ``(q_offset, q_tile)`` that see some key of tile ``kc``."""
-        return [
-            (qo, qc)
-            for qo, qc in self.tiles(dest)
-            if not pair_empty(qc, kc, self.causal, self.window)
-        ]
-
-    @cached_property
-    def needed(self) -> list[list[list[bool]]]:
-        """``needed[dest][origin][p]``: whether ``dest``'s queries see any key of
-        ``origin``'s piece ``p`` (checked chunk by chunk: cheap and exact)."""
-        w, n = self.world, self.num_pieces
-        return [
-            [
-                [
-                    any(
-                        not pair_empty(qc, kc, self.causal, self.window)
-                        for _, _, kc in self.piece(o, p)
-                        for qc in self.layout.chunks(d)
-                    )
-                    for p in range(n)
-                ]
-                for o in range(w)
-            ]
-            for d in range(w)
-        ]
-
-    def travels(self, origin: int, p: int, step: int) -> bool:
-        """Whether ``origin``'s piece ``p``, held at ``step`` by rank ``origin + step``,
-        goes on: some rank further round the ring needs it. Sender and receiver agree."""
-        w = self.world
-        return any(self.needed[(origin + j) % w][origin][p] for j in range(step + 1, w))
-
-    def segment(self, qc: Chunk, kc: Chunk) -> _kernel.SegmentMask:
-        return _kernel.SegmentMask(
-            q_offset=qc.start,
-            k_offset=kc.start,
-            causal=self.causal,
-            window=self.window,
-            mask_mod=self.mask_mod,
-            score_mod=self.score_mod,
-        )
 
 
 Piece = tuple[torch.Tensor, torch.Tensor]  # (k, v) of one piece: (b, h_kv, len, d), (.., d_v)
@@ -295,7 +164,7 @@ def ring_backward(plan: RingPlan, q, k, v, out, lse, grad_out, grad_lse, group: 
     Memory: besides the shards and their gradients, at most the piece being computed
     on, the next one arriving, the dK/dV share of another rank's piece (sent straight
     back to its owner) and a buffer receiving this rank's own piece's share from the
-    rank that holds it, each a piece (one :data:`TILE` per chunk); plus one kernel
+    rank that holds it, each a piece (one tile per chunk); plus one kernel
     call's temporaries.
     """
     r, w = plan.rank, plan.world

@@ -1,4 +1,4 @@
-"""The ring's plan (no process group): tiles, the pieces each rank needs, what travels.
+"""attnkit.distributed.ring_plan (no process group): tiles, pieces, who needs what.
 
 Checked against brute force over positions, for random layouts, lengths, world sizes,
 tile sizes, causal masks and windows.
@@ -12,17 +12,17 @@ from collections.abc import Iterator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnkit.distributed import Layout, ring
-from attnkit.distributed.ring import RingPlan
+from attnkit.distributed import Layout, ring_plan
+from attnkit.distributed.ring_plan import RingPlan
 
 
 @contextlib.contextmanager
 def _tile(size: int) -> Iterator[None]:
-    saved, ring.TILE = ring.TILE, size
+    saved, ring_plan.TILE = ring_plan.TILE, size
     try:
         yield
     finally:
-        ring.TILE = saved
+        ring_plan.TILE = saved
 
 
 def _keep(i: int, j: int, causal: bool, window: int | None) -> bool:
@@ -115,7 +115,7 @@ def test_default_tile_keeps_pieces_small():
     """A zigzag shard of 16384 positions (chunks of 8192) travels as 16 pieces, each a
     tile of 512 from each chunk (the benchmark's shape)."""
     plan = RingPlan(Layout("zigzag", 2, 32768), 0, True, None, None, None, 1.0)
-    assert ring.TILE == 512
+    assert ring_plan.TILE == 512
     assert plan.num_pieces == 16
     assert {plan.piece_len(0, p) for p in range(16)} == {1024}
     assert [t.start for _, _, t in plan.piece(0, 1)] == [512, 3 * 8192 + 512]
