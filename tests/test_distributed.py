@@ -246,12 +246,13 @@ def test_window_sends_only_the_last_piece(results, world):
 def test_ring_holds_pieces_not_blocks(results, world):
     """Memory regression: the K/V and dK/dV buffers alive at once (seen at every
     exchange) are at most 4 pieces (the one computed on, the next, a dK/dV share, the
-    share coming back) plus one that torch's gloo keeps (it holds on to the last tensor
-    received), never a shard-sized block (8 pieces here), and every message is one piece."""
+    share coming back) plus the one tensor (a piece's k or v) torch's gloo keeps (it
+    holds on to the last tensor received), never a shard-sized block (8 pieces here),
+    and every message is one piece (measured: 3.5 pieces at W = 2, 4.5 at W = 3, 4)."""
     res = _ok(results[world]["memory"])
     assert res["exchanges"] > 0
     assert res["longest"] == 16
-    assert res["peak_bytes"] <= 5 * res["piece_bytes"], res
+    assert res["peak_bytes"] <= 4.5 * res["piece_bytes"], res
     assert res["peak_bytes"] <= 0.7 * res["shard_bytes"], res
 
 

@@ -112,6 +112,7 @@ def _circulate(
                     keys.append(
                         (so, po, t, kv[0].narrow(2, at, t.length), kv[1].narrow(2, at, t.length))
                     )
+                del kv  # only the caller's views may keep the piece alive now
             yield p, s, origin, keys
             keys = held = None
             for work in works:
