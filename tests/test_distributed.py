@@ -95,15 +95,16 @@ def test_low_precision_error_at_most_twice_plain_math(results, strategy, dtype):
 # -- the ring's pieces: exactness, traffic, memory -------------------------------------
 
 
-def _pieces(lay: Layout, rank: int, tile: int) -> list[list[int]]:
-    """``rank``'s K/V pieces as global positions: piece p is tile p (``tile`` positions)
-    of each of its chunks, so a zigzag piece has an early and a late part."""
+def _pieces(lay: Layout, rank: int, tile: int) -> list[list[list[int]]]:
+    """``rank``'s K/V pieces, each a list of tiles of global positions: piece p is tile
+    p (``tile`` positions) of each of its chunks, so a zigzag piece has an early and a
+    late tile."""
     cut = [
         [list(range(a, min(a + tile, c.stop))) for a in range(c.start, c.stop, tile)]
         for c in lay.chunks(rank)
     ]
     n = max(len(c) for c in cut)
-    return [[pos for c in cut if p < len(c) for pos in c[p]] for p in range(n)]
+    return [[c[p] for c in cut if p < len(c)] for p in range(n)]
 
 
 def _sees(queries: list[int], keys: list[int], kind: str) -> bool:
@@ -118,9 +119,9 @@ def _sees(queries: list[int], keys: list[int], kind: str) -> bool:
 
 def _schedule(lay: Layout, kind: str, tile: int, position_bytes: int):
     """Per rank, the messages ``(piece, step, peer, bytes)`` the sub-rings should send:
-    piece p of rank o, held at step s by rank o + s, goes on to o + s + 1 while a rank
-    further round sees it; the dK/dV share of a piece a rank computed on goes back to
-    the piece's owner at the same step."""
+    piece p of rank o is held at step s by rank o + s, which passes on to o + s + 1 the
+    tiles that a rank further round sees; the dK/dV share of the tiles a rank computed
+    on goes back to the piece's owner at the same step."""
     w = lay.world_size
     pieces = [_pieces(lay, r, tile) for r in range(w)]
     queries = [lay.positions(r).tolist() for r in range(w)]
@@ -132,11 +133,13 @@ def _schedule(lay: Layout, kind: str, tile: int, position_bytes: int):
                 o = (r - s) % w
                 if p >= len(pieces[o]):
                     continue
-                nbytes = len(pieces[o][p]) * position_bytes
-                if any(_sees(queries[(o + j) % w], pieces[o][p], kind) for j in range(s + 1, w)):
-                    kv[r].append((p, s, (r + 1) % w, nbytes))
-                if s > 0 and _sees(queries[r], pieces[o][p], kind):
-                    dkv[r].append((p, s, o, nbytes))
+                further = [queries[(o + j) % w] for j in range(s + 1, w)]
+                onward = [t for t in pieces[o][p] if any(_sees(q, t, kind) for q in further)]
+                if onward:
+                    kv[r].append((p, s, (r + 1) % w, sum(map(len, onward)) * position_bytes))
+                mine = [t for t in pieces[o][p] if _sees(queries[r], t, kind)]
+                if s > 0 and mine:
+                    dkv[r].append((p, s, o, sum(map(len, mine)) * position_bytes))
     return kv, dkv
 
 

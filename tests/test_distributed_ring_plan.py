@@ -62,30 +62,33 @@ def test_plan_matches_positions(world, layout, extra, tile, causal, window):
             assert all(1 <= c.length <= tile for _, c in tiles)
         pieces = plan.num_pieces
         for o in range(world):
-            # piece p: tile p of each chunk, packed in order; every tile in one piece
+            # piece p: tile p of each chunk, in order; every tile in exactly one piece
             cut = [
                 [t for t in plan.tiles(o) if c.start <= t[1].start < c.stop] for c in lay.chunks(o)
             ]
             assert pieces >= max(len(c) for c in cut)
-            got = [(so, t) for p in range(pieces) for so, _, t in plan.piece(o, p)]
+            got = [t for p in range(pieces) for t in plan.piece(o, p)]
             assert sorted(got, key=lambda x: x[0]) == plan.tiles(o)
             for p in range(pieces):
-                parts = plan.piece(o, p)
-                assert [t for _, _, t in parts] == [c[p][1] for c in cut if p < len(c)]
-                assert [po for _, po, _ in parts] == [
-                    sum(t.length for _, _, t in parts[:i]) for i in range(len(parts))
-                ]
-                assert plan.piece_len(o, p) == sum(t.length for _, _, t in parts)
+                assert plan.piece(o, p) == [c[p] for c in cut if p < len(c)]
         for d in range(world):
             queries = lay.positions(d).tolist()
             for o in range(world):
                 for p in range(pieces):
-                    keys = [j for _, _, t in plan.piece(o, p) for j in range(t.start, t.stop)]
-                    sees = any(_keep(i, j, causal, window) for i in queries for j in keys)
-                    assert plan.needed[d][o][p] == sees, (d, o, p)
+                    want_seen = [
+                        i
+                        for i, (_, kc) in enumerate(plan.piece(o, p))
+                        if any(
+                            _keep(i_, j, causal, window)
+                            for i_ in queries
+                            for j in range(kc.start, kc.stop)
+                        )
+                    ]
+                    assert plan.seen(d, o, p) == want_seen, (d, o, p)
+                    assert plan.needed(d, o, p) == bool(want_seen)
                     # every rank's plan agrees (sender and receiver decide alike)
-                    assert all(pl.needed[d][o][p] == sees for pl in plans)
-                    for _, _, kc in plan.piece(o, p):
+                    assert all(pl.seen(d, o, p) == want_seen for pl in plans)
+                    for _, kc in plan.piece(o, p):
                         want = [
                             (qo, qc)
                             for qo, qc in plan.tiles(d)
@@ -96,26 +99,37 @@ def test_plan_matches_positions(world, layout, extra, tile, causal, window):
                             )
                         ]
                         assert plan.queries(d, kc) == want
-        # delivery: a piece reaches every rank that sees it, hop by hop, and its last
-        # hop lands on a rank that sees it (nothing is sent in vain)
+        # delivery: every tile reaches every rank that sees it, hop by hop; what goes on
+        # has arrived; the last hop of a tile lands on a rank that sees it (none in vain)
         for o in range(world):
             for p in range(pieces):
-                hops = 0
-                while hops < world - 1 and plan.travels(o, p, hops):
-                    hops += 1
-                for s in range(1, world):
-                    if plan.needed[(o + s) % world][o][p]:
-                        assert s <= hops, (o, p, s, hops)
-                if hops:
-                    assert plan.needed[(o + hops) % world][o][p]
-                assert all(not plan.travels(o, p, s) for s in range(hops, world))
+                for i in range(len(plan.piece(o, p))):
+                    hops = 0
+                    while hops < world - 1 and i in plan.carried(o, p, hops):
+                        hops += 1
+                    for s in range(1, world):
+                        if i in plan.seen((o + s) % world, o, p):
+                            assert s <= hops, (o, p, i, s, hops)
+                    if hops:
+                        assert i in plan.seen((o + hops) % world, o, p)
+                    assert all(i not in plan.carried(o, p, s) for s in range(hops, world))
+                # a message packs its tiles in order, offsets cumulative
+                every = list(range(len(plan.piece(o, p))))
+                packed = plan.packed(o, p, every)
+                assert [(so, kc) for so, _, kc in packed] == plan.piece(o, p)
+                assert [at for _, at, _ in packed] == [
+                    sum(kc.length for _, kc in plan.piece(o, p)[:i]) for i in every
+                ]
 
 
 def test_default_tile_keeps_pieces_small():
     """A zigzag shard of 16384 positions (chunks of 8192) travels as 16 pieces, each a
-    tile of 512 from each chunk (the benchmark's shape)."""
+    tile of 512 from each chunk (the benchmark's shape); under a causal mask rank 1
+    sees only the early tiles of rank 0, so only those go to it."""
     plan = RingPlan(Layout("zigzag", 2, 32768), 0, True, None, None, None, 1.0)
     assert ring_plan.TILE == 512
     assert plan.num_pieces == 16
-    assert {plan.piece_len(0, p) for p in range(16)} == {1024}
-    assert [t.start for _, _, t in plan.piece(0, 1)] == [512, 3 * 8192 + 512]
+    assert {sum(kc.length for _, kc in plan.piece(0, p)) for p in range(16)} == {1024}
+    assert [kc.start for _, kc in plan.piece(0, 1)] == [512, 3 * 8192 + 512]
+    assert plan.carried(0, 1, 0) == [0]  # rank 0's early tile only
+    assert plan.carried(1, 1, 0) == [0, 1]  # rank 0's late chunk sees all of rank 1's

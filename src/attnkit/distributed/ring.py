@@ -54,9 +54,9 @@ __all__ = ["RingPlan", "ring_attention"]
 
 
 Piece = tuple[torch.Tensor, torch.Tensor]  # (k, v) of one piece: (b, h_kv, len, d), (.., d_v)
-#: One key tile of a piece: (offset in its owner's shard, offset in the piece, positions,
+#: One key tile of a piece: (offset in its owner's shard, positions,
 #: k (b, h_kv, len, d), v (b, h_kv, len, d_v)).
-KeyTile = tuple[int, int, Chunk, torch.Tensor, torch.Tensor]
+KeyTile = tuple[int, Chunk, torch.Tensor, torch.Tensor]
 
 
 def _empty_piece(k: torch.Tensor, v: torch.Tensor, length: int) -> Piece:
@@ -69,8 +69,8 @@ def _circulate(
     plan: RingPlan, k: torch.Tensor, v: torch.Tensor, group: Group, phase: str
 ) -> Iterator[tuple[int, int, int, list[KeyTile] | None]]:
     """Run the sub-rings; yield ``(p, step, origin, key tiles)`` at every step: the
-    tiles of ``origin``'s piece ``p`` where this rank's queries see it, else None (views
-    of this rank's own ``k``/``v`` at step 0, of the received piece after).
+    tiles of ``origin``'s piece ``p`` this rank's queries see, or None (views of this
+    rank's own ``k``/``v`` at step 0, of the received message after).
 
     The transfer of the next step is posted before the yield and waited after it, so
     it overlaps the caller's compute. The caller must drop its tiles before asking for
@@ -78,47 +78,60 @@ def _circulate(
     """
     r, w = plan.rank, plan.world
     for p in range(plan.num_pieces):
-        held: Piece | None = None  # the piece received for this step
+        held: Piece | None = None  # the message received for this step
+        held_tiles: list[int] = []  # which tiles of the piece it packs
         for s in range(w):
             origin = (r - s) % w
-            tiles = plan.piece(origin, p)
-            sends, recvs, incoming = [], [], None
+            # where each tile of the piece is here: in the own shard, or in the message
+            if s == 0:
+                here = {i: (so, so, kc) for i, (so, kc) in enumerate(plan.piece(origin, p))}
+                source: Piece | None = (k, v)
+            else:
+                tiles = plan.packed(origin, p, held_tiles)
+                here = dict(zip(held_tiles, tiles, strict=True))
+                source = held
+            sends, recvs, incoming, incoming_tiles = [], [], None, []
             if s + 1 < w:
-                if plan.travels(origin, p, s):
-                    if s == 0:  # own piece: its tiles packed for the wire (one copy)
-                        wire = tuple(
-                            torch.cat([x.narrow(2, so, t.length) for so, _, t in tiles], 2)
-                            for x in (k, v)
-                        )
-                    elif held is None:  # travels(o, p, s) implies travels(o, p, s - 1)
+                onward = plan.carried(origin, p, s)
+                if onward:
+                    if source is None or not set(onward) <= set(here):  # arrived first
                         raise RuntimeError(f"ring schedule: piece {p} of rank {origin} missing")
-                    else:
-                        wire = held
+                    wire: tuple[torch.Tensor, ...]
+                    if s > 0 and onward == held_tiles:
+                        wire = source  # the message as it came
+                    else:  # pack the tiles that go on (own piece: always one copy)
+                        wire = tuple(
+                            torch.cat(
+                                [x.narrow(2, here[i][1], here[i][2].length) for i in onward], 2
+                            )
+                            for x in source
+                        )
                     sends.append((wire, (r + 1) % w, "kv"))
                     del wire
                 src = (r - s - 1) % w
-                if plan.travels(src, p, s):
-                    incoming = _empty_piece(k, v, plan.piece_len(src, p))
+                incoming_tiles = plan.carried(src, p, s)
+                if incoming_tiles:
+                    length = sum(kc.length for _, _, kc in plan.packed(src, p, incoming_tiles))
+                    incoming = _empty_piece(k, v, length)
                     recvs.append((incoming, (r - 1) % w, "kv"))
             works = exchange(sends, recvs, group=group, phase=phase, step=s, piece=p)  # type: ignore[arg-type]
             keys: list[KeyTile] | None = None
-            if plan.needed[r][origin][p]:
-                kv = (k, v) if s == 0 else held
-                if kv is None:
+            mine = plan.seen(r, origin, p)
+            if mine:
+                if source is None or not set(mine) <= set(here):
                     raise RuntimeError(f"ring schedule: piece {p} of rank {origin} missing")
                 keys = []
-                for so, po, t in tiles:
-                    at = so if s == 0 else po  # own k/v: shard offsets; a received piece: its own
-                    keys.append(
-                        (so, po, t, kv[0].narrow(2, at, t.length), kv[1].narrow(2, at, t.length))
-                    )
-                del kv  # only the caller's views may keep the piece alive now
+                for i in mine:
+                    so, at, kc = here[i]
+                    kt, vt = (x.narrow(2, at, kc.length) for x in source)
+                    keys.append((so, kc, kt, vt))
+            del source
             yield p, s, origin, keys
             keys = held = None
             for work in works:
                 work.wait()
             del sends, recvs, works
-            held, incoming = incoming, None
+            held, held_tiles, incoming = incoming, incoming_tiles, None
 
 
 def _merge_into(out: torch.Tensor, lse: torch.Tensor, o: torch.Tensor, lse_o) -> None:
@@ -140,7 +153,7 @@ def ring_forward(plan: RingPlan, q, k, v, sinks, group: Group):
     out = q.new_zeros(b, h, t, v.shape[-1], dtype=acc)  # (b, h, t, d_v)
     lse = q.new_full((b, h, t), float("-inf"), dtype=acc)  # (b, h, t)
     for _p, _s, _origin, keys in _circulate(plan, k, v, group, "forward"):
-        for _so, _po, kc, kt, vt in keys or ():
+        for _so, kc, kt, vt in keys or ():
             for qo, qc in plan.queries(r, kc):
                 n = qc.length
                 o, lse_o = _kernel.segment_forward(
@@ -176,29 +189,34 @@ def ring_backward(plan: RingPlan, q, k, v, out, lse, grad_out, grad_lse, group: 
         sends = []
         if keys is not None:
             if origin == r:  # this rank's own piece accumulates in place
-                _piece_grads(plan, rows, keys, [(dk, dv, so) for so, _, _, _, _ in keys], dq)
-            else:  # another's in a share sent straight back to its owner
-                share = _empty_piece(k, v, plan.piece_len(origin, p))
+                _piece_grads(plan, rows, keys, [(dk, dv, so) for so, _, _, _ in keys], dq)
+            else:  # another's in a share (the tiles computed on) sent back to its owner
+                share = _empty_piece(k, v, sum(kc.length for _, kc, _, _ in keys))
                 for x in share:
                     x.zero_()
-                _piece_grads(plan, rows, keys, [(*share, po) for _, po, _, _, _ in keys], dq)
+                offsets = [0]
+                for _, kc, _, _ in keys[:-1]:
+                    offsets.append(offsets[-1] + kc.length)
+                _piece_grads(plan, rows, keys, [(*share, a) for a in offsets], dq)
                 sends.append((share, origin, "dkv"))
                 del share
         del keys
         # ... and this rank's own piece's share from the rank holding it at this step.
         holder = (r + s) % w
-        recvs, buf = [], None
-        if holder != r and plan.needed[holder][r][p]:
-            buf = _empty_piece(k, v, plan.piece_len(r, p))
+        recvs, buf, theirs = [], None, []
+        if holder != r:
+            theirs = plan.packed(r, p, plan.seen(holder, r, p))
+        if theirs:
+            buf = _empty_piece(k, v, sum(kc.length for _, _, kc in theirs))
             recvs.append((buf, holder, "dkv"))
         works = exchange(sends, recvs, group=group, phase="backward", step=s, piece=p)  # type: ignore[arg-type]
         for work in works:
             work.wait()
         del sends, recvs, works
         if buf is not None:
-            for so, po, t in plan.piece(r, p):
-                dk.narrow(2, so, t.length).add_(buf[0].narrow(2, po, t.length))
-                dv.narrow(2, so, t.length).add_(buf[1].narrow(2, po, t.length))
+            for so, at, kc in theirs:
+                dk.narrow(2, so, kc.length).add_(buf[0].narrow(2, at, kc.length))
+                dv.narrow(2, so, kc.length).add_(buf[1].narrow(2, at, kc.length))
             del buf
     return dq, dk, dv
 
@@ -209,7 +227,7 @@ def _piece_grads(plan: RingPlan, rows, keys: list[KeyTile], targets, dq) -> None
 
     ``rows``: this rank's q, the merged out and lse, and their gradients (or None)."""
     q, out, lse, grad_out, grad_lse = rows
-    for (_so, _po, kc, kt, vt), (dk, dv, at) in zip(keys, targets, strict=True):
+    for (_so, kc, kt, vt), (dk, dv, at) in zip(keys, targets, strict=True):
         m = kc.length
         for qo, qc in plan.queries(plan.rank, kc):
             n = qc.length

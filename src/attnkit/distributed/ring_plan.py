@@ -19,7 +19,7 @@ __all__ = ["TILE", "RingPlan", "pair_empty"]
 
 
 #: Positions per tile: query rows and keys of one kernel call; a piece on the wire is
-#: one tile per chunk. A rank's extra memory is about four pieces plus one call's
+#: at most one tile per chunk. A rank's extra memory is about four pieces plus one call's
 #: temporaries, both proportional to TILE (``attnkit.bench.context_parallel``: peak per
 #: rank 0.49 of one process's at 512); smaller tiles mean more calls and messages.
 TILE = 512
@@ -87,21 +87,11 @@ class RingPlan:
         """The number of sub-rings: the most tiles any rank has in one chunk."""
         return max(len(c) for chunks in self._chunk_tiles for c in chunks)
 
-    def piece(self, origin: int, p: int) -> list[tuple[int, int, Chunk]]:
+    def piece(self, origin: int, p: int) -> list[tuple[int, Chunk]]:
         """``origin``'s piece ``p``: tile ``p`` of each of its chunks (zigzag: one early,
         one late, so every rank has as much to compute at each step), as ``(offset in
-        the shard, offset in the piece, positions)``; empty where it has no such tile."""
-        out, at = [], 0
-        for chunk in self._chunk_tiles[origin]:
-            if p < len(chunk):
-                offset, tile = chunk[p]
-                out.append((offset, at, tile))
-                at += tile.length
-        return out
-
-    def piece_len(self, origin: int, p: int) -> int:
-        """Positions in ``origin``'s piece ``p`` (0 where it has none)."""
-        return sum(t.length for _, _, t in self.piece(origin, p))
+        the shard, positions)``; empty where it has no such tile."""
+        return [chunk[p] for chunk in self._chunk_tiles[origin] if p < len(chunk)]
 
     def queries(self, dest: int, kc: Chunk) -> list[tuple[int, Chunk]]:
         """``dest``'s query tiles ``(q_offset, q_tile)`` that see some key of tile ``kc``."""
@@ -112,18 +102,19 @@ class RingPlan:
         ]
 
     @cached_property
-    def needed(self) -> list[list[list[bool]]]:
-        """``needed[dest][origin][p]``: whether ``dest``'s queries see any key of
-        ``origin``'s piece ``p`` (checked chunk by chunk: cheap and exact)."""
+    def _seen(self) -> list[list[list[list[int]]]]:
         w, n = self.world, self.num_pieces
         return [
             [
                 [
-                    any(
-                        not pair_empty(qc, kc, self.causal, self.window)
-                        for _, _, kc in self.piece(o, p)
-                        for qc in self.layout.chunks(d)
-                    )
+                    [
+                        i
+                        for i, (_, kc) in enumerate(self.piece(o, p))
+                        if any(
+                            not pair_empty(qc, kc, self.causal, self.window)
+                            for qc in self.layout.chunks(d)
+                        )
+                    ]
                     for p in range(n)
                 ]
                 for o in range(w)
@@ -131,11 +122,34 @@ class RingPlan:
             for d in range(w)
         ]
 
-    def travels(self, origin: int, p: int, step: int) -> bool:
-        """Whether ``origin``'s piece ``p``, held at ``step`` by rank ``origin + step``,
-        goes on: some rank further round the ring needs it. Sender and receiver agree."""
+    def seen(self, dest: int, origin: int, p: int) -> list[int]:
+        """The tiles of ``origin``'s piece ``p`` (indices into :meth:`piece`) some query of
+        ``dest`` sees (checked chunk by chunk: cheap and exact)."""
+        return self._seen[dest][origin][p]
+
+    def needed(self, dest: int, origin: int, p: int) -> bool:
+        """Whether ``dest``'s queries see any key of ``origin``'s piece ``p``."""
+        return bool(self._seen[dest][origin][p])
+
+    def carried(self, origin: int, p: int, step: int) -> list[int]:
+        """The tiles of ``origin``'s piece ``p`` that go on from rank ``origin + step``
+        after ``step``: those some rank further round the ring sees (none past the
+        last rank that needs one). A message packs them in order; sender and receiver
+        agree. Shrinks as the step grows, so what goes on has always arrived."""
         w = self.world
-        return any(self.needed[(origin + j) % w][origin][p] for j in range(step + 1, w))
+        further = [self._seen[(origin + j) % w][origin][p] for j in range(step + 1, w)]
+        return sorted({i for seen in further for i in seen})
+
+    def packed(self, origin: int, p: int, tiles: list[int]) -> list[tuple[int, int, Chunk]]:
+        """``(offset in the shard, offset in the message, positions)`` of the given tiles
+        of ``origin``'s piece ``p`` packed in order."""
+        out, at = [], 0
+        piece = self.piece(origin, p)
+        for i in tiles:
+            offset, kc = piece[i]
+            out.append((offset, at, kc))
+            at += kc.length
+        return out
 
     def segment(self, qc: Chunk, kc: Chunk) -> _kernel.SegmentMask:
         return _kernel.SegmentMask(
