@@ -29,14 +29,15 @@ non-empty is one call of the kernel layer's ``segment_forward``, so a call's
 temporaries stay tile-sized; the partials merge through ``merge_partials`` (the
 blockwise kernel's one merge) straight into the preallocated output.
 
-A piece is sent on only while a rank further round the ring sees one of its keys (a
-rank with no piece ``p``, its chunks being shorter, sends nothing on sub-ring ``p``):
-a causal contiguous layout never sends the last rank's pieces back to rank 0, and with
-a window only the pieces near a chunk's end travel, as far as the ranks whose queries
-see them. Every piece goes at most ``W - 1`` hops, so the bytes are at most the
-whole-block ring's: ``(W-1)/W`` of ``|K| + |V|`` per rank and pass without a mask.
-The backward runs the same sub-rings; each rank's dK/dV share of a piece goes straight
-back to the piece's owner.
+A tile of a piece is sent on only while a rank further round the ring sees one of its
+keys (:meth:`RingPlan.carried`; a rank with no piece ``p``, its chunks being shorter,
+sends nothing on sub-ring ``p``): a causal contiguous layout never sends the last
+rank's pieces back to rank 0, under zigzag rank 0's late tiles stay home, and with a
+window only the tiles near a chunk's end travel, as far as the ranks whose queries see
+them. Every tile goes at most ``W - 1`` hops, so the bytes are at most the whole-block
+ring's: ``(W-1)/W`` of ``|K| + |V|`` per rank and pass without a mask. The backward
+runs the same sub-rings; each rank's dK/dV share of the tiles it computed on goes
+straight back to the piece's owner.
 """
 
 from __future__ import annotations
@@ -178,8 +179,8 @@ def ring_backward(plan: RingPlan, q, k, v, out, lse, grad_out, grad_lse, group: 
     Memory: besides the shards and their gradients, at most the piece being computed
     on, the next one arriving, the dK/dV share of another rank's piece (sent straight
     back to its owner) and a buffer receiving this rank's own piece's share from the
-    rank that holds it, each a piece (one tile per chunk); plus one kernel
-    call's temporaries.
+    rank that holds it, each at most a piece (one tile per chunk; a rank passing on
+    part of a message packs one more); plus one kernel call's temporaries.
     """
     r, w = plan.rank, plan.world
     rows = (q, out, lse, grad_out, grad_lse)
