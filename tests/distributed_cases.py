@@ -177,8 +177,28 @@ def sinks_case(strategy: str):
     return run
 
 
+#: Piece size of the traffic and memory cases: pieces end inside chunks and at their edges.
+TRAFFIC_TILE = 3
+
+
+def with_tile(tile: int, inner):
+    """``inner`` run with the ring's tiles (query tiles and K/V pieces) of ``tile`` positions."""
+
+    def run(rank: int, world: int) -> dict[str, Any]:
+        from attnkit.distributed import ring_plan
+
+        saved, ring_plan.TILE = ring_plan.TILE, tile
+        try:
+            return inner(rank, world)
+        finally:
+            ring_plan.TILE = saved
+
+    return run
+
+
 def traffic_case(layout: str, kind: str):
-    """Messages and bytes each rank sends, forward and backward."""
+    """Messages ``(piece, step, peer, bytes)`` each rank sends, forward and backward,
+    with pieces of :data:`TRAFFIC_TILE` positions."""
 
     def run(rank: int, world: int) -> dict[str, Any]:
         b, h, t, d = 1, 2, 8 * world, 4
@@ -191,22 +211,69 @@ def traffic_case(layout: str, kind: str):
         with record_traffic() as log:
             out = context_parallel_attention(ql, kl, vl, layout=layout, **opts)
             out.sum().backward()
-        kv = [(m.step, m.peer, m.nbytes) for m in log.select("kv", "forward")]
+
+        def msgs(kind: str, phase: str | None = None) -> list[tuple[int, int, int, int]]:
+            return [(m.piece, m.step, m.peer, m.nbytes) for m in log.select(kind, phase)]
+
         return {
-            "kv_forward": kv,
-            "kv_backward": [(m.step, m.peer, m.nbytes) for m in log.select("kv", "backward")],
-            "dkv": [(m.step, m.peer, m.nbytes) for m in log.select("dkv")],
-            "block_bytes": (kl.numel() + vl.numel()) * kl.element_size(),
+            "kv_forward": msgs("kv", "forward"),
+            "kv_backward": msgs("kv", "backward"),
+            "dkv": msgs("dkv"),
+            "shard_bytes": (kl.numel() + vl.numel()) * kl.element_size(),
             "rank": rank,
         }
 
     def gather(rank: int, world: int) -> dict[str, Any]:
-        mine = run(rank, world)
+        mine = with_tile(TRAFFIC_TILE, run)(rank, world)
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, mine)
         return {"ranks": everyone}
 
     return gather
+
+
+def memory_case(rank: int, world: int) -> dict[str, Any]:
+    """The K/V and dK/dV buffers a rank holds at once, seen at every exchange (a spy on
+    ``ring.exchange`` keeps weak references to every tensor sent or received): with
+    tiles of 8 positions (pieces of 16: one tile of each zigzag chunk) in shards of 128,
+    a few pieces, never a shard-sized block."""
+    import weakref
+
+    from attnkit.distributed import ring
+
+    live: list[weakref.ref] = []
+    seen = {"peak_bytes": 0, "longest": 0, "exchanges": 0}
+    real = ring.exchange
+
+    def spy(sends, recvs, **kw):
+        for tensors, _, _ in (*sends, *recvs):
+            for x in tensors:
+                live.append(weakref.ref(x))
+                seen["longest"] = max(seen["longest"], x.shape[2])
+        # by identity: a received piece sent on is the same tensor (contiguous() is itself)
+        alive = {id(x): x for x in (ref() for ref in live) if x is not None}
+        seen["peak_bytes"] = max(seen["peak_bytes"], sum(x.nbytes for x in alive.values()))
+        seen["exchanges"] += 1
+        return real(sends, recvs, **kw)
+
+    b, h, t, d = 1, 2, 128 * world, 8
+    g = torch.Generator().manual_seed(2)
+    q, k, v, gout = (torch.randn(b, h, t, d, generator=g, dtype=torch.float64) for _ in range(4))
+    _bcast(q, k, v, gout)
+    ql, kl, vl = (shard(x, 2).requires_grad_(True) for x in (q, k, v))
+
+    def step(rank: int, world: int) -> dict[str, Any]:
+        out = context_parallel_attention(ql, kl, vl, causal=True)
+        (out * shard(gout, 2)).sum().backward()
+        return {}
+
+    ring.exchange = spy
+    try:
+        with_tile(8, step)(rank, world)
+    finally:
+        ring.exchange = real
+    piece_bytes = 2 * b * h * 16 * d * 8  # one K/V piece of 16 positions: its k and its v
+    return {**seen, "piece_bytes": piece_bytes, "shard_bytes": 2 * kl.nbytes}
 
 
 def refusal_case(rank: int, world: int) -> dict[str, Any]:
@@ -307,18 +374,35 @@ def low_precision_case(strategy: str, dtype: torch.dtype):
 
 def small_tiles_case(kind: str):
     """The ring with tiles of 2 positions: every chunk pair is cut into many calls."""
-    inner = attention_case("ring", "zigzag", kind, 31)
+    return with_tile(2, attention_case("ring", "zigzag", kind, 31))
 
-    def run(rank: int, world: int) -> dict[str, Any]:
-        from attnkit.distributed import ring
 
-        saved, ring.TILE = ring.TILE, 2
-        try:
-            return inner(rank, world)
-        finally:
-            ring.TILE = saved
+#: Kinds of the pieces cases: every mask path, GQA/MQA, a mod.
+PIECE_KINDS = ("full", "causal_gqa", "mqa", "window", "window_sym", "documents", "alibi")
 
-    return run
+
+def piece_length(world: int) -> int:
+    """A length whose shards hold different numbers of pieces of 3-position tiles
+    (contiguous: 7 positions, pieces 3+3+1, and 6, pieces 3+3; zigzag: chunks of 4,
+    two tiles, and of 3, one)."""
+    return 7 * world - 1
+
+
+def pieces_suite(world: int) -> dict[str, Any]:
+    """The ring with pieces of 3 positions (crossing chunk edges, ranks holding different
+    numbers of pieces): exactness, sinks, the lse gradient, traffic and memory."""
+    cases: dict[str, Any] = {}
+    for layout in ("zigzag", "contiguous"):
+        for kind in PIECE_KINDS:
+            inner = attention_case("ring", layout, kind, piece_length(world))
+            cases[f"pieces-{layout}-{kind}"] = with_tile(3, inner)
+        cases[f"pieces-lse_grad-{layout}"] = with_tile(3, lse_grad_case("ring", layout))
+    cases["pieces-sinks"] = with_tile(3, sinks_case("ring"))
+    for layout in ("zigzag", "contiguous"):
+        for kind in ("full", "causal", "window"):
+            cases[f"traffic-{layout}-{kind}"] = traffic_case(layout, kind)
+    cases["memory"] = memory_case
+    return cases
 
 
 def lengths_for(world: int) -> dict[str, int]:
@@ -343,11 +427,9 @@ def attention_suite(world: int) -> dict[str, Any]:
         for dtype in (torch.float32, torch.bfloat16):
             if world == 2:
                 cases[f"dtype-{strategy}-{dtype}"] = low_precision_case(strategy, dtype)
-    for layout in ("zigzag", "contiguous"):
-        for kind in ("full", "causal", "window"):
-            cases[f"traffic-{layout}-{kind}"] = traffic_case(layout, kind)
     for kind in ("causal_gqa", "window", "documents"):
         cases[f"tiles-{kind}"] = small_tiles_case(kind)
+    cases.update(pieces_suite(world))
     cases["refusals"] = refusal_case
     cases["unshard_grad"] = unshard_grad_case
     if world == 2:  # the GPT steps ride on the same spawn: start-up dominates

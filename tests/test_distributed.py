@@ -1,4 +1,4 @@
-"""attnkit.distributed on real gloo process groups of 2 and 3 ranks (spawned once each).
+"""attnkit.distributed on real gloo process groups of 2, 3 and 4 ranks (spawned once each).
 
 Each case runs on every rank; rank 0 reports the largest differences from a
 single-process ``attnkit.attention`` on the whole float64 sequence, asserted here.
@@ -17,13 +17,16 @@ from tests import distributed_cases as cases
 from tests.distributed_harness import run_suite
 
 WORLDS = (2, 3)
+PIECE_WORLDS = (2, 3, 4)  # W = 4 runs the pieces suite only
 TOL = 1e-10
 HAS_SINKS = "sinks" in inspect.signature(attnkit.attention).parameters
 
 
 @pytest.fixture(scope="module")
 def results():
-    return {w: run_suite("tests.distributed_cases:attention_suite", w) for w in WORLDS}
+    out = {w: run_suite("tests.distributed_cases:attention_suite", w) for w in WORLDS}
+    out[4] = run_suite("tests.distributed_cases:pieces_suite", 4)
+    return out
 
 
 def _ok(res: dict) -> dict:
@@ -89,54 +92,171 @@ def test_low_precision_error_at_most_twice_plain_math(results, strategy, dtype):
         assert ours <= 2 * plain + eps, (name, ours, plain)
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_full_ring_sends_one_block_per_step(results, world):
-    """Without a mask every rank sends its neighbour one K/V block at each of the W-1
-    steps that have a next block, forward and backward, and its dK/dV shares back."""
+# -- the ring's pieces: exactness, traffic, memory -------------------------------------
+
+
+def _pieces(lay: Layout, rank: int, tile: int) -> list[list[list[int]]]:
+    """``rank``'s K/V pieces, each a list of tiles of global positions: piece p is tile
+    p (``tile`` positions) of each of its chunks, so a zigzag piece has an early and a
+    late tile."""
+    cut = [
+        [list(range(a, min(a + tile, c.stop))) for a in range(c.start, c.stop, tile)]
+        for c in lay.chunks(rank)
+    ]
+    n = max(len(c) for c in cut)
+    return [[c[p] for c in cut if p < len(c)] for p in range(n)]
+
+
+def _sees(queries: list[int], keys: list[int], kind: str) -> bool:
+    """Whether some query may attend to some key (brute force over positions)."""
+    rule = {
+        "full": lambda i, j: True,
+        "causal": lambda i, j: j <= i,
+        "window": lambda i, j: i - 2 < j <= i,
+    }[kind]
+    return any(rule(i, j) for i in queries for j in keys)
+
+
+def _schedule(lay: Layout, kind: str, tile: int, position_bytes: int):
+    """Per rank, the messages ``(piece, step, peer, bytes)`` the sub-rings should send:
+    piece p of rank o is held at step s by rank o + s, which passes on to o + s + 1 the
+    tiles that a rank further round sees; the dK/dV share of the tiles a rank computed
+    on goes back to the piece's owner at the same step."""
+    w = lay.world_size
+    pieces = [_pieces(lay, r, tile) for r in range(w)]
+    queries = [lay.positions(r).tolist() for r in range(w)]
+    kv: dict[int, list] = {r: [] for r in range(w)}
+    dkv: dict[int, list] = {r: [] for r in range(w)}
+    for p in range(max(len(x) for x in pieces)):
+        for s in range(w):
+            for r in range(w):
+                o = (r - s) % w
+                if p >= len(pieces[o]):
+                    continue
+                further = [queries[(o + j) % w] for j in range(s + 1, w)]
+                onward = [t for t in pieces[o][p] if any(_sees(q, t, kind) for q in further)]
+                if onward:
+                    kv[r].append((p, s, (r + 1) % w, sum(map(len, onward)) * position_bytes))
+                mine = [t for t in pieces[o][p] if _sees(queries[r], t, kind)]
+                if s > 0 and mine:
+                    dkv[r].append((p, s, o, sum(map(len, mine)) * position_bytes))
+    return kv, dkv
+
+
+PIECE_CASES = [
+    (w, lay, kind)
+    for w in PIECE_WORLDS
+    for lay in ("zigzag", "contiguous")
+    for kind in cases.PIECE_KINDS
+]
+
+
+@pytest.mark.parametrize(("world", "layout", "kind"), PIECE_CASES)
+def test_ring_pieces_match_single_process(results, world, layout, kind):
+    """Tiles of 3 positions: they end inside chunks and at their edges, a zigzag piece
+    joins a tile of each chunk, and the length gives the ranks different numbers of
+    pieces (a rank with no piece p sends nothing on sub-ring p), W = 2, 3, 4."""
+    res = _ok(results[world][f"pieces-{layout}-{kind}"])
+    for name in ("out", "dq", "dk", "dv", "lse"):
+        assert res[name] < TOL, (name, res)
+
+
+def test_piece_lengths_differ_between_ranks():
+    """The pieces cases really have ranks with different numbers of pieces."""
+    for world in PIECE_WORLDS:
+        for name in ("zigzag", "contiguous"):
+            lay = Layout(name, world, cases.piece_length(world))
+            counts = {len(_pieces(lay, r, 3)) for r in range(world)}
+            assert len(counts) > 1, (world, name, counts)
+            if name == "contiguous":
+                assert len({lay.local_len(r) for r in range(world)}) > 1
+
+
+@pytest.mark.parametrize("world", PIECE_WORLDS)
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_ring_pieces_sinks_and_lse_gradient(results, world, layout):
+    assert max(_ok(results[world][f"pieces-lse_grad-{layout}"]).values()) < TOL
+    assert max(_ok(results[world]["pieces-sinks"]).values()) < TOL
+
+
+@pytest.mark.parametrize("world", PIECE_WORLDS)
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("kind", ["full", "causal", "window"])
+def test_traffic_follows_the_piece_schedule(results, world, layout, kind):
+    """Every message (piece, step, peer, bytes), forward, backward and dK/dV, is the one
+    the sub-ring schedule above derives from positions alone."""
+    ranks = _ok(results[world][f"traffic-{layout}-{kind}"])["ranks"]
+    lay = Layout(layout, world, 8 * world)
+    position_bytes = 2 * 2 * 4 * 8  # k and v, 2 heads, head_dim 4, float64
+    kv, dkv = _schedule(lay, kind, cases.TRAFFIC_TILE, position_bytes)
+    for info in ranks:
+        r = info["rank"]
+        assert [tuple(m) for m in info["kv_forward"]] == kv[r], (r, info["kv_forward"])
+        assert [tuple(m) for m in info["kv_backward"]] == kv[r]
+        assert [tuple(m) for m in info["dkv"]] == dkv[r], (r, info["dkv"])
+        # a message is one piece: at most one tile of each of the rank's chunks
+        longest = cases.TRAFFIC_TILE * len(lay.chunks(r)) * position_bytes
+        assert all(n <= longest for *_, n in info["kv_forward"])
+
+
+@pytest.mark.parametrize("world", PIECE_WORLDS)
+def test_full_ring_sends_the_ring_bytes(results, world):
+    """Without a mask each rank relays W-1 shards' worth of K/V per pass, in pieces: its
+    own, then those of the ranks before it ((W-1)/W of |K|+|V| for equal shards); each
+    of them reaches every other rank exactly once."""
     for layout in ("zigzag", "contiguous"):
         ranks = _ok(results[world][f"traffic-{layout}-full"])["ranks"]
+        shard_bytes = ranks[0]["shard_bytes"]  # 8 positions per rank: equal shards
         for info in ranks:
-            r, block = info["rank"], info["block_bytes"]
-            expect = [(s, (r + 1) % world) for s in range(world - 1)]
-            assert [(s, p) for s, p, _ in info["kv_forward"]] == expect
-            assert [(s, p) for s, p, _ in info["kv_backward"]] == expect
-            # each message is one whole K/V block: the block that arrived, of its origin's size
-            sizes = [n for _, _, n in info["kv_forward"]]
-            assert sizes[0] == block
-            # dK/dV of the block held at step s go back to its owner r - s
-            assert [(s, p) for s, p, _ in info["dkv"]] == [
-                (s, (r - s) % world) for s in range(1, world)
-            ]
+            assert sum(n for *_, n in info["kv_forward"]) == (world - 1) * shard_bytes
+            assert sum(n for *_, n in info["kv_backward"]) == (world - 1) * shard_bytes
+            assert sum(n for *_, n in info["dkv"]) == (world - 1) * shard_bytes
+            steps = [s for _, s, _, _ in info["kv_forward"]]
+            assert sorted(set(steps)) == list(range(world - 1))
+            assert {peer for _, _, peer, _ in info["kv_forward"]} == {(info["rank"] + 1) % world}
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_causal_contiguous_skips_blocks(results, world):
-    """Causal, contiguous: rank r's block is needed by ranks r..W-1 only, so it travels
+@pytest.mark.parametrize("world", PIECE_WORLDS)
+def test_causal_contiguous_skips_pieces(results, world):
+    """Causal, contiguous: rank r's pieces are needed by ranks r..W-1 only, so each goes
     W-1-r hops and never wraps round to rank 0; the last rank sends no K/V at all."""
     ranks = _ok(results[world]["traffic-contiguous-causal"])["ranks"]
     for info in ranks:
-        r = info["rank"]
-        # at step s rank r relays the block of rank r - s; it goes on while r + 1 < W
-        expect = [(s, r + 1) for s in range(r + 1)] if r < world - 1 else []
-        assert [(s, p) for s, p, _ in info["kv_forward"]] == expect
-        assert [(s, p) for s, p, _ in info["kv_backward"]] == expect
-        # dK/dV come back from the ranks that computed on the block: r+1 .. W-1
-        assert [(s, p) for s, p, _ in info["dkv"]] == [(s, r - s) for s in range(1, r + 1)]
-    total = sum(len(i["kv_forward"]) for i in ranks)
-    assert total == world * (world - 1) // 2  # half the full ring's W(W-1)
-    # zigzag balances causal work: every rank needs every block
-    for info in _ok(results[world]["traffic-zigzag-causal"])["ranks"]:
-        assert len(info["kv_forward"]) == world - 1
+        r, shard_bytes = info["rank"], info["shard_bytes"]
+        hops = {(s, peer) for _, s, peer, _ in info["kv_forward"]}
+        assert hops == ({(s, r + 1) for s in range(r + 1)} if r < world - 1 else set())
+        assert sum(n for *_, n in info["kv_forward"]) == len(hops) * shard_bytes
+        assert {(s, peer) for _, s, peer, _ in info["dkv"]} == {(s, r - s) for s in range(1, r + 1)}
+    total = sum(sum(n for *_, n in i["kv_forward"]) for i in ranks)
+    assert total == world * (world - 1) // 2 * ranks[0]["shard_bytes"]  # half the full ring's
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_window_fetches_only_neighbours(results, world):
-    """A window of 2 inside chunks of 8: only the previous rank's block is ever needed."""
+@pytest.mark.parametrize("world", PIECE_WORLDS)
+def test_window_sends_only_the_last_piece(results, world):
+    """Contiguous, a window of 2 inside chunks of 8 cut into pieces 3 + 3 + 2: rank r+1's
+    queries see only rank r's last piece, so that piece alone travels, one hop."""
     ranks = _ok(results[world]["traffic-contiguous-window"])["ranks"]
+    position_bytes = 2 * 2 * 4 * 8
     for info in ranks:
         r = info["rank"]
-        assert [(s, p) for s, p, _ in info["kv_forward"]] == ([(0, r + 1)] if r < world - 1 else [])
-        assert [(s, p) for s, p, _ in info["dkv"]] == ([(1, r - 1)] if r > 0 else [])
+        last = [(2, 0, r + 1, 2 * position_bytes)] if r < world - 1 else []
+        assert [tuple(m) for m in info["kv_forward"]] == last
+        back = [(2, 1, r - 1, 2 * position_bytes)] if r > 0 else []
+        assert [tuple(m) for m in info["dkv"]] == back
+
+
+@pytest.mark.parametrize("world", PIECE_WORLDS)
+def test_ring_holds_pieces_not_blocks(results, world):
+    """Memory regression: the K/V and dK/dV buffers alive at once (seen at every
+    exchange) are at most 4 pieces (the one computed on, the next, a dK/dV share, the
+    share coming back) plus the one tensor (a piece's k or v) torch's gloo keeps (it
+    holds on to the last tensor received), never a shard-sized block (8 pieces here),
+    and every message is one piece (measured: 3.5 pieces at W = 2, 4.5 at W = 3, 4)."""
+    res = _ok(results[world]["memory"])
+    assert res["exchanges"] > 0
+    assert res["longest"] == 16
+    assert res["peak_bytes"] <= 4.5 * res["piece_bytes"], res
+    assert res["peak_bytes"] <= 0.7 * res["shard_bytes"], res
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -12,9 +12,12 @@ forward + backward, zigzag layout.
 * **bytes**: K/V bytes each rank sends per pass (:func:`attnkit.distributed.record_traffic`)
   over the ring's theoretical ``(W-1)/W * (|K| + |V|)`` = ``2(W-1)/W * |K|``.
 * **time**: one fwd+bwd step with W = 2 ranks of 1 thread each vs one process of
-  2 threads, alternated (round-robin) ``--repeats`` times; the median ratio. On a
-  machine of 2 shared cores the ring cannot win on time: it does the same work plus
-  the messages; it wins on memory.
+  2 threads, alternated (round-robin) ``--repeats`` times; the median ratio. These
+  runs keep glibc's default allocator settings: the memory runs' low mmap threshold
+  makes every freed temporary's pages fault in anew on the next allocation (it charged
+  the ring's many tile-sized temporaries about 20% more time). On a machine of 2
+  shared cores the ring cannot win on time: it does the same work plus the messages;
+  it wins on memory.
 """
 
 from __future__ import annotations
@@ -109,16 +112,27 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], out: str) -> 
         Path(out).write_text(json.dumps(results))
 
 
-def _launch(world: int, job: dict[str, Any]) -> list[dict[str, Any]]:
+def _launch(
+    world: int, job: dict[str, Any], mmap_threshold: int | None = 65536
+) -> list[dict[str, Any]]:
+    """Run ``job`` on ``world`` fresh processes; ``mmap_threshold`` is glibc's
+    ``MALLOC_MMAP_THRESHOLD_`` for them (None: glibc's default, for the time runs)."""
     from attnkit.distributed.comm import free_port
 
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # read by glibc when a child starts
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "out.json")
-        mp.start_processes(
-            _worker, args=(world, free_port(), job, out), nprocs=world, start_method="spawn"
-        )
-        return json.loads(Path(out).read_text())
+    saved = os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    if mmap_threshold is not None:  # read by glibc when a child starts
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(mmap_threshold)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = str(Path(tmp) / "out.json")
+            mp.start_processes(
+                _worker, args=(world, free_port(), job, out), nprocs=world, start_method="spawn"
+            )
+            return json.loads(Path(out).read_text())
+    finally:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        if saved is not None:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
 
 
 def run(
@@ -150,10 +164,10 @@ def run(
     }
     one_t, two_t = [], []
     for _ in range(repeats):  # round-robin: the two configurations alternate
-        one_t.append(_launch(1, {**shape, "t": time_seq_len, "threads": 2})[0]["seconds"])
-        two_t.append(
-            max(r["seconds"] for r in _launch(2, {**shape, "t": time_seq_len, "threads": 1}))
-        )
+        single = _launch(1, {**shape, "t": time_seq_len, "threads": 2}, mmap_threshold=None)
+        one_t.append(single[0]["seconds"])
+        ranks = _launch(2, {**shape, "t": time_seq_len, "threads": 1}, mmap_threshold=None)
+        two_t.append(max(r["seconds"] for r in ranks))
     report["time"] = {
         "one_process_2_threads_s": one_t,
         "two_ranks_1_thread_s": two_t,

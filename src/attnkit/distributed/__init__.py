@@ -7,7 +7,7 @@ Built on torch.distributed only (process groups, ``batch_isend_irecv``,
 * :func:`shard` / :func:`unshard`: this rank's part of a sequence and back
   (:mod:`~attnkit.distributed.layout`: ``"zigzag"`` or ``"contiguous"``);
 * :func:`context_parallel_attention`: exact attention over the split sequence, by a
-  ring of K/V blocks (:mod:`~attnkit.distributed.ring`) or by re-sharding to heads
+  ring of K/V pieces (:mod:`~attnkit.distributed.ring`) or by re-sharding to heads
   (:mod:`~attnkit.distributed.all_to_all`), forward and backward;
 * :func:`init_process_group`: join torchrun's group, NCCL for CUDA and gloo for CPU.
 """

@@ -6,5 +6,6 @@ from attnkit.backends.blockwise import (
     segment_backward,
     segment_forward,
 )
+from attnkit.backends.blockwise.plan import acc_dtype
 
-__all__ = ["SegmentMask", "merge_partials", "segment_backward", "segment_forward"]
+__all__ = ["SegmentMask", "acc_dtype", "merge_partials", "segment_backward", "segment_forward"]

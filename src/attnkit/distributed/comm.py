@@ -92,13 +92,16 @@ def global_rank(group: Group, rank: int) -> int:
 
 @dataclass(frozen=True)
 class Message:
-    """One point-to-point send: what (``"kv"``, ``"dkv"``), the pass and step, peer, bytes."""
+    """One point-to-point send: what (``"kv"``, ``"dkv"``), the pass, the ring step, the
+    peer, the bytes, and which K/V piece it carries (the ring circulates its shards in
+    pieces: :mod:`attnkit.distributed.ring`)."""
 
     kind: str
     phase: str  # "forward" / "backward"
     step: int
     peer: int
     nbytes: int
+    piece: int = 0
 
 
 @dataclass
@@ -146,10 +149,11 @@ def exchange(
     group: Group,
     phase: str,
     step: int,
+    piece: int = 0,
 ) -> list[dist.Work]:
     """Post sends and receives ``(tensors, group_peer, kind)`` with ``batch_isend_irecv``.
 
-    One item is one message (a K/V block is its K and its V, sent as two tensors with
+    One item is one message (a K/V piece is its K and its V, sent as two tensors with
     their own tags, so no packing copy is made). Returns the pending works (empty when
     there is nothing to do); the caller waits. Sends are recorded by
     :func:`record_traffic`.
@@ -163,7 +167,7 @@ def exchange(
             )
         if log is not None:
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
-            log.messages.append(Message(kind, phase, step, peer, nbytes))
+            log.messages.append(Message(kind, phase, step, peer, nbytes, piece))
     for tensors, peer, kind in recvs:
         for i, tensor in enumerate(tensors):
             ops.append(

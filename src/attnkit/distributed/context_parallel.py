@@ -11,7 +11,8 @@ from attnkit.attention import check_sinks
 from attnkit.distributed.all_to_all import all_to_all_attention
 from attnkit.distributed.comm import Group, rank_and_size
 from attnkit.distributed.layout import LAYOUTS, local_lengths, seq_len_of
-from attnkit.distributed.ring import RingPlan, ring_attention
+from attnkit.distributed.ring import ring_attention
+from attnkit.distributed.ring_plan import RingPlan
 from attnkit.masks import MaskMod, ScoreMod
 
 __all__ = ["STRATEGIES", "context_parallel_attention"]
@@ -78,7 +79,7 @@ def context_parallel_attention(
         v: ``(b, h_kv, t_local, d_v)``.
         group: the process group (None = the default world group).
         layout: ``"zigzag"`` or ``"contiguous"`` (:mod:`attnkit.distributed.layout`).
-        strategy: ``"ring"`` (K/V blocks travel round the ranks) or ``"all_to_all"``
+        strategy: ``"ring"`` (K/V pieces travel round the ranks) or ``"all_to_all"``
             (Ulysses: re-shard to heads; needs ``h_q`` divisible by the group size).
         causal: keys after the query's position are masked.
         window: sliding window (``q - window < k``; symmetric without ``causal``).
