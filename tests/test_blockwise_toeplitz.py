@@ -281,3 +281,76 @@ def test_is_causal_tile_and_runs():
     assert not docs.is_causal_tile(0, 32, 0, 32)  # FULL diagonal: not causal by itself
     assert docs.is_causal_tile(0, 32, 0, 32, causal=True)  # ... unless the call is
     assert docs.causal_runs(64, causal=True) == [(0, 32), (32, 64)]
+
+
+# -- block masks that are a function of q_idx - kv_idx -------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, mod",
+    [
+        ("window", lambda b, h, q, kv: (kv <= q) & (q - kv < 40)),
+        ("symmetric", lambda b, h, q, kv: (q - kv).abs() < 25),
+        ("every-7th", lambda b, h, q, kv: ((q - kv) % 7 == 0) & ((q - kv).abs() < 60)),
+        ("shifted", lambda b, h, q, kv: (q - kv >= 5) & (q - kv < 30)),  # dead first rows
+    ],
+)
+@pytest.mark.parametrize("lq, lk", [(300, 300), (257, 311), (311, 257)])
+def test_toeplitz_block_mask_takes_the_band(monkeypatch, name, mod, lq, lk):
+    """A window written as a mod (FlexAttention style) runs as a band once its block mask
+    is checked to be a function of q - kv; with the call's causal flag too."""
+    seen = _spy_layouts(monkeypatch)
+    bm = create_block_mask(mod, None, None, lq, lk, block_size=16)
+    assert bm.toeplitz() is not None
+    q, k, v = _qkv(2, 2, 1, lq, lk, 8, torch.float64, 6)
+    qi, kj = torch.arange(lq).view(-1, 1), torch.arange(lk).view(1, -1)
+    keep = mod(0, 0, qi, kj)
+    for causal in (False, "top_left"):
+        want_keep = keep & (_keep(lq, lk, causal, None) if causal else True)
+        out, lse = attention(q, k, v, block_mask=bm, causal=causal, return_lse=True,
+                             backend="blockwise")  # fmt: skip
+        want, want_lse = ref_attention_lse(q, k, v, keep=want_keep)
+        torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(lse, want_lse.to(lse.dtype), atol=1e-10, rtol=1e-10)
+    assert "band" in seen  # (a support wider than a quarter of the keys stays general)
+
+
+def test_block_masks_that_are_not_toeplitz_are_refused():
+    ids = torch.arange(256) // 64
+    assert create_block_mask(M.document(ids), None, None, 256, 256).toeplitz() is None
+    per_head = create_block_mask(lambda b, h, q, kv: q - kv < h + 3, None, 2, 64, 64)
+    assert per_head.toeplitz() is None  # differs by head: not one function of q - kv
+    # equal kinds along every diagonal but a different pattern inside one tile
+    bad = create_block_mask(lambda b, h, q, kv: (q - kv < 20) | ((q == 70) & (kv == 3)),
+                            None, None, 128, 128, block_size=16)  # fmt: skip
+    assert bad.toeplitz() is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lq=st.integers(33, 140),
+    lk=st.integers(1, 140),
+    lo=st.integers(-40, 40),
+    width=st.integers(1, 40),
+    step=st.integers(1, 3),
+    causal=st.sampled_from([False, "top_left", "bottom_right"]),
+    block=st.sampled_from([8, 16]),
+    seed=st.integers(0, 2**16),
+)
+def test_fuzz_toeplitz_block_masks(lq, lk, lo, width, step, causal, block, seed):
+    def mod(b, h, q, kv):
+        d = q - kv
+        return (d >= lo) & (d < lo + width) & ((d - lo) % step == 0)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(blockwise_plan, "BAND_BLOCK_Q", 8)
+        bm = create_block_mask(mod, None, None, lq, lk, block_size=block)
+        q, k, v = _qkv(1, 2, 2, lq, lk, 8, torch.float64, seed)
+        keep = mod(0, 0, torch.arange(lq).view(-1, 1), torch.arange(lk).view(1, -1))
+        if causal:
+            keep = keep & _keep(lq, lk, causal, None)
+        out, lse = attention(q, k, v, block_mask=bm, causal=causal, return_lse=True,
+                             backend="blockwise")  # fmt: skip
+        want, want_lse = ref_attention_lse(q, k, v, keep=keep)
+        torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(lse, want_lse.to(lse.dtype), atol=1e-10, rtol=1e-10)

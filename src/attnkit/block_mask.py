@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from attnkit._validate import check_int
 from attnkit.mods import eval_mask_mod
@@ -86,6 +87,7 @@ class BlockMask:
         self._dense_cache: dict[tuple[int, int, int, int], torch.Tensor | None] = {}
         self._dense_bytes = 0
         self._runs: dict[tuple[int, bool], list[tuple[int, int]]] = {}
+        self._toeplitz: tuple = None  # type: ignore[assignment]  # () = checked, not one
 
     # -- shape -----------------------------------------------------------------------------
     @property
@@ -239,6 +241,60 @@ class BlockMask:
         if not (kinds[:, :, below] == FULL).all():
             return False
         return causal or bool((kinds[:, :, above] == EMPTY).all())
+
+    def toeplitz(self) -> tuple[int, torch.Tensor] | None:
+        """The mask as a function of ``q_idx - kv_idx`` when it is one (a sliding window
+        written as a mod, say), else None: ``(lo, keep)`` with ``keep[n]`` the value at
+        ``q_idx - kv_idx = lo + n``, trimmed to the kept range. Cached.
+
+        Read off the first block row and column, then checked against every tile: the
+        kinds (EMPTY/FULL/PARTIAL over each tile's range of differences) and the stored
+        masks of the partial tiles. The same for every batch element and head only.
+        """
+        if self._toeplitz is not None:
+            return self._toeplitz or None
+        self._toeplitz = ()
+        qb, kb = self.Q_BLOCK_SIZE, self.KV_BLOCK_SIZE
+        if qb != kb or tuple(self.block_kind.shape[:2]) != (1, 1):
+            return None
+        nq, nk = self.num_blocks()
+        dev = self.partial_masks.device
+        # the dense first column (rows i, key 0) and first row (query 0, keys j)
+        col = self._assemble(0, nq, 0, 1)[0, 0, : self.Q_LEN, 0]  # M[i, 0]
+        row = self._assemble(0, 1, 0, nk)[0, 0, 0, : self.KV_LEN]  # M[0, j]
+        lo = -(self.KV_LEN - 1)
+        f = torch.cat((row.flip(0)[:-1], col))  # f[n]: q - kv = lo + n
+        # every tile against f: its differences a - b + (i - j) * qb span one range
+        bi = torch.arange(nq, device=dev).view(-1, 1)
+        bj = torch.arange(nk, device=dev).view(1, -1)
+        rows = torch.clamp(self.Q_LEN - bi * qb, max=qb)  # valid rows of the tile
+        cols = torch.clamp(self.KV_LEN - bj * kb, max=kb)
+        d0 = (bi - bj) * qb - lo  # index in f of a = b = 0
+        first, last = d0 - (cols - 1), d0 + (rows - 1)  # inclusive
+        ones = F.pad(f.long().cumsum(0), (1, 0))
+        kept = ones[last + 1] - ones[first]
+        span = last - first + 1
+        kind = torch.full((nq, nk), PARTIAL, dtype=torch.int8, device=dev)
+        kind[kept == 0] = EMPTY
+        kind[kept == span] = FULL
+        if not torch.equal(kind, self.block_kind[0, 0]):
+            return None
+        sel = self.partial_index[0, 0] >= 0  # the stored partial tiles
+        if bool(sel.any()):
+            ti, tj = sel.nonzero().unbind(1)
+            a = torch.arange(qb, device=dev).view(1, -1, 1)
+            b = torch.arange(kb, device=dev).view(1, 1, -1)
+            n = d0[ti, tj].view(-1, 1, 1) + a - b  # (p, qb, kb)
+            valid = (a < rows[ti, 0].view(-1, 1, 1)) & (b < cols[0, tj].view(-1, 1, 1))
+            want = f[n.clamp(0, f.numel() - 1)] & valid
+            if not torch.equal(want, self.partial_masks[self.partial_index[0, 0][sel]]):
+                return None
+        where = f.nonzero().flatten()
+        if where.numel() == 0:
+            return None
+        start, stop = int(where[0]), int(where[-1]) + 1
+        self._toeplitz = (lo + start, f[start:stop].clone())
+        return self._toeplitz
 
     def causal_runs(self, max_rows: int, causal: bool = False) -> list[tuple[int, int]]:
         """The query rows cut for a kernel with a causal flag: maximal runs of whole block

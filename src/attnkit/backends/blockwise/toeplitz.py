@@ -6,7 +6,8 @@ mods that declare ``relative``) give each (query, key) pair a value
 Such a mask is Toeplitz, and two layouts of the kernel calls need no mask tile per
 (query block, key block):
 
-* **band** (a window): every query block of ``bq`` rows sees the same ``L`` keys relative
+* **band** (a window, or a block mask that is a function of ``q_idx - kv_idx`` with a
+  narrow support, as a sliding window written as a mod): every query block of ``bq`` rows sees the same ``L`` keys relative
   to its first row, so all blocks go into ONE kernel call: the queries viewed as
   ``(n, h, bq, d)``, the keys as an *overlapping* strided view ``(n, h_kv, L, d)`` of the
   keys (padded at the ends), and one ``(h|1, bq, L)`` mask shared by every block; blocks
@@ -45,14 +46,35 @@ def layout(plan: TilePlan) -> str | None:
     """``"band"``, ``"rows"`` or None (the general path) for a fused plan."""
     if not plan.fused or plan.mask is not None or plan.mask_mod is not None:
         return None
-    if plan.block_mask is not None:
+    if plan.block_mask is not None and plan.block_mask.toeplitz() is None:
         return None
     relative = None if plan.score_mod is None else getattr(plan.score_mod, "relative", None)
     if plan.score_mod is not None and relative is None:
         return None
+    band = key_band(plan)
+    if band is not None:
+        narrow = plan.window is not None or band[1] - band[0] < plan.s // 4
+        return "band" if narrow and plan.t >= 4 * _plan.BAND_BLOCK_Q else None
+    return "rows" if relative is not None and plan.block_mask is None else None
+
+
+def key_band(plan: TilePlan) -> tuple[int, int] | None:
+    """``(a, b)``: query ``i`` can see keys ``i + a .. i + b`` only (causal/window with the
+    plan's offset, a Toeplitz block mask's kept differences); None = unbounded."""
+    a, b = None, None
     if plan.window is not None:
-        return "band" if plan.t >= 4 * _plan.BAND_BLOCK_Q else None
-    return "rows" if relative is not None else None
+        a = plan.offset - plan.window + 1
+        b = plan.offset if plan.causal else plan.offset + plan.window - 1
+    elif plan.causal:
+        b = plan.offset
+    if plan.block_mask is not None:
+        lo, keep = plan.block_mask.toeplitz()  # type: ignore[misc]
+        hi = lo + keep.numel() - 1  # kept differences q - kv in [lo, hi]
+        a = -hi if a is None else max(a, -hi)
+        b = -lo if b is None else min(b, -lo)
+    if a is None or b is None:
+        return None
+    return a, max(a, b)
 
 
 def forward(plan: TilePlan, kernel: Kernel, q, k, v, out, lse) -> bool:
@@ -73,22 +95,29 @@ def forward(plan: TilePlan, kernel: Kernel, q, k, v, out, lse) -> bool:
 
 
 def _values(plan: TilePlan, delta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``f(head, delta)`` for ``delta = q_pos - k_pos`` ``(..., n)`` (query ``i`` at
-    position ``i + offset``, as causal/window see it): ``(h|1, ..., n)`` float, ``-inf``
-    where causal/window drop the pair, else the relative bias (or 0)."""
+    """The mask value of each pair ``delta = i - j`` (query index minus key index)
+    ``(..., n)``: ``(h|1, ..., n)`` float, ``-inf`` where causal/window (which see query
+    ``i`` at key position ``i + offset``) or the block mask drop the pair, else the
+    relative bias (or 0)."""
+    pos = delta + plan.offset
     keep = torch.ones_like(delta, dtype=torch.bool)
     if plan.causal:
-        keep &= delta >= 0
+        keep &= pos >= 0
     if plan.window is not None:
-        keep &= delta < plan.window
+        keep &= pos < plan.window
         if not plan.causal:
-            keep &= delta > -plan.window
+            keep &= pos > -plan.window
+    if plan.block_mask is not None:
+        lo, table = plan.block_mask.toeplitz()  # type: ignore[misc]
+        n = delta - lo
+        inside = (n >= 0) & (n < table.numel())
+        keep &= inside & table.to(delta.device)[n.clamp(0, table.numel() - 1)]
     relative = getattr(plan.score_mod, "relative", None)
     if relative is None:
         base = torch.zeros(1, *delta.shape, dtype=dtype, device=delta.device)
     else:
-        # the mods see query i at q_base + i and key j at k_base + j (not i + offset)
-        kv_minus_q = plan.offset - plan.q_base + plan.k_base - delta.reshape(-1)
+        # the mods see query i at q_base + i and key j at k_base + j
+        kv_minus_q = plan.k_base - plan.q_base - delta.reshape(-1)
         flat = relative(kv_minus_q, dtype)  # (h, n)
         base = flat.reshape(flat.shape[0], *delta.shape)
     return base.masked_fill(~keep, float("-inf"))
@@ -113,11 +142,12 @@ def _alive(mask: torch.Tensor) -> torch.Tensor:
 
 def _band(plan: TilePlan, kernel: Kernel, q, k, v, out, lse) -> None:
     """One batch element (``q`` ``(h, t, d)``...) of the band layout."""
-    w, bq, t, s = plan.window, _plan.BAND_BLOCK_Q, plan.t, plan.s
-    assert w is not None
-    width = bq + w - 1 if plan.causal else bq + 2 * w - 2  # keys per block: L
+    bq, t, s = _plan.BAND_BLOCK_Q, plan.t, plan.s
+    band = key_band(plan)
+    assert band is not None
+    first, last = band  # query i sees keys i + first .. i + last at most
+    width = bq + last - first  # keys per block: L
     n = -(-t // bq)
-    first = plan.offset - w + 1  # key position of block 0's key 0; block m's: + m * bq
     # interior blocks [lo, hi): all their keys and rows exist, so they are views
     lo = min(n, max(0, -(first // bq)))  # ceil(-first / bq)
     hi = max(lo, min(n, (s - width - first) // bq + 1, t // bq))
@@ -134,7 +164,8 @@ def _band(plan: TilePlan, kernel: Kernel, q, k, v, out, lse) -> None:
 
     i = torch.arange(bq, device=q.device).view(-1, 1)
     j = torch.arange(width, device=q.device).view(1, -1)
-    shared = _values(plan, i - j + (w - 1), q.dtype).unsqueeze(0)  # (1, h|1, bq, L)
+    # block m's row i is query m*bq + i, its key j key m*bq + first + j: i - j - first
+    shared = _values(plan, i - j - first, q.dtype).unsqueeze(0)  # (1, h|1, bq, L)
 
     def put(o: torch.Tensor, m: torch.Tensor, at: torch.Tensor | slice) -> None:
         """Blocks' ``(count, h, bq, ...)`` results into ``out``/``lse`` rows (past t dropped)."""
@@ -193,9 +224,9 @@ def _rows(plan: TilePlan, kernel: Kernel, q, k, v, out, lse) -> None:
         if lo >= hi:
             continue  # rows seeing no key keep out 0, lse -inf
         bq, width = q1 - q0, hi - lo
-        # reversed key j' is position hi - 1 - j': delta = q0 + i + offset - hi + 1 + (i + j')
+        # reversed key j' is key hi - 1 - j': i - j = (i + j') + q0 - hi + 1
         m_idx = torch.arange(bq + width - 1, device=q.device)
-        g = _values(plan, m_idx + (q0 + plan.offset - hi + 1), q.dtype)  # (h|1, bq + L - 1)
+        g = _values(plan, m_idx + (q0 - hi + 1), q.dtype)  # (h|1, bq + L - 1)
         mask = g.unfold(-1, width, 1).unsqueeze(0)  # (1, h|1, bq, L), a view of g
         # row i keeps a key when g[i : i + L] holds a finite value
         seen = F.pad(torch.isfinite(g).cumsum(-1), (1, 0))  # (h|1, bq + L)
