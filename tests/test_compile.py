@@ -94,6 +94,41 @@ def test_attention_with_mask_window_gqa_compiles(backend: str) -> None:
     assert torch.equal(out[0, :, 0], torch.zeros_like(out[0, :, 0]))
 
 
+def test_blockwise_band_layout_compiles_to_one_graph() -> None:
+    """The fused engine's mask-free layouts branch on data; compiled, the general path
+    runs instead, in one graph, with the eager answer."""
+
+    def fn(q, k, v):
+        return attnkit.attention(q, k, v, causal=True, window=16, backend="blockwise")
+
+    compiled, counter = _compile(fn)
+    q, k, v = (torch.randn(1, 2, 160, 8) for _ in range(3))  # long enough for the band
+    torch.testing.assert_close(compiled(q, k, v), fn(q, k, v), **TOL[torch.float32])
+    assert counter.frame_count == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(causal=True, score_mod=attnkit.masks.alibi(2)),  # the rows layout when eager
+        dict(mask_mod=lambda b, h, q, kv: (kv <= q) & (q - kv < 16)),  # a Toeplitz block mask
+    ],
+    ids=["alibi", "mask_mod"],
+)
+def test_blockwise_mods_compile_with_graph_breaks(kwargs: dict) -> None:
+    """Mods are probed and block masks built with data-dependent Python: compiled, they
+    break the graph (no fullgraph) and still give the eager answer."""
+
+    def fn(q, k, v):
+        return attnkit.attention(q, k, v, backend="blockwise", **kwargs)
+
+    counter = CompileCounter()
+    compiled = torch.compile(fn, backend=counter)
+    q, k, v = (torch.randn(1, 2, 160, 8) for _ in range(3))
+    torch.testing.assert_close(compiled(q, k, v), fn(q, k, v), **TOL[torch.float32])
+    assert counter.frame_count >= 1
+
+
 def test_dropout_in_training_compiles() -> None:
     module = attnkit.MultiHeadAttention(D_IN, D_OUT, CONTEXT_LENGTH, 0.1, num_heads=2).train()
     compiled, counter = _compile(module)

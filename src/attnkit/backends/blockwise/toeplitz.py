@@ -43,8 +43,11 @@ Kernel = Callable[..., Any]
 
 
 def layout(plan: TilePlan) -> str | None:
-    """``"band"``, ``"rows"`` or None (the general path) for a fused plan."""
+    """``"band"``, ``"rows"`` or None (the general path) for a fused plan. Under
+    ``torch.compile`` the general path runs (the layouts branch on data)."""
     if not plan.fused or plan.mask is not None or plan.mask_mod is not None:
+        return None
+    if torch.compiler.is_compiling():
         return None
     if plan.block_mask is not None and plan.block_mask.toeplitz() is None:
         return None
