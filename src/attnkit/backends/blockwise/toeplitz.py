@@ -7,11 +7,12 @@ Such a mask is Toeplitz, and two layouts of the kernel calls need no mask tile p
 (query block, key block):
 
 * **band** (a window, or a block mask that is a function of ``q_idx - kv_idx`` with a
-  narrow support, as a sliding window written as a mod): every query block of ``bq`` rows sees the same ``L`` keys relative
-  to its first row, so all blocks go into ONE kernel call: the queries viewed as
-  ``(n, h, bq, d)``, the keys as an *overlapping* strided view ``(n, h_kv, L, d)`` of the
-  keys (padded at the ends), and one ``(h|1, bq, L)`` mask shared by every block; blocks
-  that reach past either end of the keys run in a second call with their own masks::
+  narrow support, as a sliding window written as a mod): every query block of ``bq``
+  rows sees the same ``L`` keys relative to its first row, so all blocks go into ONE
+  kernel call: the queries viewed as ``(n, h, bq, d)``, the keys as an *overlapping*
+  strided view ``(n, h_kv, L, d)`` of the key tensor, and one ``(h|1, bq, L)`` mask
+  shared by every block; the few blocks that reach past either end of the keys (or of
+  the queries) are gathered into a second call with their own masks::
 
       keys  ...[ block 0's L keys ]...
                  [ block 1's L keys ]...        (views into one tensor, no copies)
