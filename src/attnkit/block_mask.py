@@ -38,6 +38,9 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 
 #: The most mask elements evaluated at once while building a block mask.
 CHUNK_ELEMENTS = 1 << 23
+#: Partial tiles compared at once by :meth:`BlockMask.toeplitz`.
+_TOEPLITZ_TILES_AT_ONCE = 64
+
 #: The most bytes of assembled partial-tile masks a block mask keeps for reuse.
 DENSE_CACHE_BYTES = 1 << 26
 
@@ -279,15 +282,15 @@ class BlockMask:
         kind[kept == span] = FULL
         if not torch.equal(kind, self.block_kind[0, 0]):
             return None
-        sel = self.partial_index[0, 0] >= 0  # the stored partial tiles
-        if bool(sel.any()):
-            ti, tj = sel.nonzero().unbind(1)
-            a = torch.arange(qb, device=dev).view(1, -1, 1)
-            b = torch.arange(kb, device=dev).view(1, 1, -1)
-            n = d0[ti, tj].view(-1, 1, 1) + a - b  # (p, qb, kb)
+        a = torch.arange(qb, device=dev).view(1, -1, 1)
+        b = torch.arange(kb, device=dev).view(1, 1, -1)
+        tiles = (self.partial_index[0, 0] >= 0).nonzero()  # the stored partial tiles
+        for part in tiles.split(_TOEPLITZ_TILES_AT_ONCE):  # bounded temporaries
+            ti, tj = part.unbind(1)
+            n = d0[ti, tj].view(-1, 1, 1) + a - b  # (p, qb, kb) indices into f
             valid = (a < rows[ti, 0].view(-1, 1, 1)) & (b < cols[0, tj].view(-1, 1, 1))
             want = f[n.clamp(0, f.numel() - 1)] & valid
-            if not torch.equal(want, self.partial_masks[self.partial_index[0, 0][sel]]):
+            if not torch.equal(want, self.partial_masks[self.partial_index[0, 0, ti, tj]]):
                 return None
         where = f.nonzero().flatten()
         if where.numel() == 0:
