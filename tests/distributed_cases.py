@@ -232,6 +232,24 @@ def traffic_case(layout: str, kind: str):
     return gather
 
 
+def a2a_traffic_case(rank: int, world: int) -> dict[str, Any]:
+    """Bytes the all-to-all strategy sends per rank and pass (even lengths, heads split
+    evenly): every re-shard sends (W-1)/W of a shard-sized tensor."""
+    b, h, t, d = 1, 2 * world, 4 * world, 4
+    q, k, v = (torch.randn(b, h, t, d, dtype=torch.float64) for _ in range(3))
+    _bcast(q, k, v)
+    ql, kl, vl = (shard(x, 2).requires_grad_(True) for x in (q, k, v))
+    with record_traffic() as log:
+        out = context_parallel_attention(ql, kl, vl, strategy="all_to_all", causal=True)
+        out.sum().backward()
+    return {
+        "forward": log.nbytes("a2a", "forward"),
+        "backward": log.nbytes("a2a", "backward"),
+        "messages": log.count("a2a"),
+        "shard_bytes": ql.numel() * ql.element_size(),
+    }
+
+
 def memory_case(rank: int, world: int) -> dict[str, Any]:
     """The K/V and dK/dV buffers a rank holds at once, seen at every exchange (a spy on
     ``ring.exchange`` keeps weak references to every tensor sent or received): with
@@ -430,6 +448,7 @@ def attention_suite(world: int) -> dict[str, Any]:
     for kind in ("causal_gqa", "window", "documents"):
         cases[f"tiles-{kind}"] = small_tiles_case(kind)
     cases.update(pieces_suite(world))
+    cases["traffic-a2a"] = a2a_traffic_case
     cases["refusals"] = refusal_case
     cases["unshard_grad"] = unshard_grad_case
     if world == 2:  # the GPT steps ride on the same spawn: start-up dominates

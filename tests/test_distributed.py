@@ -179,6 +179,16 @@ def test_ring_pieces_sinks_and_lse_gradient(results, world, layout):
     assert max(_ok(results[world]["pieces-sinks"]).values()) < TOL
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_to_all_traffic_is_counted(results, world):
+    """Ulysses sends q, k, v to the head owners and the output back: four re-shards of
+    (W-1)/W of a shard each way, and the same again for the gradients."""
+    info = _ok(results[world]["traffic-a2a"])
+    expected = 4 * (world - 1) * info["shard_bytes"] // world
+    assert info["forward"] == expected and info["backward"] == expected
+    assert info["messages"] == 8
+
+
 @pytest.mark.parametrize("world", PIECE_WORLDS)
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("kind", ["full", "causal", "window"])

@@ -77,6 +77,8 @@ def _step(
         "kv_forward": log.nbytes("kv", "forward"),
         "kv_backward": log.nbytes("kv", "backward"),
         "dkv": log.nbytes("dkv"),
+        "a2a_forward": log.nbytes("a2a", "forward"),
+        "a2a_backward": log.nbytes("a2a", "backward"),
     }
 
 
@@ -155,13 +157,23 @@ def run(
         "per_rank_mb": [r["peak_mb"] for r in two],
         "ratio": max(r["peak_mb"] for r in two) / one["peak_mb"],
     }
-    report["bytes"] = {
-        "theory_per_pass": theory,
-        "forward_per_rank": [r["kv_forward"] for r in two],
-        "forward_ratio": max(r["kv_forward"] for r in two) / theory,
-        "backward_kv_per_rank": [r["kv_backward"] for r in two],
-        "backward_dkv_per_rank": [r["dkv"] for r in two],
-    }
+    if strategy == "all_to_all":
+        # Ulysses: q, k, v out (sequence -> heads) and the output back, (W-1)/W of a shard each
+        theory = 4 * (2 - 1) / 2 * kv_bytes / 2 / 2
+        report["bytes"] = {
+            "theory_per_pass": theory,
+            "forward_per_rank": [r["a2a_forward"] for r in two],
+            "forward_ratio": max(r["a2a_forward"] for r in two) / theory,
+            "backward_per_rank": [r["a2a_backward"] for r in two],
+        }
+    else:
+        report["bytes"] = {
+            "theory_per_pass": theory,
+            "forward_per_rank": [r["kv_forward"] for r in two],
+            "forward_ratio": max(r["kv_forward"] for r in two) / theory,
+            "backward_kv_per_rank": [r["kv_backward"] for r in two],
+            "backward_dkv_per_rank": [r["dkv"] for r in two],
+        }
     one_t, two_t = [], []
     for _ in range(repeats):  # round-robin: the two configurations alternate
         single = _launch(1, {**shape, "t": time_seq_len, "threads": 2}, mmap_threshold=None)
@@ -196,11 +208,18 @@ def main(argv: list[str] | None = None) -> int:
         f"W=2 ranks {', '.join(f'{m:.0f}' for m in mem['per_rank_mb'])} MB -> "
         f"ratio {mem['ratio']:.2f} (goal <= 0.55)"
     )
-    print(
-        f"bytes    forward K/V per rank {byt['forward_per_rank']} vs theory "
-        f"{byt['theory_per_pass']:.0f} -> ratio {byt['forward_ratio']:.2f}; backward K/V "
-        f"{byt['backward_kv_per_rank']}, dK/dV {byt['backward_dkv_per_rank']}"
-    )
+    if args.strategy == "all_to_all":
+        print(
+            f"bytes    forward all-to-all per rank {byt['forward_per_rank']} vs theory "
+            f"(W-1)/W * (|q|+|k|+|v|+|out|)/W = {byt['theory_per_pass']:.0f} -> ratio "
+            f"{byt['forward_ratio']:.2f}; backward {byt['backward_per_rank']}"
+        )
+    else:
+        print(
+            f"bytes    forward K/V per rank {byt['forward_per_rank']} vs theory "
+            f"{byt['theory_per_pass']:.0f} -> ratio {byt['forward_ratio']:.2f}; backward K/V "
+            f"{byt['backward_kv_per_rank']}, dK/dV {byt['backward_dkv_per_rank']}"
+        )
     print(
         f"time     T={args.time_seq_len}: W=2 x 1 thread / W=1 x 2 threads = "
         f"{tim['ratio_median']:.2f} (median of {args.repeats}; one {tim['one_process_2_threads_s']}, "

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from attnkit.attention import attention
-from attnkit.distributed.comm import Group
+from attnkit.distributed.comm import Group, record_collective
 from attnkit.distributed.layout import Layout
 from attnkit.masks import MaskMod, ScoreMod
 
@@ -36,6 +36,7 @@ class _AllToAll(torch.autograd.Function):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty(sum(out_splits))
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        _record(x, in_splits, group, "forward")
         return out
 
     @staticmethod
@@ -43,7 +44,14 @@ class _AllToAll(torch.autograd.Function):
         out_splits, in_splits = ctx.splits
         g = grad.new_empty(sum(in_splits))
         dist.all_to_all_single(g, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        _record(grad, out_splits, ctx.group, "backward")
         return g, None, None, None
+
+
+def _record(x: torch.Tensor, send_splits: list[int], group: Group, phase: str) -> None:
+    """What this rank sent to the others (its own split stays home)."""
+    rank = dist.get_rank(group)
+    record_collective("a2a", phase, (sum(send_splits) - send_splits[rank]) * x.element_size())
 
 
 def _seq_to_heads(

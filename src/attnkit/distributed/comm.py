@@ -23,6 +23,7 @@ __all__ = [
     "global_rank",
     "init_process_group",
     "rank_and_size",
+    "record_collective",
     "record_traffic",
 ]
 
@@ -92,9 +93,9 @@ def global_rank(group: Group, rank: int) -> int:
 
 @dataclass(frozen=True)
 class Message:
-    """One point-to-point send: what (``"kv"``, ``"dkv"``), the pass, the ring step, the
-    peer, the bytes, and which K/V piece it carries (the ring circulates its shards in
-    pieces: :mod:`attnkit.distributed.ring`)."""
+    """One send: what (``"kv"``, ``"dkv"``; ``"a2a"`` for an all-to-all, peer -1), the
+    pass, the ring step, the peer, the bytes, and which K/V piece it carries (the ring
+    circulates its shards in pieces: :mod:`attnkit.distributed.ring`)."""
 
     kind: str
     phase: str  # "forward" / "backward"
@@ -140,6 +141,14 @@ def record_traffic() -> Iterator[Traffic]:
         yield log
     finally:
         _TRAFFIC.reset(token)
+
+
+def record_collective(kind: str, phase: str, nbytes: int) -> None:
+    """Record ``nbytes`` this process sends in a collective (``peer`` -1: every rank);
+    a no-op outside :func:`record_traffic`."""
+    log = _TRAFFIC.get()
+    if log is not None:
+        log.messages.append(Message(kind, phase, 0, -1, nbytes))
 
 
 def exchange(
