@@ -61,11 +61,15 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+def _exact(pack: _Pack | None, weight: torch.Tensor) -> bool:
+    """Whether ``pack`` is a copy of ``weight`` as it is now."""
+    return pack is not None and weight is pack.source and weight._version == pack.version
+
+
 def _usable(pack: _Pack, weight: torch.Tensor, x: torch.Tensor) -> bool:
     return (
         not torch.is_grad_enabled()
-        and weight is pack.source
-        and weight._version == pack.version
+        and _exact(pack, weight)
         and x.dtype == torch.float32
         and x.device.type == "cpu"
         and not torch.is_autocast_enabled("cpu")
@@ -96,8 +100,7 @@ def pack_linears(model: nn.Module) -> int:
         if not isinstance(layer, Linear) or not _packable(layer):
             continue
         w = layer.weight
-        pack = _PACKS.get(layer)
-        if pack is None or pack.source is not w or pack.version != w._version:
+        if not _exact(_PACKS.get(layer), w):
             with torch.no_grad():
                 packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _ROWS_HINT)
             _PACKS[layer] = _Pack(w, w._version, packed)
@@ -117,8 +120,5 @@ def packed_count(model: nn.Module) -> int:
     return sum(
         1
         for layer in model.modules()
-        if isinstance(layer, Linear)
-        and (p := _PACKS.get(layer)) is not None
-        and p.source is layer.weight
-        and p.version == layer.weight._version
+        if isinstance(layer, Linear) and _exact(_PACKS.get(layer), layer.weight)
     )

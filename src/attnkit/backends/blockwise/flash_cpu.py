@@ -258,13 +258,15 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     acc, out_dtype = acc_dtype(q.dtype), q.dtype
     q, k, v = _as_4d(plan, q, k, v)
     b, h, dv = plan.b, plan.h, v.shape[-1]
-    if toeplitz.layout(plan) == "band":  # writes every row: no need to clear them first
+    layout = toeplitz.layout(plan)
+    if layout == "band":  # writes every row: no need to clear them first
         out = torch.empty(b, h, plan.t, dv, dtype=out_dtype, device=q.device)
         lse = torch.empty((b, h, plan.t), dtype=acc, device=q.device)
     else:
         out = torch.zeros(b, h, plan.t, dv, dtype=out_dtype, device=q.device)
         lse = torch.full((b, h, plan.t), float("-inf"), dtype=acc, device=q.device)
-    if toeplitz.forward(plan, _FORWARD, q, k, v, out, lse):
+    if layout is not None:
+        toeplitz.forward(plan, layout, _FORWARD, q, k, v, out, lse)
         return out, lse
     groups = _gather_plan(plan, q.dtype, q.device)
     if groups is not None:

@@ -81,21 +81,19 @@ def key_band(plan: TilePlan) -> tuple[int, int] | None:
     return a, max(a, b)
 
 
-def forward(plan: TilePlan, kernel: Kernel, q, k, v, out, lse) -> bool:
-    """Fill ``out`` ``(b, h, t, d_v)`` and ``lse`` ``(b, h, t)`` when the plan has a Toeplitz
-    layout (see :func:`layout`); False (nothing written) otherwise.
+def forward(plan: TilePlan, layout: str, kernel: Kernel, q, k, v, out, lse) -> None:
+    """Fill ``out`` ``(b, h, t, d_v)`` and ``lse`` ``(b, h, t)`` in ``layout`` (what
+    :func:`layout` said for this plan).
 
     ``q``, ``k``, ``v`` are the engine's ``(b, heads, len, d)`` views in the kernel dtype.
     """
-    kind = layout(plan)
-    if kind == "band":
+    if layout == "band":
         for bi in range(plan.b):
             _band(plan, kernel, q[bi], k[bi], v[bi], out[bi], lse[bi])
-        return True
-    if kind == "rows":
+    elif layout == "rows":
         _rows(plan, kernel, q, k, v, out, lse)
-        return True
-    return False
+    else:
+        raise ValueError(f"unknown Toeplitz layout {layout!r}")
 
 
 def _values(plan: TilePlan, delta: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
