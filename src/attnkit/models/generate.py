@@ -86,7 +86,7 @@ def generate(
             with bounded memory. Needs RoPE, ``use_cache`` and no padding.
         pack_weights: run the linear layers on oneDNN-prepacked weight copies
             (:meth:`GPT.pack_weights`: made on the first call and kept, as much memory
-            as the weights; same tokens, about 2.4x faster on CPU). False packs
+            as the weights; same tokens, ~2.7x faster decoding on CPU). False packs
             nothing (copies made earlier stay in use until
             :meth:`GPT.unpack_weights`).
 

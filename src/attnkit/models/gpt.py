@@ -147,8 +147,8 @@ class GPT(nn.Module):
     # -- inference weights -----------------------------------------------------------------
     def pack_weights(self) -> int:
         """Prepack every linear layer's weight for oneDNN, so that calls with no gradient
-        (decoding above all) run on it: about 2.4x the tokens/s of GPT-2 small at batch 1
-        and 8 on a 2-core CPU (README, "Generation"). See :mod:`attnkit.models.linear`.
+        (decoding above all) run on it: 2.66x the tokens/s of HF for GPT-2 small at batch 1
+        and 8 on a 2-core CPU (README, LLM section). See :mod:`attnkit.models.linear`.
 
         The copies take as much memory as the weights; they are made once and kept
         while they stay exact (a changed weight is recomputed with ``F.linear`` until
