@@ -20,9 +20,10 @@ from attnkit import attention
 from attnkit import masks as M
 from attnkit.backends.blockwise import plan as _tiles
 
-# "blockwise" runs on torch's fused CPU kernel where it can; "blockwise-tiles" is its
-# pure-PyTorch tile engine (the one every other device uses), registered as a backend.
-BACKENDS = ["reference", "sdpa", "blockwise", "blockwise-tiles"]
+# "blockwise" runs attnkit's native forward kernel and torch's fused CPU backward where
+# they can; "blockwise-flash" torch's fused kernel both ways (a machine without a
+# compiler); "blockwise-tiles" the pure-PyTorch tile engine (every other device's).
+BACKENDS = ["reference", "sdpa", "blockwise", "blockwise-flash", "blockwise-tiles"]
 DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 # A fixed base seed (stable across processes, unlike hash()); override to explore draws.
 SEED = int(os.environ.get("ATTNKIT_TEST_SEED", "0"))

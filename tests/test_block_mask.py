@@ -15,7 +15,7 @@ from tests.reference import ref_attention_lse
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-BACKENDS = ["reference", "sdpa", "blockwise", "blockwise-tiles", "auto"]
+BACKENDS = ["reference", "sdpa", "blockwise", "blockwise-flash", "blockwise-tiles", "auto"]
 
 
 def _loop_dense(mod, b, h, q_len, kv_len):

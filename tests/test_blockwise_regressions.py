@@ -17,7 +17,7 @@ from tests.reference import ref_attention_lse
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-ALL = ["reference", "blockwise", "blockwise-tiles", "auto"]
+ALL = ["reference", "blockwise", "blockwise-flash", "blockwise-tiles", "auto"]
 NEG_INF = float("-inf")
 
 

@@ -95,7 +95,7 @@ def _check(case: dict, monkeypatch, expect: str | None) -> None:
         window=window,
         score_mod=M.alibi(h) if alibi else None,
         return_lse=True,
-        backend="blockwise",
+        backend="blockwise-flash",
     )
     grad = case.get("grad", False)
     xs = [x.detach().clone().requires_grad_(grad) for x in (q, k, v)]
@@ -180,7 +180,9 @@ def test_relative_bias_table_takes_the_rows_layout(monkeypatch):
     h, t, m = 2, 90, 7
     table = torch.randn(h, 2 * m - 1, dtype=torch.float64)
     q, k, v = _qkv(1, h, h, t, t, 8, torch.float64, 3)
-    out = attention(q, k, v, causal=True, score_mod=M.relative_bias(table), backend="blockwise")
+    out = attention(
+        q, k, v, causal=True, score_mod=M.relative_bias(table), backend="blockwise-flash"
+    )
     rel = (torch.arange(t).view(1, -1) - torch.arange(t).view(-1, 1)).clamp(-m + 1, m - 1)
     bias = table[:, rel + m - 1].unsqueeze(0)  # (1, h, t, t)
     want, _ = ref_attention_lse(q, k, v, keep=_keep(t, t, "bottom_right", None), bias=bias)
@@ -191,9 +193,9 @@ def test_relative_bias_table_takes_the_rows_layout(monkeypatch):
 def test_mods_without_a_relative_form_and_learned_slopes_take_the_general_path(monkeypatch):
     seen = _spy_layouts(monkeypatch)
     q, k, v = _qkv(1, 2, 2, 64, 64, 8, torch.float32, 4)
-    attention(q, k, v, causal=True, score_mod=M.softcap(5.0), backend="blockwise")
+    attention(q, k, v, causal=True, score_mod=M.softcap(5.0), backend="blockwise-flash")
     slopes = torch.rand(2, requires_grad=True)
-    attention(q, k, v, causal=True, score_mod=M.alibi(2, slopes), backend="blockwise")
+    attention(q, k, v, causal=True, score_mod=M.alibi(2, slopes), backend="blockwise-flash")
     assert "rows" not in seen and "band" not in seen
 
 
@@ -249,7 +251,7 @@ def test_document_runs_match_float64(monkeypatch, causal_in, lengths):
 
     monkeypatch.setattr(flash_cpu, "_FORWARD", spy)
     q, k, v = (x.requires_grad_(True) for x in _qkv(1, 2, 2, t, t, 8, torch.float32, 5))
-    out = attention(q, k, v, block_mask=bm, causal=causal_in == "flag", backend="blockwise")
+    out = attention(q, k, v, block_mask=bm, causal=causal_in == "flag", backend="blockwise-flash")
     keep = (ids.view(-1, 1) == ids.view(1, -1)) & _keep(t, t, "top_left", None)
     want, _ = ref_attention_lse(q.detach(), k.detach(), v.detach(), keep=keep)
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
@@ -308,7 +310,7 @@ def test_toeplitz_block_mask_takes_the_band(monkeypatch, name, mod, lq, lk):
     for causal in (False, "top_left"):
         want_keep = keep & (_keep(lq, lk, causal, None) if causal else True)
         out, lse = attention(q, k, v, block_mask=bm, causal=causal, return_lse=True,
-                             backend="blockwise")  # fmt: skip
+                             backend="blockwise-flash")  # fmt: skip
         want, want_lse = ref_attention_lse(q, k, v, keep=want_keep)
         torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
         torch.testing.assert_close(lse, want_lse.to(lse.dtype), atol=1e-10, rtol=1e-10)
@@ -350,7 +352,7 @@ def test_fuzz_toeplitz_block_masks(lq, lk, lo, width, step, causal, block, seed)
         if causal:
             keep = keep & _keep(lq, lk, causal, None)
         out, lse = attention(q, k, v, block_mask=bm, causal=causal, return_lse=True,
-                             backend="blockwise")  # fmt: skip
+                             backend="blockwise-flash")  # fmt: skip
         want, want_lse = ref_attention_lse(q, k, v, keep=keep)
         torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
         torch.testing.assert_close(lse, want_lse.to(lse.dtype), atol=1e-10, rtol=1e-10)

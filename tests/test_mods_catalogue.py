@@ -27,7 +27,7 @@ from tests.reference import ref_from_scores
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-BACKENDS = ["reference", "sdpa", "blockwise", "blockwise-tiles", "auto"]
+BACKENDS = ["reference", "sdpa", "blockwise", "blockwise-flash", "blockwise-tiles", "auto"]
 B, HQ, HKV, T = 2, 4, 2, 37
 NEG_INF = float("-inf")
 

@@ -13,7 +13,7 @@ from tests.reference import ref_attention_lse
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-BACKENDS = ["reference", "blockwise", "blockwise-tiles", "auto"]
+BACKENDS = ["reference", "blockwise", "blockwise-flash", "blockwise-tiles", "auto"]
 
 
 @pytest.fixture(autouse=True)

@@ -9,14 +9,18 @@ or a ``mask_mod`` leave empty are skipped. Read top-down:
 * :mod:`.plan`: the tile plan (all tile sizing, ``tiles()`` with skipping);
 * :mod:`.flash_cpu` and :mod:`.torch_tiles`: the two engines behind one interface
   (``forward(plan, q, k, v) -> (out, lse)`` and a backward from the total ``lse``);
-  the plan names the engine: torch's fused CPU flash kernel where it can run the call
-  exactly, else PyTorch ops (every request, any device);
+  the plan names the engine: the fused CPU engine where it can run the call exactly
+  (its forward attnkit's own kernel, :mod:`.native`, where that is built and takes the
+  plan, else torch's fused flash kernel; its backward torch's), else PyTorch ops (every
+  request, any device);
 * :mod:`.merge`: the one log-sum-exp merge;
 * :mod:`.autograd`: the autograd function (sinks merged in, LSE gradients);
 * :mod:`.segment`: one segment's forward/backward for context parallelism.
 
-Two backend names: ``"blockwise"`` (the plan picks the engine) and ``"blockwise-tiles"``
-(always the PyTorch-op engine: what every non-CPU device runs, reachable for tests).
+Three backend names: ``"blockwise"`` (the plan picks the engine), ``"blockwise-flash"``
+(the fused engine without the native kernel: what a machine without a compiler runs) and
+``"blockwise-tiles"`` (always the PyTorch-op engine: what every non-CPU device runs);
+the last two are reachable for tests and comparisons.
 
 It hands off (``supports`` returns a reason) rather than drop a request: dropout, a
 float mask that requires grad, and weights while gradients are being recorded
@@ -33,7 +37,13 @@ from attnkit.backends import AttentionCall, BackendResult, register_backend
 from attnkit.backends.blockwise import flash_cpu
 from attnkit.backends.blockwise.autograd import BlockwiseAttention
 from attnkit.backends.blockwise.merge import merge_partials
-from attnkit.backends.blockwise.plan import FLASH_CPU, TORCH_TILES, TilePlan, build_plan
+from attnkit.backends.blockwise.plan import (
+    FLASH_CPU,
+    NATIVE_CPU,
+    TORCH_TILES,
+    TilePlan,
+    build_plan,
+)
 from attnkit.backends.blockwise.segment import SegmentMask, segment_backward, segment_forward
 from attnkit.backends.blockwise.torch_tiles import weights_from_lse
 from attnkit.masks import ScoreMod
@@ -106,7 +116,7 @@ def _plan(call: AttentionCall, engine: str) -> TilePlan:
 
 def _run(call: AttentionCall, engine: str) -> BackendResult:
     extra = score_mod_tensors(call.score_mod, call.query.dtype, call.query.device)
-    if engine == FLASH_CPU and flash_cpu.why_not(
+    if engine in (NATIVE_CPU, FLASH_CPU) and flash_cpu.why_not(
         call.query, call.key, call.value, call.score_mod, extra
     ):
         engine = TORCH_TILES
@@ -127,6 +137,12 @@ def _run(call: AttentionCall, engine: str) -> BackendResult:
 
 def blockwise_attention(call: AttentionCall) -> BackendResult:
     """Compute ``call`` tile by tile (see the module docs); weights recomputed if asked."""
+    return _run(call, NATIVE_CPU)
+
+
+def blockwise_flash_attention(call: AttentionCall) -> BackendResult:
+    """:func:`blockwise_attention` with torch's fused kernel for the forward too (no
+    native kernel): the path of a machine without a compiler."""
     return _run(call, FLASH_CPU)
 
 
@@ -136,4 +152,5 @@ def blockwise_tiles_attention(call: AttentionCall) -> BackendResult:
 
 
 register_backend("blockwise", blockwise_attention, supports=_supports)
+register_backend("blockwise-flash", blockwise_flash_attention, supports=_supports)
 register_backend("blockwise-tiles", blockwise_tiles_attention, supports=_supports)

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from attnkit.backends.blockwise import toeplitz
+from attnkit.backends.blockwise import native, toeplitz
 from attnkit.backends.blockwise.merge import merge_partials
-from attnkit.backends.blockwise.plan import Tile, TilePlan, acc_dtype
+from attnkit.backends.blockwise.plan import NATIVE_CPU, Tile, TilePlan, acc_dtype
 
 _FORWARD: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _BACKWARD: Any = getattr(
@@ -257,6 +257,9 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(out (b, h, t, d_v) in q's dtype, lse (b, h, t))``, as the tile engine."""
     acc, out_dtype = acc_dtype(q.dtype), q.dtype
     q, k, v = _as_4d(plan, q, k, v)
+    if plan.engine == NATIVE_CPU and native.why_not(plan, q, k, v) is None:
+        native_out, native_lse = native.forward(plan, q, k, v)
+        return native_out.to(out_dtype), native_lse
     b, h, dv = plan.b, plan.h, v.shape[-1]
     layout = toeplitz.layout(plan)
     if layout == "band":  # writes every row: no need to clear them first

@@ -18,7 +18,7 @@ import torch
 from attnkit._validate import check_int
 from attnkit.backends.blockwise import flash_cpu
 from attnkit.backends.blockwise.autograd import engine_backward, engine_forward
-from attnkit.backends.blockwise.plan import FLASH_CPU, TORCH_TILES, TilePlan, build_plan
+from attnkit.backends.blockwise.plan import NATIVE_CPU, TORCH_TILES, TilePlan, build_plan
 from attnkit.masks import MaskMod, ScoreMod
 
 __all__ = ["SegmentMask", "segment_backward", "segment_forward"]
@@ -59,7 +59,7 @@ def _plan(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D (b, h, len, d) tensor")
-    engine = FLASH_CPU if flash_cpu.why_not(q, k, v, seg.score_mod, ()) is None else TORCH_TILES
+    engine = NATIVE_CPU if flash_cpu.why_not(q, k, v, seg.score_mod, ()) is None else TORCH_TILES
     plan = build_plan(
         q,
         k,

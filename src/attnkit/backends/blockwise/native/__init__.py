@@ -1,0 +1,167 @@
+"""attnkit's own CPU forward kernel (``attention.cpp``): the fused engine's first choice.
+
+torch's fused CPU flash kernel is fast on long unmasked rows, but a masked call runs it
+on many small tiles (a window's band, a document's blocks), each with a float mask
+tensor, at well below its peak. This kernel walks a plan's tiles itself: for each block of
+query rows it visits only the key chunks that causal/window bounds (a band of
+diagonals ``lo <= j - i <= hi``) and a :class:`~attnkit.BlockMask` (its stored bool
+tiles, read in place) leave, adds a relative bias (``masks.alibi``,
+``masks.relative_bias``: one vector per head) in-tile, and keeps the FlashAttention
+running max and sum per row. It returns the output and the log-sum-exp the engine's
+backward (torch's fused backward, per tile) takes, so gradients are unchanged.
+
+It runs a fused plan when :func:`why_not` finds nothing against it; otherwise the
+engine's other forwards run. The library is built on first use (:mod:`.build`); where
+it cannot be, nothing changes but speed. float32 arithmetic (half precision is upcast by
+the engine, float64 runs on torch's kernel).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from attnkit.backends.blockwise.native.build import library, status
+from attnkit.backends.blockwise.plan import TilePlan
+
+__all__ = ["BLOCK_Q", "KEY_CHUNK", "available", "forward", "status", "why_not"]
+
+#: Query rows per block of the kernel (a block mask's own rows when there is one).
+BLOCK_Q = 128
+#: Keys per chunk inside the kernel (``KC`` in attention.cpp); the relative bias vector
+#: is padded to whole chunks.
+KEY_CHUNK = 64
+#: Band bounds meaning "no bound".
+_NONE = 1 << 62
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class _Args(ctypes.Structure):
+    """``struct Args`` of attention.cpp, field for field (all 8 bytes wide)."""
+
+    _fields_ = [
+        *((name, _P) for name in ("q", "k", "v", "out", "lse")),
+        *((f"s{x}_{y}", _I) for x in "qkvo" for y in "bht"),  # element strides
+        *((name, _I) for name in ("B", "H", "HKV", "T", "S", "D", "DV")),
+        ("scale", ctypes.c_double),
+        ("band_lo", _I),
+        ("band_hi", _I),
+        ("bq", _I),
+        ("bm_kind", _P),
+        ("bm_index", _P),
+        ("bm_masks", _P),
+        *((name, _I) for name in ["bm_sb", "bm_sh", "bm_si", "bm_qb", "bm_kb"]),
+        ("rel", _P),
+        ("rel_sh", _I),
+        ("rel_lo", _I),
+        ("threads", _I),
+    ]
+
+
+def _kernel():
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"attnkit's native kernel is not available: {status()}")
+    fn = lib.attnkit_forward
+    fn.argtypes, fn.restype = [ctypes.POINTER(_Args)], ctypes.c_int
+    return fn
+
+
+def available() -> bool:
+    """Whether the kernel is built and loaded (see :func:`status` when it is not)."""
+    return library() is not None
+
+
+def why_not(plan: TilePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
+    """Why the kernel cannot run this fused plan on the engine's ``(b, heads, len, d)``
+    tensors (None when it can): it takes float32 CPU tensors with contiguous last dims,
+    value heads a multiple of 16 wide, causal/window bounds, a block mask and a relative
+    bias, but no ``mask`` tensor, no other ``score_mod``, and not under ``torch.compile``."""
+    if q.dtype != torch.float32 or q.device.type != "cpu":
+        return "the native kernel runs float32 CPU tensors"
+    if any(x.stride(-1) != 1 for x in (q, k, v)):
+        return "the native kernel reads contiguous last dims"
+    if v.shape[-1] % 16 or q.shape[-1] == 0:
+        return "the native kernel needs value heads a multiple of 16 wide"
+    if plan.mask is not None or plan.mask_mod is not None:
+        return "a mask tensor or a mask_mod not made a block mask"
+    if plan.score_mod is not None and getattr(plan.score_mod, "relative", None) is None:
+        return "a score_mod that is not a relative bias"
+    if plan.t == 0 or plan.s == 0:
+        return "no queries or no keys"
+    bm = plan.block_mask
+    if bm is not None and (
+        bm.device.type != "cpu"
+        or (plan.t, plan.s) != (bm.Q_LEN, bm.KV_LEN)
+        or bm.block_kind.shape[0] not in (1, plan.b)
+        or bm.block_kind.shape[1] not in (1, plan.h)
+    ):
+        return "a block mask of other sizes or on another device"
+    if torch.compiler.is_compiling():
+        return "under torch.compile (a foreign call)"
+    if not available():
+        return status()
+    return None
+
+
+def _band(plan: TilePlan) -> tuple[int, int]:
+    """``(lo, hi)``: causal/window keep key ``j`` for query ``i`` iff ``lo <= j - i <= hi``."""
+    lo, hi = -_NONE, _NONE
+    if plan.causal:
+        hi = plan.offset
+    if plan.window is not None:
+        lo = plan.offset - plan.window + 1
+        if not plan.causal:
+            hi = plan.offset + plan.window - 1
+    return lo, hi
+
+
+def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (b, h, t, d_v) float32, lse (b, h, t))`` of a plan :func:`why_not` accepts,
+    ``q``, ``k``, ``v`` the engine's ``(b, heads, len, d)`` views."""
+    fn = _kernel()
+    b, h, t, s = plan.b, plan.h, plan.t, plan.s
+    out = torch.empty(b, h, t, v.shape[-1], dtype=torch.float32)
+    lse = torch.empty(b, h, t, dtype=torch.float32)
+    band_lo, band_hi = _band(plan)
+    args = _Args(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        b, h, plan.h_kv, t, s, q.shape[-1], v.shape[-1],
+        plan.scale, band_lo, band_hi, BLOCK_Q,
+    )  # fmt: skip
+    keep_alive: list[torch.Tensor] = []  # tensors the kernel reads, alive through the call
+    bm = plan.block_mask
+    if bm is not None:
+        kind = bm.block_kind.contiguous()  # (B|1, H|1, nq, nk) int8
+        index = bm.partial_index.contiguous()  # same, int64
+        masks = bm.partial_masks.contiguous().view(torch.uint8)  # (n, qb, kb)
+        keep_alive += [kind, index, masks]
+        args.bm_kind, args.bm_index, args.bm_masks = (
+            kind.data_ptr(), index.data_ptr(), masks.data_ptr()
+        )  # fmt: skip
+        args.bm_sb = kind.stride(0) if kind.shape[0] > 1 else 0
+        args.bm_sh = kind.stride(1) if kind.shape[1] > 1 else 0
+        args.bm_si = kind.stride(2)
+        args.bm_qb, args.bm_kb = bm.Q_BLOCK_SIZE, bm.KV_BLOCK_SIZE
+        args.bq = bm.Q_BLOCK_SIZE
+    relative = None if plan.score_mod is None else plan.score_mod.relative  # type: ignore[attr-defined]
+    if relative is not None:
+        # rel[n] is the bias of j - i = -(t - 1) + n, over whole key chunks
+        s_pad = -(-s // KEY_CHUNK) * KEY_CHUNK
+        j_minus_i = torch.arange(-(t - 1), s_pad)
+        rel = relative(j_minus_i + (plan.k_base - plan.q_base), torch.float32)  # (h|1, n)
+        rel = rel.reshape(-1, j_minus_i.numel()).contiguous()
+        if rel.shape[0] not in (1, h):
+            raise ValueError(f"a relative score_mod gave {rel.shape[0]} heads for {h}")
+        keep_alive.append(rel)
+        args.rel, args.rel_lo = rel.data_ptr(), -(t - 1)
+        args.rel_sh = 0 if rel.shape[0] == 1 else rel.stride(0)
+    args.threads = torch.get_num_threads()
+    code = fn(ctypes.byref(args))
+    if code != 0:  # pragma: no cover - why_not() rules these out
+        raise RuntimeError(f"attnkit's native kernel refused the call (code {code})")
+    del keep_alive
+    return out, lse

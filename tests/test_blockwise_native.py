@@ -1,0 +1,397 @@
+"""attnkit's native CPU forward kernel (backends/blockwise/native) against an independent
+float64 reference: causal/window bands, block masks of every shape, relative biases,
+GQA, odd sizes across its 64-key chunks and 128-row blocks, strided inputs, gradients
+(through the fused backward), sinks, threads, and how it is built or stands aside."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnkit import attention, create_block_mask
+from attnkit import masks as M
+from attnkit.backends.blockwise import native, segment_forward
+from attnkit.backends.blockwise.native import build
+from attnkit.backends.blockwise.segment import SegmentMask
+from tests.reference import ref_attention_lse
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.skipif(not native.available(), reason=f"no native kernel: {native.status()}"),
+]
+
+EPS = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list[tuple]:
+    """Record the plans the native kernel runs."""
+    seen: list[tuple] = []
+    original = native.forward
+
+    def spy(plan, q, k, v):
+        seen.append((plan.t, plan.s, plan.block_mask is not None))
+        return original(plan, q, k, v)
+
+    monkeypatch.setattr(native, "forward", spy)
+    return seen
+
+
+def _qkv(b, h, h_kv, lq, lk, d, dv, seed, dtype=torch.float32, strided=False):
+    g = torch.Generator().manual_seed(seed)
+    if strided:  # (b, t, h, d) storage seen as (b, h, t, d); v a slice of a wider tensor
+        q = torch.randn(b, lq, h, d, generator=g).transpose(1, 2)
+        k = torch.randn(b, lk, h_kv, d, generator=g).transpose(1, 2)
+        v = torch.randn(b, h_kv, lk, dv + 16, generator=g)[..., 8 : 8 + dv]
+        return q.to(dtype), k.to(dtype), v.to(dtype)
+    q = torch.randn(b, h, lq, d, generator=g, dtype=dtype)
+    k = torch.randn(b, h_kv, lk, d, generator=g, dtype=dtype)
+    v = torch.randn(b, h_kv, lk, dv, generator=g, dtype=dtype)
+    return q, k, v
+
+
+def _band_keep(lq, lk, causal, window):
+    """Written out: query i at key position i + (lk - lq) (bottom-right) or i (top-left)."""
+    shift = 0 if causal == "top_left" else lk - lq
+    qp = torch.arange(lq).view(-1, 1) + shift
+    kp = torch.arange(lk).view(1, -1)
+    keep = torch.ones(lq, lk, dtype=torch.bool)
+    if causal is not None:
+        keep &= kp <= qp
+    if window is not None:
+        keep &= qp - kp < window
+        if causal is None:
+            keep &= kp - qp < window
+    return keep
+
+
+def _plain(q, k, v, keep, bias):
+    """The same math in the inputs' dtype (flash-attn's yardstick)."""
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if bias is not None:
+        s = s + bias.to(s.dtype)
+    s = s.masked_fill(~keep, float("-inf"))
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v
+
+
+def _check(q, k, v, keep, bias=None, sinks=None, **kwargs):
+    """Native output and log-sum-exp against float64: the 2x rule, dead rows exact."""
+    out, lse = attention(q, k, v, return_lse=True, backend="blockwise", sinks=sinks, **kwargs)
+    want, want_lse = ref_attention_lse(q, k, v, keep=keep, bias=bias, sinks=sinks)
+    eps = EPS[q.dtype]
+    err = (out.double() - want).abs().max().item()
+    if sinks is None:
+        plain_err = (_plain(q, k, v, keep, bias).double() - want).abs().max().item()
+        assert err <= 2 * plain_err + eps, f"out error {err:.3g} vs plain math {plain_err:.3g}"
+    else:
+        assert err <= 10 * eps, f"out error {err:.3g}"
+    dead = torch.isneginf(want_lse)
+    assert torch.isneginf(lse[dead]).all() and (out[dead] == 0).all()
+    torch.testing.assert_close(lse[~dead].double(), want_lse[~dead], atol=50 * eps, rtol=1e-5)
+    return out
+
+
+# -- causal and window bands -----------------------------------------------------------
+
+BANDS = [
+    # b, h, h_kv, lq, lk, d, dv, causal, window
+    (1, 2, 2, 1, 1, 16, 16, None, None),
+    (2, 4, 2, 63, 65, 40, 48, None, None),  # GQA, d_v != d: torch's kernel cannot, tiles run
+    (2, 4, 2, 63, 65, 48, 48, None, None),  # GQA
+    (1, 2, 1, 129, 129, 64, 64, "top_left", None),  # one row past a 128-row block
+    (1, 2, 2, 130, 257, 80, 80, "bottom_right", None),  # Lq < Lk, keys past 4 chunks
+    (1, 2, 2, 257, 130, 16, 16, "bottom_right", None),  # rows before the first key: dead
+    (1, 2, 2, 257, 130, 16, 16, "top_left", None),
+    (1, 3, 3, 300, 300, 64, 64, "bottom_right", 64),  # the window ends on chunk edges
+    (1, 2, 2, 300, 300, 32, 32, "top_left", 77),
+    (2, 2, 2, 200, 311, 144, 144, None, 50),  # a symmetric window, offset 111
+    (1, 2, 2, 150, 150, 32, 32, None, 1),  # the window keeps one key
+    (1, 2, 2, 96, 40, 16, 16, "top_left", 5),
+]
+
+
+@pytest.mark.parametrize("case", BANDS, ids=lambda c: "-".join(map(str, c)))
+def test_bands_match_float64(case, calls):
+    b, h, h_kv, lq, lk, d, dv, causal, window = case
+    q, k, v = _qkv(b, h, h_kv, lq, lk, d, dv, seed=lq + lk)
+    _check(q, k, v, _band_keep(lq, lk, causal, window), causal=causal, window=window)
+    assert bool(calls) == (d == dv), "the native kernel runs the fused engine's plans"
+
+
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+def test_strided_inputs(causal, calls):
+    """Transposed q/k and a value slice of a wider tensor: read through their strides."""
+    q, k, v = _qkv(2, 4, 2, 131, 140, 32, 32, seed=3, strided=True)
+    assert q.stride(-1) != 1 or not q.is_contiguous()
+    _check(q, k, v, _band_keep(131, 140, causal, None), causal=causal)
+    assert calls
+
+
+def test_expanded_batch_one_keys(calls):
+    q, _, _ = _qkv(3, 2, 2, 70, 90, 16, 16, seed=4)
+    _, k, v = _qkv(1, 2, 2, 70, 90, 16, 16, seed=5)
+    k3, v3 = k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1)
+    _check(q, k3, v3, _band_keep(70, 90, "top_left", 33), causal="top_left", window=33)
+    assert calls
+
+
+def test_large_scores_rescale_exactly(calls):
+    """Scores of +-100s: the running max moves between chunks and exp spans its range."""
+    q, k, v = _qkv(1, 2, 2, 200, 333, 64, 64, seed=6)
+    q = q * 12.0
+    _check(q, k, v, _band_keep(200, 333, None, None))
+    assert calls
+
+
+def test_half_precision_is_upcast(calls):
+    q, k, v = _qkv(1, 2, 2, 150, 150, 32, 32, seed=7, dtype=torch.bfloat16)
+    _check(q, k, v, _band_keep(150, 150, "top_left", 40), causal="top_left", window=40)
+    assert calls
+
+
+# -- block masks -------------------------------------------------------------------------
+
+
+def _table_mod(table: torch.Tensor):
+    """A mask_mod reading a captured (h, q, k) bool table, FlexAttention style."""
+    return lambda b, h, q_idx, kv_idx: table[h][q_idx][kv_idx]
+
+
+@pytest.mark.parametrize(
+    "block_size, lq, lk, heads",
+    [
+        (16, 100, 100, None),
+        ((32, 16), 77, 150, None),  # kv tiles narrower than a 64-key chunk
+        ((16, 32), 150, 77, 2),  # a mask per head
+        (64, 200, 200, 2),
+        (128, 300, 260, None),
+    ],
+)
+@pytest.mark.parametrize("causal", [None, "top_left"])
+def test_block_masks_match_float64(block_size, lq, lk, heads, causal, calls):
+    g = torch.Generator().manual_seed(lq * lk)
+    table = torch.rand(2, lq, lk, generator=g) < 0.3  # partial tiles everywhere
+    table[:, :, : lk // 3] = True  # ... and full ones
+    table[:, : lq // 4, lk // 2 :] = False  # ... and empty ones
+    table[0, 5] = False  # a dead row
+    if heads is None:
+        table = table[:1].expand(2, -1, -1)
+    bm = create_block_mask(_table_mod(table), None, heads, lq, lk, block_size=block_size)
+    q, k, v = _qkv(1, 2, 2, lq, lk, 32, 32, seed=8)
+    keep = table.unsqueeze(0) & _band_keep(lq, lk, causal, None)
+    _check(q, k, v, keep, block_mask=bm, causal=causal)
+    assert calls and all(with_bm for _, _, with_bm in calls)
+
+
+def test_documents_with_window_and_batch_masks(calls):
+    """Per-batch documents (a (B, 1) block mask) combined with a causal window."""
+    lq = 333
+    ids = torch.stack([torch.arange(lq) // 100, torch.arange(lq) // 47])  # (2, lq)
+    bm = create_block_mask(lambda b, h, q, k: ids[b][q] == ids[b][k], 2, None, lq, lq)
+    q, k, v = _qkv(2, 2, 1, lq, lq, 16, 16, seed=9)
+    keep = (ids[:, :, None] == ids[:, None, :]).unsqueeze(1) & _band_keep(lq, lq, "top_left", 60)
+    _check(q, k, v, keep, block_mask=bm, causal="top_left", window=60)
+    assert calls
+
+
+def test_plain_mask_mod_runs_native(calls):
+    q, k, v = _qkv(1, 2, 2, 140, 140, 16, 16, seed=10)
+
+    def mod(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx) % 3 != 1
+
+    i, j = torch.arange(140).view(-1, 1), torch.arange(140).view(1, -1)
+    _check(q, k, v, (i - j) % 3 != 1, mask_mod=mod)
+    assert calls
+
+
+# -- relative biases, sinks, segments ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "lq, lk, causal, window", [(130, 130, "top_left", None), (70, 200, None, 90)]
+)
+def test_alibi_matches_float64(lq, lk, causal, window, calls):
+    h = 4
+    q, k, v = _qkv(1, h, 2, lq, lk, 32, 32, seed=11)
+    dist = (torch.arange(lq).view(-1, 1) - torch.arange(lk).view(1, -1)).abs()
+    bias = -(M.alibi_slopes(h).double().view(h, 1, 1) * dist).unsqueeze(0)
+    keep = _band_keep(lq, lk, causal, window)
+    _check(q, k, v, keep, bias=bias, causal=causal, window=window, score_mod=M.alibi(h))
+    assert calls
+
+
+def test_relative_bias_table(calls):
+    h, lq, m = 2, 150, 20
+    table = torch.randn(h, 2 * m - 1, generator=torch.Generator().manual_seed(12))
+    rel = (torch.arange(lq).view(1, -1) - torch.arange(lq).view(-1, 1)).clamp(-m + 1, m - 1)
+    bias = table.double()[:, rel + m - 1].unsqueeze(0)  # (1, h, q, k)
+    q, k, v = _qkv(1, h, h, lq, lq, 16, 16, seed=13)
+    keep = _band_keep(lq, lq, "top_left", None)
+    _check(q, k, v, keep, bias=bias, causal="top_left", score_mod=M.relative_bias(table))
+    assert calls
+
+
+def test_sinks(calls):
+    q, k, v = _qkv(1, 2, 2, 100, 100, 16, 16, seed=14)
+    sinks = torch.tensor([0.5, -1.0])
+    keep = _band_keep(100, 100, "top_left", 30)
+    _check(q, k, v, keep, sinks=sinks, causal="top_left", window=30)
+    assert calls
+
+
+def test_segment_offsets(calls):
+    """A context-parallel segment: global positions for causal and the ALiBi mod."""
+    h, lq, lk, q_off, k_off = 2, 80, 96, 200, 150
+    q, k, v = _qkv(1, h, h, lq, lk, 16, 16, seed=15)
+    seg = SegmentMask(q_offset=q_off, k_offset=k_off, causal=True, score_mod=M.alibi(h))
+    out, lse = segment_forward(q, k, v, seg, scale=1 / math.sqrt(16))
+    qp = torch.arange(lq).view(-1, 1) + q_off
+    kp = torch.arange(lk).view(1, -1) + k_off
+    bias = -(M.alibi_slopes(h).double().view(h, 1, 1) * (qp - kp).abs()).unsqueeze(0)
+    want, want_lse = ref_attention_lse(q, k, v, keep=kp <= qp, bias=bias)
+    torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+    assert calls
+
+
+def test_gradients_through_the_fused_backward(calls):
+    lq, lk = 150, 170
+    ids = torch.arange(lk) // 60
+    shift = lk - lq  # query i sits at key position i + shift
+
+    def same_document(b, h, q_idx, kv_idx):
+        return ids[q_idx + shift] == ids[kv_idx]
+
+    bm = create_block_mask(same_document, None, None, lq, lk, block_size=32)
+    xs = [x.requires_grad_(True) for x in _qkv(1, 4, 2, lq, lk, 32, 32, seed=16)]
+    out = attention(*xs, block_mask=bm, causal="bottom_right", backend="blockwise")
+    keep = (ids[-lq:].view(-1, 1) == ids.view(1, -1)) & _band_keep(lq, lk, "bottom_right", None)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.grad((out * g).sum(), xs)
+    ref_xs = [x.detach().double().requires_grad_(True) for x in xs]
+    ref_out, _ = ref_attention_lse(*ref_xs, keep=keep)
+    ref = torch.autograd.grad((ref_out * g.double()).sum(), ref_xs)
+    for name, a, r in zip("qkv", got, ref, strict=True):
+        torch.testing.assert_close(a.double(), r, atol=1e-4, rtol=1e-4, msg=f"d{name}")
+    assert calls
+
+
+# -- threads, fallbacks, the build -------------------------------------------------------
+
+
+def test_threads_give_identical_bits():
+    """Each query block is one thread's work: the thread count changes no bit."""
+    q, k, v = _qkv(2, 3, 3, 400, 400, 32, 32, seed=17)
+    torch.set_num_threads(1)
+    one = attention(q, k, v, causal=True, window=100, backend="blockwise")
+    torch.set_num_threads(2)
+    two = attention(q, k, v, causal=True, window=100, backend="blockwise")
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize(
+    "kwargs, why",
+    [
+        ({"dtype": torch.float64}, "float32"),
+        ({"dv": 20}, "multiple of 16"),
+        ({"mask": torch.bool}, "mask tensor"),
+        ({"mask": torch.float32}, "mask tensor"),
+    ],
+)
+def test_stands_aside_with_a_reason(kwargs, why, calls, monkeypatch):
+    """Calls the kernel cannot run go to torch's fused kernel, results unchanged."""
+    reasons: list[str | None] = []
+    original = native.why_not
+    monkeypatch.setattr(native, "why_not", lambda *a: reasons.append(original(*a)) or reasons[-1])
+    dtype = kwargs.get("dtype", torch.float32)
+    d = kwargs.get("dv", 16)
+    q, k, v = _qkv(1, 2, 2, 90, 90, d, d, seed=18, dtype=dtype)
+    extra = {}
+    if "mask" in kwargs:
+        keep = _band_keep(90, 90, "top_left", 20)
+        extra["mask"] = keep if kwargs["mask"] == torch.bool else torch.where(keep, 0.5, -1e9)
+    out = attention(q, k, v, causal=True, backend="blockwise", **extra)
+    ref = attention(q, k, v, causal=True, backend="reference", **extra)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert not calls and reasons and why in str(reasons[-1])
+
+
+def test_matches_the_torch_kernel_path():
+    q, k, v = _qkv(1, 4, 2, 500, 500, 64, 64, seed=19)
+    bm = create_block_mask(M.document(torch.arange(500) // 130), None, None, 500, 500)
+    a = attention(q, k, v, block_mask=bm, causal=True, backend="blockwise")
+    b = attention(q, k, v, block_mask=bm, causal=True, backend="blockwise-flash")
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_turned_off_or_without_a_compiler(monkeypatch, tmp_path):
+    monkeypatch.setattr(build, "_state", {})
+    monkeypatch.setenv("ATTNKIT_NATIVE", "0")
+    assert build.library() is None and "ATTNKIT_NATIVE=0" in build.status()
+    monkeypatch.setattr(build, "_state", {})
+    monkeypatch.delenv("ATTNKIT_NATIVE")
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert build.library() is None and "no C++ compiler" in build.status()
+    q, k, v = _qkv(1, 2, 2, 100, 100, 16, 16, seed=20)
+    out = attention(q, k, v, causal=True, window=10, backend="blockwise")  # torch's kernel
+    ref = attention(q, k, v, causal=True, window=10, backend="reference")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_builds_into_a_fresh_cache(monkeypatch, tmp_path):
+    monkeypatch.setattr(build, "_state", {})
+    monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
+    assert build.library() is not None, build.status()
+    assert [p.suffix for p in tmp_path.iterdir()] == [".so"]  # no temporary left behind
+    assert str(tmp_path) in build.status()
+
+
+# -- fuzzing -----------------------------------------------------------------------------
+
+
+@st.composite
+def _cases(draw):
+    h_kv = draw(st.sampled_from([1, 2]))
+    return dict(
+        b=draw(st.integers(1, 2)),
+        h_kv=h_kv,
+        h=h_kv * draw(st.sampled_from([1, 2])),
+        lq=draw(st.integers(1, 200)),
+        lk=draw(st.integers(1, 200)),
+        d=draw(st.sampled_from([16, 32, 48, 64])),
+        causal=draw(st.sampled_from([None, "top_left", "bottom_right"])),
+        window=draw(st.one_of(st.none(), st.integers(1, 80))),
+        block=draw(st.one_of(st.none(), st.sampled_from([8, 16, 32, 64, (16, 64)]))),
+        alibi=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=_cases())
+def test_fuzz_against_float64(case):
+    lq, lk, h = case["lq"], case["lk"], case["h"]
+    d = case["d"]  # = d_v: the fused engine's plans
+    q, k, v = _qkv(case["b"], h, case["h_kv"], lq, lk, d, d, seed=case["seed"])
+    keep = _band_keep(lq, lk, case["causal"], case["window"])
+    kwargs = dict(causal=case["causal"], window=case["window"])
+    if case["block"] is not None:
+        table = torch.rand(lq, lk, generator=torch.Generator().manual_seed(case["seed"])) < 0.6
+        kwargs["block_mask"] = create_block_mask(
+            lambda b, hh, qi, ki: table[qi][ki], None, None, lq, lk, block_size=case["block"]
+        )
+        keep = keep & table
+    bias = None
+    if case["alibi"]:
+        dist = (torch.arange(lq).view(-1, 1) - torch.arange(lk).view(1, -1)).abs()
+        bias = -(M.alibi_slopes(h).double().view(h, 1, 1) * dist).unsqueeze(0)
+        kwargs["score_mod"] = M.alibi(h)
+    _check(q, k, v, keep, bias=bias, **kwargs)
