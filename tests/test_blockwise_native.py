@@ -201,6 +201,21 @@ def test_documents_with_window_and_batch_masks(calls):
     assert calls
 
 
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_a_window_written_as_a_mod_runs_as_the_band(block_size, calls):
+    """A block mask that is a band of diagonals is not read: bit for bit window=."""
+    q, k, v = _qkv(1, 2, 2, 300, 300, 32, 32, seed=21)
+
+    def sliding(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < 70)
+
+    bm = create_block_mask(sliding, None, None, 300, 300, block_size=block_size)
+    out = _check(q, k, v, _band_keep(300, 300, "top_left", 70), block_mask=bm)
+    band = attention(q, k, v, causal="top_left", window=70, backend="blockwise")
+    assert torch.equal(out, band)
+    assert len(calls) == 2
+
+
 def test_plain_mask_mod_runs_native(calls):
     q, k, v = _qkv(1, 2, 2, 140, 140, 16, 16, seed=10)
 

@@ -106,8 +106,11 @@ def why_not(plan: TilePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     return None
 
 
-def _band(plan: TilePlan) -> tuple[int, int]:
-    """``(lo, hi)``: causal/window keep key ``j`` for query ``i`` iff ``lo <= j - i <= hi``."""
+def _band(plan: TilePlan) -> tuple[int, int, bool]:
+    """``(lo, hi, block_mask_needed)``: causal/window keep key ``j`` for query ``i`` iff
+    ``lo <= j - i <= hi``. A block mask that is itself such a band (a sliding window or
+    causal mask written as a mod: :meth:`BlockMask.toeplitz` with every difference in its
+    range kept) joins the band and is not read at all."""
     lo, hi = -_NONE, _NONE
     if plan.causal:
         hi = plan.offset
@@ -115,7 +118,14 @@ def _band(plan: TilePlan) -> tuple[int, int]:
         lo = plan.offset - plan.window + 1
         if not plan.causal:
             hi = plan.offset + plan.window - 1
-    return lo, hi
+    bm = plan.block_mask
+    if bm is None:
+        return lo, hi, False
+    toeplitz = bm.toeplitz()
+    if toeplitz is None or not bool(toeplitz[1].all()):
+        return lo, hi, True
+    first, keep = toeplitz  # kept q - kv: first .. first + n - 1
+    return max(lo, -(first + keep.numel() - 1)), min(hi, -first), False
 
 
 def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,7 +135,7 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     b, h, t, s = plan.b, plan.h, plan.t, plan.s
     out = torch.empty(b, h, t, v.shape[-1], dtype=torch.float32)
     lse = torch.empty(b, h, t, dtype=torch.float32)
-    band_lo, band_hi = _band(plan)
+    band_lo, band_hi, read_block_mask = _band(plan)
     args = _Args(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
@@ -134,7 +144,7 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     )  # fmt: skip
     keep_alive: list[torch.Tensor] = []  # tensors the kernel reads, alive through the call
     bm = plan.block_mask
-    if bm is not None:
+    if bm is not None and read_block_mask:
         kind = bm.block_kind.contiguous()  # (B|1, H|1, nq, nk) int8
         index = bm.partial_index.contiguous()  # same, int64
         masks = bm.partial_masks.contiguous().view(torch.uint8)  # (n, qb, kb)
