@@ -3,8 +3,10 @@
 // Built on first use by native/build.py (one g++ call, no torch headers) and called through
 // ctypes; see native/__init__.py for when it runs and what it returns. float32 only.
 //
-// For a block of query rows [i0, i1) of one (batch, head), the kernel walks the keys the
-// block may see in chunks of KC keys: scores S = Q K^T (register tiles of 4 rows x KC keys),
+// The keys are first transposed, chunk by chunk, into one packed copy (read by every query
+// block). For a block of query rows [i0, i1) of one (batch, head), the kernel walks the
+// chunks of KC keys the block may see (the rows of a chunk that the band leaves nothing
+// in are not computed): scores S = Q K^T (register tiles of 4 rows x KC keys),
 // scale, relative bias, masks (a diagonal band keep iff lo <= j - i <= hi, a block mask's
 // stored bool tile), online softmax, then O += P V (4 rows x up to 64 value columns).
 // Every row keeps its running max m and sum l; at the end out = O / l, lse = m + log(l),
@@ -19,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -100,7 +103,7 @@ inline float hsum(v16 x) {
 // zero past the last key. Packed once per call, read by every query block.
 struct PackedKeys {
   int64_t chunks;
-  std::vector<float> kt;
+  std::unique_ptr<float[]> kt;  // (B, HKV, chunks, D, KC), every element written
 };
 
 struct Scratch {
@@ -258,7 +261,7 @@ void block(const Args &a, const PackedKeys &pk, int64_t b, int64_t h, int64_t i0
   const int64_t rows = i1 - i0;
   const int64_t hk = h / (a.H / a.HKV);
   const float *qh = a.q + b * a.sq_b + h * a.sq_h;
-  const float *kt = pk.kt.data() + (b * a.HKV + hk) * pk.chunks * a.D * KC;
+  const float *kt = pk.kt.get() + (b * a.HKV + hk) * pk.chunks * a.D * KC;
   const float *vh = a.v + b * a.sv_b + hk * a.sv_h;
   std::fill(w.o.begin(), w.o.begin() + rows * a.DV, 0.0f);
   std::fill(w.m.begin(), w.m.begin() + rows, NEG_INF);
@@ -316,54 +319,48 @@ void block(const Args &a, const PackedKeys &pk, int64_t b, int64_t h, int64_t i0
   }
 }
 
-// Run f(item) for items [0, n) on up to `threads` threads (the calling one included).
-template <class F>
-void parallel(int64_t n, int64_t threads, F f) {
+// Run f(state, item) for items [0, n) on up to `threads` threads (the calling one
+// included), each thread with its own State(a).
+template <class State, class F>
+void parallel(const Args &a, int64_t n, F f) {
   std::atomic<int64_t> next{0};
   auto worker = [&]() {
-    for (int64_t it = next++; it < n; it = next++) f(it);
+    State state(a);
+    for (int64_t it = next++; it < n; it = next++) f(state, it);
   };
   std::vector<std::thread> pool;
-  for (int64_t t = 1; t < std::min(threads, n); ++t) pool.emplace_back(worker);
+  for (int64_t t = 1; t < std::min(a.threads, n); ++t) pool.emplace_back(worker);
   worker();
   for (auto &t : pool) t.join();
 }
 
+struct NoState {
+  NoState(const Args &) {}
+};
+
 }  // namespace
 
-extern "C" int attnkit_forward(const Args *a) {
-  if (a->D <= 0 || a->DV <= 0 || a->DV % 16 || a->bq <= 0 || a->H % a->HKV) return 1;
-  if (a->bm_kind && a->bq != a->bm_qb) return 2;
+extern "C" int attnkit_forward(const Args *args) {
+  const Args &a = *args;
+  if (a.D <= 0 || a.DV <= 0 || a.DV % 16 || a.bq <= 0 || a.HKV <= 0 || a.H % a.HKV) return 1;
+  if (a.bm_kind && a.bq != a.bm_qb) return 2;
   PackedKeys pk;
-  pk.chunks = (a->S + KC - 1) / KC;
-  pk.kt.resize(a->B * a->HKV * pk.chunks * a->D * KC);
-  parallel(a->B * a->HKV * pk.chunks, a->threads, [&](int64_t it) {
+  pk.chunks = (a.S + KC - 1) / KC;
+  pk.kt.reset(new float[a.B * a.HKV * pk.chunks * a.D * KC]);
+  parallel<NoState>(a, a.B * a.HKV * pk.chunks, [&](NoState &, int64_t it) {
     const int64_t ci = it % pk.chunks, bh = it / pk.chunks;
-    const float *k = a->k + (bh / a->HKV) * a->sk_b + (bh % a->HKV) * a->sk_h;
-    float *kt = pk.kt.data() + it * a->D * KC;
+    const float *k = a.k + (bh / a.HKV) * a.sk_b + (bh % a.HKV) * a.sk_h;
+    float *kt = pk.kt.get() + it * a.D * KC;
     for (int64_t j = 0; j < KC; ++j) {
       const int64_t key = ci * KC + j;
-      for (int64_t d = 0; d < a->D; ++d)
-        kt[d * KC + j] = key < a->S ? k[key * a->sk_t + d] : 0.0f;
+      for (int64_t d = 0; d < a.D; ++d) kt[d * KC + j] = key < a.S ? k[key * a.sk_t + d] : 0.0f;
     }
   });
-  const int64_t nq = (a->T + a->bq - 1) / a->bq;
-  std::vector<Scratch> scratch;
-  std::atomic<int64_t> next{0};
-  auto worker = [&](Scratch &w) {
-    for (int64_t it = next++; it < a->B * a->H * nq; it = next++) {
-      const int64_t qi = it % nq, bh = it / nq;
-      const int64_t i0 = qi * a->bq, i1 = std::min(a->T, i0 + a->bq);
-      block(*a, pk, bh / a->H, bh % a->H, i0, i1, w);
-    }
-  };
-  const int64_t n = std::max<int64_t>(1, std::min(a->threads, a->B * a->H * nq));
-  std::vector<std::thread> pool;
-  for (int64_t t = 1; t < n; ++t) pool.emplace_back([&]() { Scratch w(*a); worker(w); });
-  {
-    Scratch w(*a);
-    worker(w);
-  }
-  for (auto &t : pool) t.join();
+  const int64_t nq = (a.T + a.bq - 1) / a.bq;  // query blocks per (batch, head)
+  parallel<Scratch>(a, a.B * a.H * nq, [&](Scratch &w, int64_t it) {
+    const int64_t qi = it % nq, bh = it / nq;
+    const int64_t i0 = qi * a.bq, i1 = std::min(a.T, i0 + a.bq);
+    block(a, pk, bh / a.H, bh % a.H, i0, i1, w);
+  });
   return 0;
 }
