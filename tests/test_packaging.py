@@ -6,6 +6,7 @@ import ast
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,20 @@ def test_python_dash_m_attnkit_runs_the_cli() -> None:
         [sys.executable, "-m", "attnkit", "--help"], env=env, capture_output=True, text=True
     )
     assert r.returncode == 0 and "train" in r.stdout and "generate" in r.stdout
+
+
+def test_wheel_ships_the_native_kernel_source(tmp_path) -> None:
+    """The native kernel is built from attention.cpp at run time: the wheel must carry it."""
+    setuptools = pytest.importorskip("setuptools")
+    if int(setuptools.__version__.split(".")[0]) < 77:
+        pytest.skip(f"setuptools {setuptools.__version__} is older than the build needs")
+    run = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path), str(ROOT)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    (wheel,) = tmp_path.glob("attnkit-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "attnkit/backends/blockwise/native/attention.cpp" in names
+    assert "attnkit/py.typed" in names
