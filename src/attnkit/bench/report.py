@@ -19,6 +19,8 @@ def markdown(result: dict) -> str:
         + (f", CUDA {m['cuda']}" if m.get("cuda") else ""),
         "",
     ]
+    if m.get("native_kernel"):
+        lines += [f"attnkit's native CPU kernel: {m['native_kernel']}", ""]
     if result.get("note"):
         lines += [result["note"], ""]
     quick = bool(result.get("quick"))

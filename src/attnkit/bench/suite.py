@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from attnkit.backends.blockwise import native
 from attnkit.bench import peers
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -268,6 +269,7 @@ def machine() -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "native_kernel": native.status(),
     }
 
 
