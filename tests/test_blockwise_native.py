@@ -361,6 +361,19 @@ def test_turned_off_or_without_a_compiler(monkeypatch, tmp_path):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+def test_a_missing_source_or_a_failing_compiler_is_a_reason(monkeypatch, tmp_path):
+    monkeypatch.setattr(build, "_state", {})
+    monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(build, "SOURCE", tmp_path / "missing.cpp")
+    assert build.library() is None and "source is missing" in build.status()
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(build, "_state", {})
+    monkeypatch.setattr(build, "SOURCE", broken)
+    assert build.library() is None and "building the native kernel failed" in build.status()
+    assert not list(tmp_path.glob("*.so"))  # nothing half-written is left to load
+
+
 def test_builds_into_a_fresh_cache(monkeypatch, tmp_path):
     monkeypatch.setattr(build, "_state", {})
     monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))

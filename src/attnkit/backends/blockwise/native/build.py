@@ -75,7 +75,10 @@ def _build() -> tuple[ctypes.CDLL | None, str]:
     cxx, version = compiler
     if "clang" in version.lower():
         return None, f"the native kernel needs GCC (its vector extensions), found {version}"
-    source = SOURCE.read_bytes()
+    try:
+        source = SOURCE.read_bytes()
+    except OSError as err:
+        return None, f"the native kernel's source is missing: {err}"
     digest = hashlib.sha256(
         b"\0".join([source, version.encode(), " ".join(FLAGS).encode(), _cpu_features().encode()])
     ).hexdigest()[:16]
