@@ -299,6 +299,27 @@ def test_gradients_through_the_fused_backward(calls):
     assert calls
 
 
+# -- auto --------------------------------------------------------------------------------
+
+
+def test_auto_prefers_the_native_kernel_for_cpu_inference(calls):
+    """From 128 queries and 256 keys, a CPU call recording no gradient goes to blockwise
+    (its native forward beats sdpa there); small calls and training calls keep sdpa."""
+    q, k, v = _qkv(1, 2, 2, 300, 300, 32, 32, seed=22)
+    with torch.no_grad():
+        out = attention(q, k, v, causal=True)  # auto
+        assert len(calls) == 1
+        _check(q, k, v, _band_keep(300, 300, "bottom_right", None), causal=True)
+        small = _qkv(1, 2, 2, 100, 100, 32, 32, seed=23)
+        attention(*small, causal=True)  # 100 queries: sdpa
+        attention(q, k, v, mask=_band_keep(300, 300, None, None))  # a mask tensor
+    assert len(calls) == 2  # the explicit backend="blockwise" of _check only
+    xs = [x.requires_grad_(True) for x in (q, k, v)]
+    with_grad = attention(*xs, causal=True)  # gradients: sdpa
+    assert len(calls) == 2
+    torch.testing.assert_close(with_grad.detach(), out, atol=1e-5, rtol=1e-5)
+
+
 # -- threads, fallbacks, the build -------------------------------------------------------
 
 

@@ -397,7 +397,7 @@ def test_auto_order_prefers_triton_on_cuda_for_kernel_calls():
     def call(cuda, **kw):
         fields = dict(window=None, mask_mod=None, block_mask=None, score_mod=None, sinks=None)
         fields.update(kw)
-        return SimpleNamespace(query=SimpleNamespace(is_cuda=cuda), k_len=64, **fields)
+        return SimpleNamespace(query=SimpleNamespace(is_cuda=cuda), q_len=64, k_len=64, **fields)
 
     assert backends.auto_order(call(True, window=8))[0] == "triton"
     assert backends.auto_order(call(True, sinks=torch.zeros(2)))[0] == "triton"

@@ -111,12 +111,14 @@ BackendResult = tuple[torch.Tensor, "torch.Tensor | None", "torch.Tensor | None"
 
 @dataclass(frozen=True)
 class Backend:
-    """A registered backend: its name, its function and its capability check."""
+    """A registered backend: its name, its function, its capability checks, and when
+    ``"auto"`` should try it before the others (``auto_first``)."""
 
     name: str
     fn: Callable[[AttentionCall], tuple]
     supports: Callable[[AttentionCall], str | None]
     auto_supports: Callable[[AttentionCall], str | None]
+    auto_first: Callable[[AttentionCall], bool]
 
 
 _REGISTRY: dict[str, Backend] = {}
@@ -126,11 +128,6 @@ _REGISTRY: dict[str, Backend] = {}
 #: the explicit math (dropout, gradients through weights or float masks).
 AUTO_ORDER: list[str] = ["sdpa", "blockwise", "reference"]
 
-#: From this many keys on, a sliding window or a ``mask_mod`` sends ``"auto"`` to the
-#: blockwise kernel first: it skips the empty tiles where sdpa computes a dense mask.
-SPARSE_MIN_KEYS = 1024
-
-
 #: On CUDA, ``"auto"`` tries the Triton kernels (where registered) right after sdpa, and
 #: before it for the calls sdpa would run on a dense mask or cannot run: score mods,
 #: windows, mask mods, block masks and sinks.
@@ -138,16 +135,21 @@ CUDA_KERNEL = "triton"
 
 
 def auto_order(call: AttentionCall) -> list[str]:
-    """The backends ``"auto"`` tries for ``call``, fastest first."""
+    """The backends ``"auto"`` tries for ``call``, fastest first: :data:`AUTO_ORDER`, with
+    the backends whose ``auto_first(call)`` holds moved to the front (blockwise for
+    sparse masks and the CPU calls its native kernel runs); on CUDA, see :data:`CUDA_KERNEL`."""
     sparse = call.window is not None or call.mask_mod is not None or call.block_mask is not None
     if call.query.is_cuda and CUDA_KERNEL in _REGISTRY:
         rest = [n for n in AUTO_ORDER if n != CUDA_KERNEL]
         if sparse or call.score_mod is not None or call.sinks is not None:
             return [CUDA_KERNEL, *rest]
         return [*rest[:1], CUDA_KERNEL, *rest[1:]]
-    if sparse and call.k_len >= SPARSE_MIN_KEYS and "blockwise" in AUTO_ORDER:
-        return ["blockwise", *(n for n in AUTO_ORDER if n != "blockwise")]
-    return AUTO_ORDER
+    first = [n for n in AUTO_ORDER if n in _REGISTRY and _REGISTRY[n].auto_first(call)]
+    return [*first, *(n for n in AUTO_ORDER if n not in first)]
+
+
+def _never(call: AttentionCall) -> bool:
+    return False
 
 
 def _always(call: AttentionCall) -> str | None:
@@ -160,6 +162,7 @@ def register_backend(
     *,
     supports: Callable[[AttentionCall], str | None] = _always,
     auto_supports: Callable[[AttentionCall], str | None] | None = None,
+    auto_first: Callable[[AttentionCall], bool] = _never,
 ) -> None:
     """Register ``fn`` under ``name`` (replacing any backend of that name).
 
@@ -168,10 +171,12 @@ def register_backend(
         fn: the implementation, ``fn(call) -> (context, weights or None)``.
         supports: returns why ``fn`` cannot honour a call, or None when it can.
         auto_supports: the stricter check ``backend="auto"`` uses (default: ``supports``).
+        auto_first: whether ``"auto"`` should try this backend before the others for a
+            call (it is faster there); it still needs ``auto_supports``.
     """
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
-    _REGISTRY[name] = Backend(name, fn, supports, auto_supports or supports)
+    _REGISTRY[name] = Backend(name, fn, supports, auto_supports or supports, auto_first)
 
 
 def available_backends() -> list[str]:
