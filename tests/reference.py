@@ -1,7 +1,9 @@
 """An independent float64 reference for attention, written for the tests only.
 
-It shares no code with attnkit: masks are built index by index with Python
-loops and the softmax is written out (max-subtracted exp over the kept keys).
+It shares no code with attnkit: masks are built from explicit index comparisons
+(index by index with Python loops where small) and the softmax is written out
+(max-subtracted exp over the kept keys). :func:`plain_attention` is the yardstick of
+flash-attn's rule: the same math in the inputs' own dtype.
 """
 
 from __future__ import annotations
@@ -19,6 +21,37 @@ def ref_causal_keep(q_len: int, k_len: int, alignment: str) -> torch.Tensor:
         for j in range(k_len):
             keep[i, j] = j <= i + shift
     return keep
+
+
+def ref_band_keep(lq: int, lk: int, causal: str | None, window: int | None) -> torch.Tensor:
+    """``(lq, lk)`` bool of causal and window, written out: query ``i`` sits at key position
+    ``i`` (``causal="top_left"``) or ``i + lk - lq`` (``"bottom_right"`` and no causal);
+    the window keeps ``q_pos - window < k_pos`` (and ``k_pos - q_pos < window`` without
+    causal)."""
+    shift = 0 if causal == "top_left" else lk - lq
+    qp = torch.arange(lq).view(-1, 1) + shift
+    kp = torch.arange(lk).view(1, -1)
+    keep = torch.ones(lq, lk, dtype=torch.bool)
+    if causal is not None:
+        keep &= kp <= qp
+    if window is not None:
+        keep &= qp - kp < window
+        if causal is None:
+            keep &= kp - qp < window
+    return keep
+
+
+def plain_attention(q, k, v, keep: torch.Tensor, bias: torch.Tensor | None = None):
+    """Softmax attention in the inputs' dtype, ``(b, h, t, d)`` (GQA expanded): the error
+    flash-attn's rule allows twice of."""
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if bias is not None:
+        s = s + bias.to(s.dtype)
+    s = s.masked_fill(~keep, float("-inf"))
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v
 
 
 def ref_attention(

@@ -17,7 +17,7 @@ from attnkit import masks as M
 from attnkit.backends.blockwise import native, segment_forward
 from attnkit.backends.blockwise.native import build
 from attnkit.backends.blockwise.segment import SegmentMask
-from tests.reference import ref_attention_lse
+from tests.reference import plain_attention, ref_attention_lse, ref_band_keep
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -54,33 +54,6 @@ def _qkv(b, h, h_kv, lq, lk, d, dv, seed, dtype=torch.float32, strided=False):
     return q, k, v
 
 
-def _band_keep(lq, lk, causal, window):
-    """Written out: query i at key position i + (lk - lq) (bottom-right) or i (top-left)."""
-    shift = 0 if causal == "top_left" else lk - lq
-    qp = torch.arange(lq).view(-1, 1) + shift
-    kp = torch.arange(lk).view(1, -1)
-    keep = torch.ones(lq, lk, dtype=torch.bool)
-    if causal is not None:
-        keep &= kp <= qp
-    if window is not None:
-        keep &= qp - kp < window
-        if causal is None:
-            keep &= kp - qp < window
-    return keep
-
-
-def _plain(q, k, v, keep, bias):
-    """The same math in the inputs' dtype (flash-attn's yardstick)."""
-    if k.shape[1] != q.shape[1]:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
-    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if bias is not None:
-        s = s + bias.to(s.dtype)
-    s = s.masked_fill(~keep, float("-inf"))
-    return torch.softmax(s, -1).nan_to_num(0.0) @ v
-
-
 def _check(q, k, v, keep, bias=None, sinks=None, **kwargs):
     """Native output and log-sum-exp against float64: the 2x rule, dead rows exact."""
     out, lse = attention(q, k, v, return_lse=True, backend="blockwise", sinks=sinks, **kwargs)
@@ -88,7 +61,7 @@ def _check(q, k, v, keep, bias=None, sinks=None, **kwargs):
     eps = EPS[q.dtype]
     err = (out.double() - want).abs().max().item()
     if sinks is None:
-        plain_err = (_plain(q, k, v, keep, bias).double() - want).abs().max().item()
+        plain_err = (plain_attention(q, k, v, keep, bias).double() - want).abs().max().item()
         assert err <= 2 * plain_err + eps, f"out error {err:.3g} vs plain math {plain_err:.3g}"
     else:
         assert err <= 10 * eps, f"out error {err:.3g}"
@@ -121,7 +94,7 @@ BANDS = [
 def test_bands_match_float64(case, calls):
     b, h, h_kv, lq, lk, d, dv, causal, window = case
     q, k, v = _qkv(b, h, h_kv, lq, lk, d, dv, seed=lq + lk)
-    _check(q, k, v, _band_keep(lq, lk, causal, window), causal=causal, window=window)
+    _check(q, k, v, ref_band_keep(lq, lk, causal, window), causal=causal, window=window)
     assert bool(calls) == (d == dv), "the native kernel runs the fused engine's plans"
 
 
@@ -130,7 +103,7 @@ def test_strided_inputs(causal, calls):
     """Transposed q/k and a value slice of a wider tensor: read through their strides."""
     q, k, v = _qkv(2, 4, 2, 131, 140, 32, 32, seed=3, strided=True)
     assert q.stride(-1) != 1 or not q.is_contiguous()
-    _check(q, k, v, _band_keep(131, 140, causal, None), causal=causal)
+    _check(q, k, v, ref_band_keep(131, 140, causal, None), causal=causal)
     assert calls
 
 
@@ -138,7 +111,7 @@ def test_expanded_batch_one_keys(calls):
     q, _, _ = _qkv(3, 2, 2, 70, 90, 16, 16, seed=4)
     _, k, v = _qkv(1, 2, 2, 70, 90, 16, 16, seed=5)
     k3, v3 = k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1)
-    _check(q, k3, v3, _band_keep(70, 90, "top_left", 33), causal="top_left", window=33)
+    _check(q, k3, v3, ref_band_keep(70, 90, "top_left", 33), causal="top_left", window=33)
     assert calls
 
 
@@ -146,13 +119,13 @@ def test_large_scores_rescale_exactly(calls):
     """Scores of +-100s: the running max moves between chunks and exp spans its range."""
     q, k, v = _qkv(1, 2, 2, 200, 333, 64, 64, seed=6)
     q = q * 12.0
-    _check(q, k, v, _band_keep(200, 333, None, None))
+    _check(q, k, v, ref_band_keep(200, 333, None, None))
     assert calls
 
 
 def test_half_precision_is_upcast(calls):
     q, k, v = _qkv(1, 2, 2, 150, 150, 32, 32, seed=7, dtype=torch.bfloat16)
-    _check(q, k, v, _band_keep(150, 150, "top_left", 40), causal="top_left", window=40)
+    _check(q, k, v, ref_band_keep(150, 150, "top_left", 40), causal="top_left", window=40)
     assert calls
 
 
@@ -185,7 +158,7 @@ def test_block_masks_match_float64(block_size, lq, lk, heads, causal, calls):
         table = table[:1].expand(2, -1, -1)
     bm = create_block_mask(_table_mod(table), None, heads, lq, lk, block_size=block_size)
     q, k, v = _qkv(1, 2, 2, lq, lk, 32, 32, seed=8)
-    keep = table.unsqueeze(0) & _band_keep(lq, lk, causal, None)
+    keep = table.unsqueeze(0) & ref_band_keep(lq, lk, causal, None)
     _check(q, k, v, keep, block_mask=bm, causal=causal)
     assert calls and all(with_bm for _, _, with_bm in calls)
 
@@ -196,7 +169,7 @@ def test_documents_with_window_and_batch_masks(calls):
     ids = torch.stack([torch.arange(lq) // 100, torch.arange(lq) // 47])  # (2, lq)
     bm = create_block_mask(lambda b, h, q, k: ids[b][q] == ids[b][k], 2, None, lq, lq)
     q, k, v = _qkv(2, 2, 1, lq, lq, 16, 16, seed=9)
-    keep = (ids[:, :, None] == ids[:, None, :]).unsqueeze(1) & _band_keep(lq, lq, "top_left", 60)
+    keep = (ids[:, :, None] == ids[:, None, :]).unsqueeze(1) & ref_band_keep(lq, lq, "top_left", 60)
     _check(q, k, v, keep, block_mask=bm, causal="top_left", window=60)
     assert calls
 
@@ -210,7 +183,7 @@ def test_a_window_written_as_a_mod_runs_as_the_band(block_size, calls):
         return (kv_idx <= q_idx) & (q_idx - kv_idx < 70)
 
     bm = create_block_mask(sliding, None, None, 300, 300, block_size=block_size)
-    out = _check(q, k, v, _band_keep(300, 300, "top_left", 70), block_mask=bm)
+    out = _check(q, k, v, ref_band_keep(300, 300, "top_left", 70), block_mask=bm)
     band = attention(q, k, v, causal="top_left", window=70, backend="blockwise")
     assert torch.equal(out, band)
     assert len(calls) == 2
@@ -238,7 +211,7 @@ def test_alibi_matches_float64(lq, lk, causal, window, calls):
     q, k, v = _qkv(1, h, 2, lq, lk, 32, 32, seed=11)
     dist = (torch.arange(lq).view(-1, 1) - torch.arange(lk).view(1, -1)).abs()
     bias = -(M.alibi_slopes(h).double().view(h, 1, 1) * dist).unsqueeze(0)
-    keep = _band_keep(lq, lk, causal, window)
+    keep = ref_band_keep(lq, lk, causal, window)
     _check(q, k, v, keep, bias=bias, causal=causal, window=window, score_mod=M.alibi(h))
     assert calls
 
@@ -249,7 +222,7 @@ def test_relative_bias_table(calls):
     rel = (torch.arange(lq).view(1, -1) - torch.arange(lq).view(-1, 1)).clamp(-m + 1, m - 1)
     bias = table.double()[:, rel + m - 1].unsqueeze(0)  # (1, h, q, k)
     q, k, v = _qkv(1, h, h, lq, lq, 16, 16, seed=13)
-    keep = _band_keep(lq, lq, "top_left", None)
+    keep = ref_band_keep(lq, lq, "top_left", None)
     _check(q, k, v, keep, bias=bias, causal="top_left", score_mod=M.relative_bias(table))
     assert calls
 
@@ -257,7 +230,7 @@ def test_relative_bias_table(calls):
 def test_sinks(calls):
     q, k, v = _qkv(1, 2, 2, 100, 100, 16, 16, seed=14)
     sinks = torch.tensor([0.5, -1.0])
-    keep = _band_keep(100, 100, "top_left", 30)
+    keep = ref_band_keep(100, 100, "top_left", 30)
     _check(q, k, v, keep, sinks=sinks, causal="top_left", window=30)
     assert calls
 
@@ -288,7 +261,7 @@ def test_gradients_through_the_fused_backward(calls):
     bm = create_block_mask(same_document, None, None, lq, lk, block_size=32)
     xs = [x.requires_grad_(True) for x in _qkv(1, 4, 2, lq, lk, 32, 32, seed=16)]
     out = attention(*xs, block_mask=bm, causal="bottom_right", backend="blockwise")
-    keep = (ids[-lq:].view(-1, 1) == ids.view(1, -1)) & _band_keep(lq, lk, "bottom_right", None)
+    keep = (ids[-lq:].view(-1, 1) == ids.view(1, -1)) & ref_band_keep(lq, lk, "bottom_right", None)
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
     got = torch.autograd.grad((out * g).sum(), xs)
     ref_xs = [x.detach().double().requires_grad_(True) for x in xs]
@@ -309,10 +282,10 @@ def test_auto_prefers_the_native_kernel_for_cpu_inference(calls):
     with torch.no_grad():
         out = attention(q, k, v, causal=True)  # auto
         assert len(calls) == 1
-        _check(q, k, v, _band_keep(300, 300, "bottom_right", None), causal=True)
+        _check(q, k, v, ref_band_keep(300, 300, "bottom_right", None), causal=True)
         small = _qkv(1, 2, 2, 100, 100, 32, 32, seed=23)
         attention(*small, causal=True)  # 100 queries: sdpa
-        attention(q, k, v, mask=_band_keep(300, 300, None, None))  # a mask tensor
+        attention(q, k, v, mask=ref_band_keep(300, 300, None, None))  # a mask tensor
     assert len(calls) == 2  # the explicit backend="blockwise" of _check only
     xs = [x.requires_grad_(True) for x in (q, k, v)]
     with_grad = attention(*xs, causal=True)  # gradients: sdpa
@@ -352,7 +325,7 @@ def test_stands_aside_with_a_reason(kwargs, why, calls, monkeypatch):
     q, k, v = _qkv(1, 2, 2, 90, 90, d, d, seed=18, dtype=dtype)
     extra = {}
     if "mask" in kwargs:
-        keep = _band_keep(90, 90, "top_left", 20)
+        keep = ref_band_keep(90, 90, "top_left", 20)
         extra["mask"] = keep if kwargs["mask"] == torch.bool else torch.where(keep, 0.5, -1e9)
     out = attention(q, k, v, causal=True, backend="blockwise", **extra)
     ref = attention(q, k, v, causal=True, backend="reference", **extra)
@@ -430,7 +403,7 @@ def test_fuzz_against_float64(case):
     lq, lk, h = case["lq"], case["lk"], case["h"]
     d = case["d"]  # = d_v: the fused engine's plans
     q, k, v = _qkv(case["b"], h, case["h_kv"], lq, lk, d, d, seed=case["seed"])
-    keep = _band_keep(lq, lk, case["causal"], case["window"])
+    keep = ref_band_keep(lq, lk, case["causal"], case["window"])
     kwargs = dict(causal=case["causal"], window=case["window"])
     if case["block"] is not None:
         table = torch.rand(lq, lk, generator=torch.Generator().manual_seed(case["seed"])) < 0.6

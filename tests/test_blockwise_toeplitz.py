@@ -3,8 +3,6 @@ against an independent float64 reference: forward, log-sum-exp, gradients, edges
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -14,27 +12,12 @@ from attnkit import attention, create_block_mask
 from attnkit import masks as M
 from attnkit.backends.blockwise import flash_cpu, toeplitz
 from attnkit.backends.blockwise import plan as blockwise_plan
-from tests.reference import ref_attention_lse
+from tests.reference import plain_attention, ref_attention_lse, ref_band_keep
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
     pytest.mark.skipif(flash_cpu._FORWARD is None, reason="no fused CPU flash kernel"),
 ]
-
-
-def _keep(lq: int, lk: int, causal: str | None, window: int | None) -> torch.Tensor:
-    """Written out: query i sits at key position i + (lk - lq) bottom-right, i top-left."""
-    shift = lk - lq if causal in ("bottom_right", None) else 0
-    qp = torch.arange(lq).view(-1, 1) + shift
-    kp = torch.arange(lk).view(1, -1)
-    keep = torch.ones(lq, lk, dtype=torch.bool)
-    if causal is not None:
-        keep &= kp <= qp
-    if window is not None:
-        keep &= qp - kp < window
-        if causal is None:
-            keep &= kp - qp < window
-    return keep
 
 
 def _alibi_bias(h: int, lq: int, lk: int) -> torch.Tensor:
@@ -56,19 +39,6 @@ def _qkv(b, h, h_kv, lq, lk, d, dtype, seed, strided=False):
     )
 
 
-def _plain(q, k, v, keep, bias):
-    """The same math in the inputs' dtype (flash-attn's yardstick)."""
-    if k.shape[1] != q.shape[1]:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
-    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if bias is not None:
-        s = s + bias.to(s.dtype)
-    s = s.masked_fill(~keep, float("-inf"))
-    w = torch.softmax(s, -1).nan_to_num(0.0)
-    return w @ v
-
-
 def _spy_layouts(monkeypatch) -> list[str | None]:
     seen: list[str | None] = []
     original = toeplitz.layout
@@ -87,7 +57,7 @@ def _check(case: dict, monkeypatch, expect: str | None) -> None:
     causal, window, alibi, dtype = case["causal"], case["window"], case["alibi"], case["dtype"]
     seen = _spy_layouts(monkeypatch)
     q, k, v = _qkv(b, h, h_kv, lq, lk, d, dtype, case["seed"], case.get("strided", False))
-    keep = _keep(lq, lk, causal, window)
+    keep = ref_band_keep(lq, lk, causal, window)
     # attnkit's mods see query i at i and key j at j (no alignment shift), as FlexAttention
     bias = _alibi_bias(h, lq, lk) if alibi else None
     kwargs = dict(
@@ -103,7 +73,7 @@ def _check(case: dict, monkeypatch, expect: str | None) -> None:
     want, want_lse = ref_attention_lse(q, k, v, keep=keep, bias=bias)
     assert expect in seen, f"layout {expect} not taken: {seen}"
     err = (out.double() - want).abs().max().item()
-    err_plain = (_plain(q, k, v, keep, bias).double() - want).abs().max().item()
+    err_plain = (plain_attention(q, k, v, keep, bias).double() - want).abs().max().item()
     eps = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2e-2}[dtype]
     assert err <= 2 * err_plain + eps, f"out error {err:.3g} vs plain {err_plain:.3g}"
     alive = keep.any(-1).expand_as(want_lse)
@@ -185,7 +155,7 @@ def test_relative_bias_table_takes_the_rows_layout(monkeypatch):
     )
     rel = (torch.arange(t).view(1, -1) - torch.arange(t).view(-1, 1)).clamp(-m + 1, m - 1)
     bias = table[:, rel + m - 1].unsqueeze(0)  # (1, h, t, t)
-    want, _ = ref_attention_lse(q, k, v, keep=_keep(t, t, "bottom_right", None), bias=bias)
+    want, _ = ref_attention_lse(q, k, v, keep=ref_band_keep(t, t, "bottom_right", None), bias=bias)
     assert "rows" in seen
     torch.testing.assert_close(out, want, atol=1e-10, rtol=1e-10)
 
@@ -252,7 +222,7 @@ def test_document_runs_match_float64(monkeypatch, causal_in, lengths):
     monkeypatch.setattr(flash_cpu, "_FORWARD", spy)
     q, k, v = (x.requires_grad_(True) for x in _qkv(1, 2, 2, t, t, 8, torch.float32, 5))
     out = attention(q, k, v, block_mask=bm, causal=causal_in == "flag", backend="blockwise-flash")
-    keep = (ids.view(-1, 1) == ids.view(1, -1)) & _keep(t, t, "top_left", None)
+    keep = (ids.view(-1, 1) == ids.view(1, -1)) & ref_band_keep(t, t, "top_left", None)
     want, _ = ref_attention_lse(q.detach(), k.detach(), v.detach(), keep=keep)
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
     if all(n % 16 == 0 for n in lengths) and max(lengths) <= 128:
@@ -308,7 +278,7 @@ def test_toeplitz_block_mask_takes_the_band(monkeypatch, name, mod, lq, lk):
     qi, kj = torch.arange(lq).view(-1, 1), torch.arange(lk).view(1, -1)
     keep = mod(0, 0, qi, kj)
     for causal in (False, "top_left"):
-        want_keep = keep & (_keep(lq, lk, causal, None) if causal else True)
+        want_keep = keep & (ref_band_keep(lq, lk, causal, None) if causal else True)
         out, lse = attention(q, k, v, block_mask=bm, causal=causal, return_lse=True,
                              backend="blockwise-flash")  # fmt: skip
         want, want_lse = ref_attention_lse(q, k, v, keep=want_keep)
@@ -350,7 +320,7 @@ def test_fuzz_toeplitz_block_masks(lq, lk, lo, width, step, causal, block, seed)
         q, k, v = _qkv(1, 2, 2, lq, lk, 8, torch.float64, seed)
         keep = mod(0, 0, torch.arange(lq).view(-1, 1), torch.arange(lk).view(1, -1))
         if causal:
-            keep = keep & _keep(lq, lk, causal, None)
+            keep = keep & ref_band_keep(lq, lk, causal, None)
         out, lse = attention(q, k, v, block_mask=bm, causal=causal, return_lse=True,
                              backend="blockwise-flash")  # fmt: skip
         want, want_lse = ref_attention_lse(q, k, v, keep=keep)
