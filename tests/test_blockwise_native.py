@@ -391,8 +391,13 @@ def _cases(draw):
         d=draw(st.sampled_from([16, 32, 48, 64])),
         causal=draw(st.sampled_from([None, "top_left", "bottom_right"])),
         window=draw(st.one_of(st.none(), st.integers(1, 80))),
-        block=draw(st.one_of(st.none(), st.sampled_from([8, 16, 32, 64, (16, 64)]))),
+        block=draw(st.one_of(st.none(), st.sampled_from([8, 16, 32, 64, (16, 64), (64, 16)]))),
+        # the block mask's extent: one for all, per head, per batch element
+        mask_lead=draw(st.sampled_from(["shared", "heads", "batch"])),
+        density=draw(st.sampled_from([0.05, 0.6, 1.0])),
         alibi=draw(st.booleans()),
+        sinks=draw(st.booleans()),
+        strided=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -400,20 +405,27 @@ def _cases(draw):
 @settings(max_examples=40, deadline=None)
 @given(case=_cases())
 def test_fuzz_against_float64(case):
-    lq, lk, h = case["lq"], case["lk"], case["h"]
+    b, lq, lk, h = case["b"], case["lq"], case["lk"], case["h"]
     d = case["d"]  # = d_v: the fused engine's plans
-    q, k, v = _qkv(case["b"], h, case["h_kv"], lq, lk, d, d, seed=case["seed"])
+    seed = case["seed"]
+    q, k, v = _qkv(b, h, case["h_kv"], lq, lk, d, d, seed=seed, strided=case["strided"])
     keep = ref_band_keep(lq, lk, case["causal"], case["window"])
-    kwargs = dict(causal=case["causal"], window=case["window"])
+    kwargs: dict = dict(causal=case["causal"], window=case["window"])
     if case["block"] is not None:
-        table = torch.rand(lq, lk, generator=torch.Generator().manual_seed(case["seed"])) < 0.6
-        kwargs["block_mask"] = create_block_mask(
-            lambda b, hh, qi, ki: table[qi][ki], None, None, lq, lk, block_size=case["block"]
-        )
+        lead = {"shared": (1, 1), "heads": (1, h), "batch": (b, 1)}[case["mask_lead"]]
+        g = torch.Generator().manual_seed(seed)
+        table = torch.rand(*lead, lq, lk, generator=g) < case["density"]
+
+        def mod(bb, hh, qi, ki):
+            return table[bb % lead[0]][hh % lead[1]][qi][ki]
+
+        B, H = (b if lead[0] > 1 else None), (h if lead[1] > 1 else None)
+        kwargs["block_mask"] = create_block_mask(mod, B, H, lq, lk, block_size=case["block"])
         keep = keep & table
     bias = None
     if case["alibi"]:
         dist = (torch.arange(lq).view(-1, 1) - torch.arange(lk).view(1, -1)).abs()
         bias = -(M.alibi_slopes(h).double().view(h, 1, 1) * dist).unsqueeze(0)
         kwargs["score_mod"] = M.alibi(h)
-    _check(q, k, v, keep, bias=bias, **kwargs)
+    sinks = torch.randn(h, generator=torch.Generator().manual_seed(seed)) if case["sinks"] else None
+    _check(q, k, v, keep, bias=bias, sinks=sinks, **kwargs)
