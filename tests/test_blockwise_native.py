@@ -200,6 +200,46 @@ def test_plain_mask_mod_runs_native(calls):
     assert calls
 
 
+# -- mask tensors ------------------------------------------------------------------------
+
+
+def _masks(b, h, lq, lk, seed):
+    """Bool and float masks of every broadcast shape, with -inf entries and dead rows."""
+    g = torch.Generator().manual_seed(seed)
+    keep = torch.rand(b, h, lq, lk, generator=g) < 0.5
+    keep[:, :, 3] = False  # a dead row
+    bias = torch.randn(b, h, lq, lk, generator=g).masked_fill(~keep, float("-inf"))
+    lengths = torch.tensor([lk, lk // 3])[:b]
+    padding = (torch.arange(lk) < lengths.view(-1, 1)).view(b, 1, 1, lk)  # (b, 1, 1, s)
+    return {
+        "bool (b, h, t, s)": keep,
+        "bool (t, s)": keep[0, 0],
+        "bool padding (b, 1, 1, s)": padding,
+        "bool (b, h, t, 1)": keep[..., :1],
+        "float (b, h, t, s)": bias,
+        "float (1, h, t, s)": bias[:1],
+        "float (s,)": bias[0, 0, 0],
+        "float with a transposed storage": bias.transpose(-1, -2).contiguous().transpose(-1, -2),
+    }
+
+
+@pytest.mark.parametrize("name", list(_masks(2, 2, 4, 4, 0)))
+@pytest.mark.parametrize("causal, window", [(None, None), ("bottom_right", 40)])
+def test_mask_tensors(name, causal, window, calls):
+    """Read through their strides; with causal/window a row is alive only where one key
+    survives every mask at once (the float mask + window regression)."""
+    b, h, lq, lk = 2, 2, 150, 170
+    mask = _masks(b, h, lq, lk, seed=24)[name]
+    q, k, v = _qkv(b, h, 1, lq, lk, 32, 32, seed=25)
+    band = ref_band_keep(lq, lk, causal, window)
+    if mask.dtype == torch.bool:
+        keep, bias = mask & band, None
+    else:
+        keep, bias = torch.isfinite(mask) & band, mask.masked_fill(~torch.isfinite(mask), 0)
+    _check(q, k, v, keep, bias=bias, mask=mask, causal=causal, window=window)
+    assert calls
+
+
 # -- relative biases, sinks, segments ----------------------------------------------------
 
 
@@ -276,8 +316,9 @@ def test_gradients_through_the_fused_backward(calls):
 
 
 def test_auto_prefers_the_native_kernel_for_cpu_inference(calls):
-    """From 128 queries and 256 keys, a CPU call recording no gradient goes to blockwise
-    (its native forward beats sdpa there); small calls and training calls keep sdpa."""
+    """From 128 queries and 256 keys (512 with a mask tensor), a CPU call recording no
+    gradient goes to blockwise (its native forward beats sdpa there); small calls and
+    training calls keep sdpa."""
     q, k, v = _qkv(1, 2, 2, 300, 300, 32, 32, seed=22)
     with torch.no_grad():
         out = attention(q, k, v, causal=True)  # auto
@@ -285,11 +326,14 @@ def test_auto_prefers_the_native_kernel_for_cpu_inference(calls):
         _check(q, k, v, ref_band_keep(300, 300, "bottom_right", None), causal=True)
         small = _qkv(1, 2, 2, 100, 100, 32, 32, seed=23)
         attention(*small, causal=True)  # 100 queries: sdpa
-        attention(q, k, v, mask=ref_band_keep(300, 300, None, None))  # a mask tensor
-    assert len(calls) == 2  # the explicit backend="blockwise" of _check only
+        attention(q, k, v, mask=ref_band_keep(300, 300, None, 50))  # masked: from 512 keys
+        assert len(calls) == 2  # the explicit backend="blockwise" of _check only
+        long = _qkv(1, 2, 2, 130, 520, 32, 32, seed=26)
+        attention(*long, mask=ref_band_keep(130, 520, None, 50))
+        assert len(calls) == 3
     xs = [x.requires_grad_(True) for x in (q, k, v)]
     with_grad = attention(*xs, causal=True)  # gradients: sdpa
-    assert len(calls) == 2
+    assert len(calls) == 3
     torch.testing.assert_close(with_grad.detach(), out, atol=1e-5, rtol=1e-5)
 
 
@@ -307,13 +351,7 @@ def test_threads_give_identical_bits():
 
 
 @pytest.mark.parametrize(
-    "kwargs, why",
-    [
-        ({"dtype": torch.float64}, "float32"),
-        ({"dv": 20}, "multiple of 16"),
-        ({"mask": torch.bool}, "mask tensor"),
-        ({"mask": torch.float32}, "mask tensor"),
-    ],
+    "kwargs, why", [({"dtype": torch.float64}, "float32"), ({"dv": 20}, "multiple of 16")]
 )
 def test_stands_aside_with_a_reason(kwargs, why, calls, monkeypatch):
     """Calls the kernel cannot run go to torch's fused kernel, results unchanged."""
@@ -323,12 +361,8 @@ def test_stands_aside_with_a_reason(kwargs, why, calls, monkeypatch):
     dtype = kwargs.get("dtype", torch.float32)
     d = kwargs.get("dv", 16)
     q, k, v = _qkv(1, 2, 2, 90, 90, d, d, seed=18, dtype=dtype)
-    extra = {}
-    if "mask" in kwargs:
-        keep = ref_band_keep(90, 90, "top_left", 20)
-        extra["mask"] = keep if kwargs["mask"] == torch.bool else torch.where(keep, 0.5, -1e9)
-    out = attention(q, k, v, causal=True, backend="blockwise", **extra)
-    ref = attention(q, k, v, causal=True, backend="reference", **extra)
+    out = attention(q, k, v, causal=True, backend="blockwise")
+    ref = attention(q, k, v, causal=True, backend="reference")
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     assert not calls and reasons and why in str(reasons[-1])
 
@@ -397,6 +431,7 @@ def _cases(draw):
         density=draw(st.sampled_from([0.05, 0.6, 1.0])),
         alibi=draw(st.booleans()),
         sinks=draw(st.booleans()),
+        mask=draw(st.sampled_from([None, "bool", "float"])),
         strided=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
     )
@@ -427,5 +462,15 @@ def test_fuzz_against_float64(case):
         dist = (torch.arange(lq).view(-1, 1) - torch.arange(lk).view(1, -1)).abs()
         bias = -(M.alibi_slopes(h).double().view(h, 1, 1) * dist).unsqueeze(0)
         kwargs["score_mod"] = M.alibi(h)
+    if case["mask"] is not None:
+        g = torch.Generator().manual_seed(seed + 1)
+        kept = torch.rand(b, 1, lq, lk, generator=g) < 0.7
+        if case["mask"] == "bool":
+            kwargs["mask"] = kept
+        else:
+            add = torch.randn(b, 1, lq, lk, generator=g)
+            kwargs["mask"] = add.masked_fill(~kept, float("-inf"))
+            bias = add.double() if bias is None else bias + add.double()
+        keep = keep & kept
     sinks = torch.randn(h, generator=torch.Generator().manual_seed(seed)) if case["sinks"] else None
     _check(q, k, v, keep, bias=bias, sinks=sinks, **kwargs)

@@ -156,10 +156,12 @@ def blockwise_tiles_attention(call: AttentionCall) -> BackendResult:
 SPARSE_MIN_KEYS = 1024
 #: From this many queries and keys on, a CPU call that records no gradient and that the
 #: native kernel runs goes to blockwise first too: its forward took 0.46-0.90x of sdpa's
-#: time from 256 tokens on (2-core AMD EPYC, fp32). With gradients sdpa stays first (the
-#: backward is torch's fused kernel either way: 0.87-1.35x).
+#: time from 256 keys on, and 0.58-0.88x with a mask tensor from 512 keys on (1.05-1.49x
+#: below; 2-core AMD EPYC, fp32). With gradients sdpa stays first (the backward is
+#: torch's fused kernel either way: 0.87-1.35x).
 NATIVE_MIN_QUERIES = 128
 NATIVE_MIN_KEYS = 256
+NATIVE_MIN_KEYS_MASKED = 512
 
 
 def _auto_first(call: AttentionCall) -> bool:
@@ -168,10 +170,9 @@ def _auto_first(call: AttentionCall) -> bool:
         return True
     if (
         call.q_len < NATIVE_MIN_QUERIES
-        or call.k_len < NATIVE_MIN_KEYS
+        or call.k_len < (NATIVE_MIN_KEYS if call.mask is None else NATIVE_MIN_KEYS_MASKED)
         or call.query.device.type != "cpu"
         or call.need_weights
-        or call.mask is not None
         or _supports(call) is not None
         or _wants_grad(call)
     ):

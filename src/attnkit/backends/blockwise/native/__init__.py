@@ -5,9 +5,10 @@ on many small tiles (a window's band, a document's blocks), each with a float ma
 tensor, at well below its peak. This kernel walks a plan's tiles itself: for each block of
 query rows it visits only the key chunks that causal/window bounds (a band of
 diagonals ``lo <= j - i <= hi``) and a :class:`~attnkit.BlockMask` (its stored bool
-tiles, read in place) leave, adds a relative bias (``masks.alibi``,
+tiles, read in place) leave, applies a ``mask`` tensor (bool, or float added; read in
+place through its broadcast strides), adds a relative bias (``masks.alibi``,
 ``masks.relative_bias``: one vector per head) in-tile, and keeps the FlashAttention
-running max and sum per row. It returns the output and the log-sum-exp the engine's
+running max and sum per row: a row is alive when one key survives every mask at once. It returns the output and the log-sum-exp the engine's
 backward (torch's fused backward, per tile) takes, so gradients are unchanged.
 
 It runs a fused plan when :func:`why_not` finds nothing against it; otherwise the
@@ -34,6 +35,8 @@ BLOCK_Q = 128
 KEY_CHUNK = 64
 #: Band bounds meaning "no bound".
 _NONE = 1 << 62
+#: ``mask_kind`` of attention.cpp.
+_MASK_BOOL, _MASK_FLOAT = 1, 2
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -56,6 +59,9 @@ class _Args(ctypes.Structure):
         ("rel", _P),
         ("rel_sh", _I),
         ("rel_lo", _I),
+        ("mask", _P),
+        ("mask_kind", _I),
+        *((f"sm_{x}", _I) for x in "bhts"),
         ("threads", _I),
     ]
 
@@ -77,16 +83,17 @@ def available() -> bool:
 def why_not(plan: TilePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why the kernel cannot run this fused plan on the engine's ``(b, heads, len, d)``
     tensors (None when it can): it takes float32 CPU tensors with contiguous last dims,
-    value heads a multiple of 16 wide, causal/window bounds, a block mask and a relative
-    bias, but no ``mask`` tensor, no other ``score_mod``, and not under ``torch.compile``."""
+    value heads a multiple of 16 wide, causal/window bounds, a block mask, a ``mask``
+    tensor and a relative bias, but no other ``score_mod``, and not under
+    ``torch.compile``."""
     if q.dtype != torch.float32 or q.device.type != "cpu":
         return "the native kernel runs float32 CPU tensors"
     if any(x.stride(-1) != 1 for x in (q, k, v)):
         return "the native kernel reads contiguous last dims"
     if v.shape[-1] % 16 or q.shape[-1] == 0:
         return "the native kernel needs value heads a multiple of 16 wide"
-    if plan.mask is not None or plan.mask_mod is not None:
-        return "a mask tensor or a mask_mod not made a block mask"
+    if plan.mask_mod is not None:
+        return "a mask_mod not made a block mask"
     if plan.score_mod is not None and getattr(plan.score_mod, "relative", None) is None:
         return "a score_mod that is not a relative bias"
     if plan.t == 0 or plan.s == 0:
@@ -169,6 +176,17 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         keep_alive.append(rel)
         args.rel, args.rel_lo = rel.data_ptr(), -(t - 1)
         args.rel_sh = 0 if rel.shape[0] == 1 else rel.stride(0)
+    if plan.mask is not None:  # (b|1, h|1, t|1, s|1), bool = keep, float = added
+        mask = plan.mask
+        if mask.dtype == torch.bool:
+            mask, args.mask_kind = mask.view(torch.uint8), _MASK_BOOL
+        else:
+            mask, args.mask_kind = mask.to(torch.float32), _MASK_FLOAT
+        keep_alive.append(mask)
+        args.mask = mask.data_ptr()
+        args.sm_b, args.sm_h, args.sm_t, args.sm_s = (
+            0 if n == 1 else st for n, st in zip(mask.shape, mask.stride(), strict=True)
+        )
     args.threads = torch.get_num_threads()
     code = fn(ctypes.byref(args))
     if code != 0:  # pragma: no cover - why_not() rules these out

@@ -8,7 +8,8 @@
 // chunks of KC keys the block may see (the rows of a chunk that the band leaves nothing
 // in are not computed): scores S = Q K^T (register tiles of 4 rows x KC keys),
 // scale, relative bias, masks (a diagonal band keep iff lo <= j - i <= hi, a block mask's
-// stored bool tile), online softmax, then O += P V (4 rows x up to 64 value columns).
+// stored bool tile, a bool or float mask tensor), online softmax, then O += P V (4 rows x
+// up to 64 value columns).
 // Every row keeps its running max m and sum l; at the end out = O / l, lse = m + log(l),
 // and a row that kept no key gets out = 0, lse = -inf.
 //
@@ -52,8 +53,13 @@ struct Args {
   int64_t bm_sb, bm_sh, bm_si, bm_qb, bm_kb;  // strides of kind/index (row j stride 1)
   const float *rel;          // (H|1, n) bias of j - i = rel_lo + n, or null
   int64_t rel_sh, rel_lo;
+  const void *mask;          // a mask tensor (b, h, t, s strides below), or null
+  int64_t mask_kind;         // MASK_BOOL (keep where nonzero) or MASK_FLOAT (added)
+  int64_t sm_b, sm_h, sm_t, sm_s;
   int64_t threads;
 };
+
+constexpr int64_t MASK_BOOL = 1, MASK_FLOAT = 2;
 
 inline v16 splat(float x) { return v16{} + x; }
 inline v16 load(const float *p) { v16 r; std::memcpy(&r, p, sizeof r); return r; }
@@ -147,14 +153,26 @@ void scores(const Args &a, const float *qh, const float *kt, int64_t i0, const C
   }
 }
 
+// Row i of the mask tensor over the chunk's KC columns: a pointer to read 16 at a time
+// (`buf` filled with the chunk's columns [lo, hi) where the row is broadcast or the
+// chunk runs past the last key).
+template <class T>
+const T *mask_row(const Args &a, int64_t b, int64_t h, int64_t i, const Chunk &c, T *buf) {
+  const T *row = static_cast<const T *>(a.mask) + b * a.sm_b + h * a.sm_h + i * a.sm_t;
+  if (a.sm_s == 1 && c.c0 + KC <= a.S) return row + c.c0;
+  for (int64_t j = 0; j < KC; ++j) buf[j] = (j >= c.lo && j < c.hi) ? row[(c.c0 + j) * a.sm_s] : T(0);
+  return buf;
+}
+
 // Scores -> weights in place, online softmax state updated (alpha: the rescale of O).
-void softmax(const Args &a, int64_t h, int64_t i0, const Chunk &c, Scratch &w) {
+void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Scratch &w) {
   const v16 scale = splat(float(a.scale));
   v16i lane;
   for (int i = 0; i < 16; ++i) lane[i] = i;
   const float *rel = a.rel ? a.rel + h * a.rel_sh : nullptr;
   const bool keep_direct = c.keep && c.keep_col >= 0 && c.keep_col + KC <= a.bm_kb;
-  uint8_t kbuf[KC];
+  uint8_t kbuf[KC], mbuf[KC];
+  float fbuf[KC];
   for (int64_t r = c.r0; r < c.r1; ++r) {
     const int64_t i = i0 + r;
     float *s = w.s.data() + r * KC;
@@ -174,17 +192,27 @@ void softmax(const Args &a, int64_t h, int64_t i0, const Chunk &c, Scratch &w) {
         keep = kbuf;
       }
     }
+    const uint8_t *mkeep = nullptr;
+    const float *madd = nullptr;
+    if (a.mask_kind == MASK_BOOL) mkeep = mask_row<uint8_t>(a, b, h, i, c, mbuf);
+    if (a.mask_kind == MASK_FLOAT) madd = mask_row<float>(a, b, h, i, c, fbuf);
     v16 x[NV];
     v16 mx = splat(NEG_INF);
 #pragma GCC unroll 4
     for (int vv = 0; vv < NV; ++vv) {
       v16 sv = load(s + 16 * vv) * scale;
       if (rel) sv += load(rel + (c.c0 + 16 * vv - i - a.rel_lo));  // bias of j - i
+      if (madd) sv += load(madd + 16 * vv);
       v16i col = lane + int32_t(16 * vv);
       v16i drop = (col < int32_t(lo)) | (col >= int32_t(hi));
       if (keep) {
         v16b kb;
         std::memcpy(&kb, keep + 16 * vv, 16);
+        drop |= (__builtin_convertvector(kb, v16i) == 0);
+      }
+      if (mkeep) {
+        v16b kb;
+        std::memcpy(&kb, mkeep + 16 * vv, 16);
         drop |= (__builtin_convertvector(kb, v16i) == 0);
       }
       x[vv] = drop ? splat(NEG_INF) : sv;
@@ -281,7 +309,7 @@ void block(const Args &a, const PackedKeys &pk, int64_t b, int64_t h, int64_t i0
       c.keep = keep;
       c.keep_col = keep_col0 + (c.c0 - k0);
       scores(a, qh, kt + ci * a.D * KC, i0, c, w);
-      softmax(a, h, i0, c, w);
+      softmax(a, b, h, i0, c, w);
       pv(a, vh, c, w);
     }
   };
