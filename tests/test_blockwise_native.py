@@ -28,6 +28,20 @@ EPS = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
 
 
 @pytest.fixture
+def backward_calls(monkeypatch) -> list[tuple]:
+    """Record the plans the native backward runs."""
+    seen: list[tuple] = []
+    original = native.backward
+
+    def spy(plan, *args):
+        seen.append((plan.t, plan.s))
+        return original(plan, *args)
+
+    monkeypatch.setattr(native, "backward", spy)
+    return seen
+
+
+@pytest.fixture
 def calls(monkeypatch) -> list[tuple]:
     """Record the plans the native kernel runs."""
     seen: list[tuple] = []
@@ -337,6 +351,109 @@ def test_auto_prefers_the_native_kernel_for_cpu_inference(calls):
     torch.testing.assert_close(with_grad.detach(), out, atol=1e-5, rtol=1e-5)
 
 
+# -- the backward ------------------------------------------------------------------------
+
+
+def _check_grads(q, k, v, keep, bias=None, sinks=None, lse_weight=0.0, **kwargs):
+    """dq, dk, dv (and d_sinks) against float64 autograd: flash-attn's rule against the same
+    math in float32 (plain autograd), through the output and, weighted, the log-sum-exp."""
+    g = torch.Generator().manual_seed(99)
+    xs = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    s_ = None if sinks is None else sinks.detach().clone().requires_grad_(True)
+    out, lse = attention(*xs, sinks=s_, return_lse=True, backend="blockwise", **kwargs)
+    g_out = torch.randn(out.shape, generator=g)
+    g_lse = torch.randn(lse.shape, generator=g) * lse_weight
+    finite = torch.isfinite(lse)
+    loss = (out * g_out).sum() + (lse.where(finite, 0.0) * g_lse).sum()
+    got = torch.autograd.grad(loss, [*xs, *([s_] if s_ is not None else [])])
+
+    def reference(dtype):
+        """The gradients of float64 reference (or, float32, plain) math; None: no plain
+        yardstick with sinks."""
+        rs = [x.detach().to(dtype).requires_grad_(True) for x in (q, k, v)]
+        rsink = None if sinks is None else sinks.detach().to(dtype).requires_grad_(True)
+        if dtype == torch.float64:
+            o, lse_ = ref_attention_lse(*rs, keep=keep, bias=bias, sinks=rsink)
+        elif sinks is not None:
+            return None
+        else:
+            o = plain_attention(*rs, keep, bias)
+            kk = rs[1].repeat_interleave(rs[0].shape[1] // rs[1].shape[1], 1)
+            s = rs[0] @ kk.transpose(-1, -2) / math.sqrt(rs[0].shape[-1])
+            if bias is not None:
+                s = s + bias.to(dtype)
+            lse_ = s.masked_fill(~keep, float("-inf")).logsumexp(-1)
+        fin = torch.isfinite(lse_)
+        total = (o * g_out.to(dtype)).sum() + (lse_.where(fin, 0.0) * g_lse.to(dtype)).sum()
+        return torch.autograd.grad(total, [*rs, *([rsink] if rsink is not None else [])])
+
+    want = reference(torch.float64)
+    plain = reference(torch.float32)
+    for i, (a, w) in enumerate(zip(got, want, strict=True)):
+        err = (a.double() - w).abs().max().item()
+        if plain is not None:
+            plain_err = (plain[i].double() - w).abs().max().item()
+            assert err <= 2 * plain_err + 1e-5, f"grad {i}: {err:.3g} vs plain {plain_err:.3g}"
+        else:
+            assert err <= 1e-4, f"grad {i}: {err:.3g}"
+
+
+@pytest.mark.parametrize("case", BANDS, ids=lambda c: "-".join(map(str, c)))
+def test_band_gradients(case, backward_calls):
+    b, h, h_kv, lq, lk, d, dv, causal, window = case
+    q, k, v = _qkv(b, h, h_kv, lq, lk, d, dv, seed=lq * 7 + lk)
+    _check_grads(q, k, v, ref_band_keep(lq, lk, causal, window), causal=causal, window=window)
+    # the native backward takes head sizes that are multiples of 16 (and d_v == d)
+    assert bool(backward_calls) == (d == dv and d % 16 == 0)
+
+
+@pytest.mark.parametrize("what", ["block mask", "bool mask", "float mask", "alibi", "sinks", "lse"])
+def test_gradients_of_every_kind(what, backward_calls):
+    b, h, lq, lk = 2, 4, 140, 150
+    q, k, v = _qkv(b, h, 2, lq, lk, 32, 32, seed=27, strided=what == "bool mask")
+    keep = ref_band_keep(lq, lk, "bottom_right", None)
+    kwargs: dict = {"causal": "bottom_right"}
+    bias = sinks = None
+    lse_weight = 0.0
+    g = torch.Generator().manual_seed(28)
+    if what == "block mask":
+        table = torch.rand(h, lq, lk, generator=g) < 0.5
+        table[1, 7] = False  # a dead row: its gradients are zero
+        kwargs["block_mask"] = create_block_mask(_table_mod(table), None, h, lq, lk, block_size=32)
+        keep = keep & table
+    elif what in ("bool mask", "float mask"):
+        kept = torch.rand(b, 1, lq, lk, generator=g) < 0.6
+        keep = keep & kept
+        if what == "bool mask":
+            kwargs["mask"] = kept
+        else:
+            add = torch.randn(b, 1, lq, lk, generator=g)
+            kwargs["mask"] = add.masked_fill(~kept, float("-inf"))
+            bias = add
+    elif what == "alibi":
+        # attnkit's mods see query i at i: the ALiBi distance is |i - j|, without the shift
+        dist = (torch.arange(lq).view(-1, 1) - torch.arange(lk).view(1, -1)).abs()
+        bias = -(M.alibi_slopes(h).double().view(h, 1, 1) * dist).unsqueeze(0)
+        kwargs["score_mod"] = M.alibi(h)
+    elif what == "sinks":
+        sinks = torch.randn(h, generator=g)
+    else:
+        lse_weight = 1.0
+    _check_grads(q, k, v, keep, bias=bias, sinks=sinks, lse_weight=lse_weight, **kwargs)
+    assert backward_calls
+
+
+def test_learned_bias_tensors_take_the_tile_engine(backward_calls):
+    """A score_mod whose tensors want gradients: the tile engine finds them."""
+    h, lq = 2, 130
+    table = torch.randn(h, 21, requires_grad=True)
+    q, k, v = (x.requires_grad_(True) for x in _qkv(1, h, h, lq, lq, 16, 16, seed=29))
+    out = attention(q, k, v, causal=True, score_mod=M.relative_bias(table), backend="blockwise")
+    out.sum().backward()
+    assert table.grad is not None and table.grad.abs().sum() > 0
+    assert not backward_calls
+
+
 # -- threads, fallbacks, the build -------------------------------------------------------
 
 
@@ -437,9 +554,8 @@ def _cases(draw):
     )
 
 
-@settings(max_examples=40, deadline=None)
-@given(case=_cases())
-def test_fuzz_against_float64(case):
+def _fuzz_call(case):
+    """The inputs of a drawn case, its float64 mask and bias, sinks and keyword arguments."""
     b, lq, lk, h = case["b"], case["lq"], case["lk"], case["h"]
     d = case["d"]  # = d_v: the fused engine's plans
     seed = case["seed"]
@@ -473,4 +589,18 @@ def test_fuzz_against_float64(case):
             bias = add.double() if bias is None else bias + add.double()
         keep = keep & kept
     sinks = torch.randn(h, generator=torch.Generator().manual_seed(seed)) if case["sinks"] else None
+    return q, k, v, keep, bias, sinks, kwargs
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=_cases())
+def test_fuzz_against_float64(case):
+    q, k, v, keep, bias, sinks, kwargs = _fuzz_call(case)
     _check(q, k, v, keep, bias=bias, sinks=sinks, **kwargs)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=_cases(), lse_weight=st.sampled_from([0.0, 1.0]))
+def test_fuzz_gradients_against_float64(case, lse_weight):
+    q, k, v, keep, bias, sinks, kwargs = _fuzz_call(case)
+    _check_grads(q, k, v, keep, bias=bias, sinks=sinks, lse_weight=lse_weight, **kwargs)

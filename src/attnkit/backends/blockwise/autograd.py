@@ -18,9 +18,9 @@ import dataclasses
 
 import torch
 
-from attnkit.backends.blockwise import flash_cpu, torch_tiles
+from attnkit.backends.blockwise import flash_cpu, native, torch_tiles
 from attnkit.backends.blockwise.merge import merge_partials
-from attnkit.backends.blockwise.plan import TORCH_TILES, TilePlan
+from attnkit.backends.blockwise.plan import NATIVE_CPU, TORCH_TILES, TilePlan
 
 
 def engine_forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,11 +41,21 @@ def engine_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor | None]]:
     """``(dq, dk, dv, d_extra)`` from the total ``out`` and ``lse``.
 
-    The fused kernel's backward takes no gradient for the log-sum-exp and no score_mod:
+    The native kernel's backward where it runs the plan (any additive relative bias, a
+    gradient through the log-sum-exp included). Else torch's fused kernel's backward, which
+    takes no gradient for the log-sum-exp and no score_mod:
     those run on the tile engine, which gives the same gradients from the same LSE (and
     zeroes the subnormal weights a score_mod's wide range produces, which the fused
     backward would multiply as they are, several times slower).
     """
+    if plan.engine == NATIVE_CPU:
+        q4, k4, v4 = flash_cpu.engine_views(plan, q, k, v)
+        if native.why_not_backward(plan, q4, k4, v4, extra) is None:
+            grads = native.backward(plan, q4, k4, v4, out, lse, grad_out, grad_lse)
+            dq, dk, dv = (
+                g.to(x.dtype).reshape(x.shape) for g, x in zip(grads, (q, k, v), strict=True)
+            )
+            return dq, dk, dv, []
     if plan.fused and plan.score_mod is None and grad_lse is None:
         dq, dk, dv = flash_cpu.backward(plan, q, k, v, out, lse, grad_out)
         return dq, dk, dv, []

@@ -63,7 +63,9 @@ def why_not(
     return None
 
 
-def _as_4d(plan: TilePlan, q, k, v):
+def engine_views(
+    plan: TilePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(b, h, t, d)`` views, half precision upcast to float32 (one ``O(t d)`` copy each):
     the kernel's own bf16 backward is measurably less accurate than plain bf16 math. The
     kernel reads the last dim as contiguous: a strided one (``kv[..., ::2]``) is copied."""
@@ -256,7 +258,7 @@ def _gathered_backward(
 def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(out (b, h, t, d_v) in q's dtype, lse (b, h, t))``, as the tile engine."""
     acc, out_dtype = acc_dtype(q.dtype), q.dtype
-    q, k, v = _as_4d(plan, q, k, v)
+    q, k, v = engine_views(plan, q, k, v)
     if plan.engine == NATIVE_CPU and native.why_not(plan, q, k, v) is None:
         native_out, native_lse = native.forward(plan, q, k, v)
         return native_out.to(out_dtype), native_lse
@@ -309,7 +311,7 @@ def backward(plan: TilePlan, q, k, v, out, lse, grad_out) -> tuple[torch.Tensor,
     ``lse`` are the totals (sinks included)."""
     acc = acc_dtype(q.dtype)
     shapes, dtypes = (q.shape, k.shape, v.shape), (q.dtype, k.dtype, v.dtype)
-    q, k, v = _as_4d(plan, q, k, v)
+    q, k, v = engine_views(plan, q, k, v)
     out = out.reshape(plan.b, plan.h, plan.t, v.shape[-1]).to(acc).contiguous()
     grad_out = grad_out.reshape(out.shape).to(acc).contiguous()
     lse = lse.reshape(plan.b, plan.h, plan.t).to(acc)

@@ -26,7 +26,16 @@ import torch
 from attnkit.backends.blockwise.native.build import library, status
 from attnkit.backends.blockwise.plan import TilePlan
 
-__all__ = ["BLOCK_Q", "KEY_CHUNK", "available", "forward", "status", "why_not"]
+__all__ = [
+    "BLOCK_Q",
+    "KEY_CHUNK",
+    "available",
+    "backward",
+    "forward",
+    "status",
+    "why_not",
+    "why_not_backward",
+]
 
 #: Query rows per block of the kernel (a block mask's own rows when there is one).
 BLOCK_Q = 128
@@ -66,12 +75,14 @@ class _Args(ctypes.Structure):
     ]
 
 
-def _kernel():
+def _kernel(name: str):
+    """``attnkit_forward`` or ``attnkit_backward`` of the library, typed."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"attnkit's native kernel is not available: {status()}")
-    fn = lib.attnkit_forward
-    fn.argtypes, fn.restype = [ctypes.POINTER(_Args)], ctypes.c_int
+    fn = getattr(lib, name)
+    fn.argtypes = [ctypes.POINTER(_Args)] + ([ctypes.c_void_p] if name.endswith("backward") else [])
+    fn.restype = ctypes.c_int
     return fn
 
 
@@ -135,17 +146,16 @@ def _band(plan: TilePlan) -> tuple[int, int, bool]:
     return max(lo, -(first + keep.numel() - 1)), min(hi, -first), False
 
 
-def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out (b, h, t, d_v) float32, lse (b, h, t))`` of a plan :func:`why_not` accepts,
-    ``q``, ``k``, ``v`` the engine's ``(b, heads, len, d)`` views."""
-    fn = _kernel()
+def _args(plan: TilePlan, q, k, v, out, lse) -> tuple[_Args, list[torch.Tensor]]:
+    """The kernel's arguments for ``plan`` and the tensors they point into (keep them
+    alive through the call): ``q``, ``k``, ``v`` the engine's ``(b, heads, len, d)``
+    float32 views, ``out`` ``(b, h, t, d_v)`` (or None), ``lse`` ``(b, h, t)`` contiguous."""
     b, h, t, s = plan.b, plan.h, plan.t, plan.s
-    out = torch.empty(b, h, t, v.shape[-1], dtype=torch.float32)
-    lse = torch.empty(b, h, t, dtype=torch.float32)
     band_lo, band_hi, read_block_mask = _band(plan)
+    out_strides = out.stride()[:3] if out is not None else (0, 0, 0)
     args = _Args(
-        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), 0 if out is None else out.data_ptr(),
+        lse.data_ptr(), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out_strides,
         b, h, plan.h_kv, t, s, q.shape[-1], v.shape[-1],
         plan.scale, band_lo, band_hi, BLOCK_Q,
     )  # fmt: skip
@@ -188,8 +198,64 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
             0 if n == 1 else st for n, st in zip(mask.shape, mask.stride(), strict=True)
         )
     args.threads = torch.get_num_threads()
-    code = fn(ctypes.byref(args))
-    if code != 0:  # pragma: no cover - why_not() rules these out
-        raise RuntimeError(f"attnkit's native kernel refused the call (code {code})")
+    return args, keep_alive
+
+
+def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (b, h, t, d_v) float32, lse (b, h, t))`` of a plan :func:`why_not` accepts,
+    ``q``, ``k``, ``v`` the engine's ``(b, heads, len, d)`` views."""
+    out = torch.empty(plan.b, plan.h, plan.t, v.shape[-1], dtype=torch.float32)
+    lse = torch.empty(plan.b, plan.h, plan.t, dtype=torch.float32)
+    args, keep_alive = _args(plan, q, k, v, out, lse)
+    _check_code(_kernel("attnkit_forward")(ctypes.byref(args)))
     del keep_alive
     return out, lse
+
+
+def why_not_backward(plan: TilePlan, q, k, v, extra: tuple) -> str | None:
+    """Why :func:`backward` cannot run (None when it can): as :func:`why_not`, with head
+    sizes a multiple of 16 and no ``score_mod`` tensor wanting a gradient."""
+    if extra:
+        return "a score_mod whose tensors want gradients (the tile engine finds them)"
+    if q.shape[-1] % 16:
+        return "the native backward needs query heads a multiple of 16 wide"
+    return why_not(plan, q, k, v)
+
+
+class _Grads(ctypes.Structure):
+    """``struct Grads`` of attention.cpp."""
+
+    _fields_ = [(name, _P) for name in ("dout", "delta", "dq", "dk", "dv")]
+
+
+def backward(
+    plan: TilePlan, q, k, v, out, lse, grad_out, grad_lse: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` float32 in the engine's ``(b, heads, len, d)`` layout from the total
+    ``out`` and ``lse`` (sinks included) of a plan :func:`why_not_backward` accepts: the
+    weights recomputed from ``lse``, ``dS = P (dP - delta)`` with
+    ``delta = rowsum(dO * O) - dlse`` (so a gradient through the returned log-sum-exp
+    costs nothing extra)."""
+    b, h, t = plan.b, plan.h, plan.t
+    dv_ = v.shape[-1]
+    out = out.reshape(b, h, t, dv_).to(torch.float32)
+    grad_out = grad_out.reshape(b, h, t, dv_).to(torch.float32).contiguous()
+    delta = (grad_out * out).sum(-1)  # (b, h, t)
+    if grad_lse is not None:
+        delta = delta - grad_lse.reshape(b, h, t).to(torch.float32)
+    lse = lse.reshape(b, h, t).to(torch.float32)
+    lse = lse.masked_fill(torch.isneginf(lse), float("inf")).contiguous()  # dead rows: P = 0
+    delta = delta.contiguous()
+    dq = torch.empty(b, h, t, q.shape[-1], dtype=torch.float32)
+    dk = torch.empty(b, plan.h_kv, plan.s, k.shape[-1], dtype=torch.float32)
+    dv = torch.empty(b, plan.h_kv, plan.s, dv_, dtype=torch.float32)
+    args, keep_alive = _args(plan, q, k, v, None, lse)
+    grads = _Grads(*(x.data_ptr() for x in (grad_out, delta, dq, dk, dv)))
+    _check_code(_kernel("attnkit_backward")(ctypes.byref(args), ctypes.byref(grads)))
+    del keep_alive
+    return dq, dk, dv
+
+
+def _check_code(code: int) -> None:
+    if code != 0:  # pragma: no cover - why_not() rules these out
+        raise RuntimeError(f"attnkit's native kernel refused the call (code {code})")
