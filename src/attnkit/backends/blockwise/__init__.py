@@ -10,9 +10,9 @@ or a ``mask_mod`` leave empty are skipped. Read top-down:
 * :mod:`.flash_cpu` and :mod:`.torch_tiles`: the two engines behind one interface
   (``forward(plan, q, k, v) -> (out, lse)`` and a backward from the total ``lse``);
   the plan names the engine: the fused CPU engine where it can run the call exactly
-  (its forward attnkit's own kernel, :mod:`.native`, where that is built and takes the
-  plan, else torch's fused flash kernel; its backward torch's), else PyTorch ops (every
-  request, any device);
+  (attnkit's own kernel, :mod:`.native`, forward and backward, where that is built and
+  takes the plan, else torch's fused flash kernel), else PyTorch ops (every request,
+  any device);
 * :mod:`.merge`: the one log-sum-exp merge;
 * :mod:`.autograd`: the autograd function (sinks merged in, LSE gradients);
 * :mod:`.segment`: one segment's forward/backward for context parallelism.

@@ -1,20 +1,21 @@
-"""attnkit's own CPU forward kernel (``attention.cpp``): the fused engine's first choice.
+"""attnkit's own CPU kernel (``attention.cpp``): the fused engine's first choice.
 
 torch's fused CPU flash kernel is fast on long unmasked rows, but a masked call runs it
 on many small tiles (a window's band, a document's blocks), each with a float mask
-tensor, at well below its peak. This kernel walks a plan's tiles itself: for each block of
-query rows it visits only the key chunks that causal/window bounds (a band of
+tensor, at well below its peak. This kernel walks a plan's tiles itself: for each block
+of query rows it visits only the key chunks that causal/window bounds (a band of
 diagonals ``lo <= j - i <= hi``) and a :class:`~attnkit.BlockMask` (its stored bool
 tiles, read in place) leave, applies a ``mask`` tensor (bool, or float added; read in
 place through its broadcast strides), adds a relative bias (``masks.alibi``,
 ``masks.relative_bias``: one vector per head) in-tile, and keeps the FlashAttention
-running max and sum per row: a row is alive when one key survives every mask at once. It returns the output and the log-sum-exp the engine's
-backward (torch's fused backward, per tile) takes, so gradients are unchanged.
+running max and sum per row: a row is alive when one key survives every mask at once.
 
-It runs a fused plan when :func:`why_not` finds nothing against it; otherwise the
-engine's other forwards run. The library is built on first use (:mod:`.build`); where
-it cannot be, nothing changes but speed. float32 arithmetic (half precision is upcast by
-the engine, float64 runs on torch's kernel).
+:func:`forward` returns the output and the log-sum-exp; :func:`backward` recomputes the
+weights from them (FlashAttention-2's backward, two passes that write disjoint rows).
+A plan runs here when :func:`why_not` (:func:`why_not_backward`) finds nothing against
+it; otherwise the engine's torch-kernel paths run. The library is built on first use
+(:mod:`.build`); where it cannot be, nothing changes but speed. float32 arithmetic (half
+precision is upcast by the engine, float64 runs on torch's kernel).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-// attnkit's native CPU attention forward: FlashAttention tiles, skipping and masks in one kernel.
+// attnkit's native CPU attention: FlashAttention tiles, skipping and masks in one kernel,
+// forward and backward.
 //
 // Built on first use by native/build.py (one g++ call, no torch headers) and called through
 // ctypes; see native/__init__.py for when it runs and what it returns. float32 only.
