@@ -141,8 +141,8 @@ def blockwise_attention(call: AttentionCall) -> BackendResult:
 
 
 def blockwise_flash_attention(call: AttentionCall) -> BackendResult:
-    """:func:`blockwise_attention` with torch's fused kernel for the forward too (no
-    native kernel): the path of a machine without a compiler."""
+    """:func:`blockwise_attention` on torch's fused kernel, forward and backward (no native
+    kernel): the path of a machine without a compiler."""
     return _run(call, FLASH_CPU)
 
 
