@@ -159,6 +159,7 @@ def _table_mod(table: torch.Tensor):
         ((16, 32), 150, 77, 2),  # a mask per head
         (64, 200, 200, 2),
         (128, 300, 260, None),
+        ((16, 96), 150, 300, 2),  # kv blocks straddling the 64-key chunks
     ],
 )
 @pytest.mark.parametrize("causal", [None, "top_left"])
@@ -542,7 +543,9 @@ def _cases(draw):
         d=draw(st.sampled_from([16, 32, 48, 64])),
         causal=draw(st.sampled_from([None, "top_left", "bottom_right"])),
         window=draw(st.one_of(st.none(), st.integers(1, 80))),
-        block=draw(st.one_of(st.none(), st.sampled_from([8, 16, 32, 64, (16, 64), (64, 16)]))),
+        block=draw(
+            st.one_of(st.none(), st.sampled_from([8, 16, 32, 64, (16, 64), (64, 16), (8, 96)]))
+        ),
         # the block mask's extent: one for all, per head, per batch element
         mask_lead=draw(st.sampled_from(["shared", "heads", "batch"])),
         density=draw(st.sampled_from([0.05, 0.6, 1.0])),

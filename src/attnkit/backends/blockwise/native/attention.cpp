@@ -125,22 +125,25 @@ struct Chunk {
   int64_t lo, hi;       // columns in range
   int64_t r0, r1;       // rows of the block to compute
   bool band;            // some row drops some column by the band
-  const uint8_t *keep;  // the block mask's bool tile (rows of bm_kb), or null
+  const uint8_t *keep;  // the block mask's bool tile, or null
+  int64_t keep_width;   // its row length (bm_kb, or KC for a chunk's rows assembled)
   int64_t keep_col;     // column of key c0 in that tile (negative: the chunk starts before it)
 };
 
 // f(chunk) for every chunk with index in [cmin, cmax] that the rows [i0, i1) of (b, h) may
-// see: by the band, then by the block mask's kinds (one call per non-empty kv block).
+// see: by the band, then by the block mask's kinds. kv blocks of a multiple of KC keys hold
+// whole chunks (a call per chunk of each non-empty block, its tile read in place); narrower
+// or unaligned ones are assembled, a chunk at a time, into `buf` ((i1 - i0) x KC bytes).
 template <class F>
 void for_each_chunk(const Args &a, int64_t b, int64_t h, int64_t i0, int64_t i1, int64_t cmin,
-                    int64_t cmax, F f) {
+                    int64_t cmax, uint8_t *buf, F f) {
   const int64_t rows = i1 - i0;
   // keys any row may see by the band, within the chunks asked for
   const int64_t lo = std::max({int64_t(0), i0 + a.band_lo, cmin * KC});
   const int64_t hi = std::min({a.S, i1 - 1 + a.band_hi + 1, (cmax + 1) * KC});
   if (lo >= hi) return;
-  // keys [k0, k1), masked by `keep` (key k0 at its column keep_col0) or not
-  auto run = [&](int64_t k0, int64_t k1, const uint8_t *keep, int64_t keep_col0) {
+  // keys [k0, k1), masked by `keep` (rows `width` long, key k0 at column keep_col0) or not
+  auto run = [&](int64_t k0, int64_t k1, const uint8_t *keep, int64_t width, int64_t keep_col0) {
     for (int64_t ci = k0 / KC; ci * KC < k1; ++ci) {
       Chunk c;
       c.ci = ci;
@@ -154,23 +157,52 @@ void for_each_chunk(const Args &a, int64_t b, int64_t h, int64_t i0, int64_t i1,
       c.band = (i0 + c.r1 - 1 + a.band_lo > c.c0 + c.lo) ||
                (i0 + c.r0 + a.band_hi < c.c0 + c.hi - 1);
       c.keep = keep;
+      c.keep_width = width;
       c.keep_col = keep_col0 + (c.c0 - k0);
       f(c);
     }
   };
   if (!a.bm_kind) {
-    run(lo, hi, nullptr, 0);
+    run(lo, hi, nullptr, 0, 0);
     return;
   }
-  const int64_t at = b * a.bm_sb + h * a.bm_sh + (i0 / a.bm_qb) * a.bm_si;
+  const int64_t kb = a.bm_kb, at = b * a.bm_sb + h * a.bm_sh + (i0 / a.bm_qb) * a.bm_si;
   const int8_t *kind = a.bm_kind + at;
   const int64_t *index = a.bm_index + at;
-  for (int64_t bj = lo / a.bm_kb; bj * a.bm_kb < hi; ++bj) {
-    if (kind[bj] == EMPTY) continue;
-    const int64_t k0 = std::max(lo, bj * a.bm_kb), k1 = std::min(hi, (bj + 1) * a.bm_kb);
-    const uint8_t *keep = nullptr;
-    if (kind[bj] != FULL) keep = a.bm_masks + index[bj] * a.bm_qb * a.bm_kb;
-    run(k0, k1, keep, k0 - bj * a.bm_kb);
+  auto tile = [&](int64_t bj) { return a.bm_masks + index[bj] * a.bm_qb * kb; };
+  if (kb % KC == 0) {
+    for (int64_t bj = lo / kb; bj * kb < hi; ++bj) {
+      if (kind[bj] == EMPTY) continue;
+      const int64_t k0 = std::max(lo, bj * kb), k1 = std::min(hi, (bj + 1) * kb);
+      run(k0, k1, kind[bj] == FULL ? nullptr : tile(bj), kb, k0 - bj * kb);
+    }
+    return;
+  }
+  for (int64_t ci = lo / KC; ci * KC < hi; ++ci) {
+    const int64_t c0 = ci * KC, k0 = std::max(lo, c0), k1 = std::min(hi, c0 + KC);
+    bool any = false, full = true;
+    for (int64_t bj = k0 / kb; bj * kb < k1; ++bj) {
+      any |= kind[bj] != EMPTY;
+      full &= kind[bj] == FULL;
+    }
+    if (!any) continue;
+    if (full) {
+      run(k0, k1, nullptr, 0, 0);
+      continue;
+    }
+    for (int64_t r = 0; r < rows; ++r) {  // the chunk's row r: key c0 + n at column n
+      uint8_t *row = buf + r * KC;
+      for (int64_t bj = k0 / kb; bj * kb < k1; ++bj) {
+        const int64_t from = std::max(k0, bj * kb), to = std::min(k1, (bj + 1) * kb);
+        if (kind[bj] == EMPTY || kind[bj] == FULL) {
+          std::fill(row + (from - c0), row + (to - c0), uint8_t(kind[bj] == FULL));
+        } else {
+          const uint8_t *src = tile(bj) + r * kb - bj * kb;  // key k at src[k]
+          std::copy(src + from, src + to, row + (from - c0));
+        }
+      }
+    }
+    run(k0, k1, buf, KC, k0 - c0);
   }
 }
 
@@ -212,7 +244,7 @@ struct Masker {
 
   Masker(const Args &a_, const Chunk &c_, int64_t b_, int64_t h_) : a(a_), c(c_), b(b_), h(h_) {
     rel = a.rel ? a.rel + h * a.rel_sh : nullptr;
-    keep_direct = c.keep && c.keep_col >= 0 && c.keep_col + KC <= a.bm_kb;
+    keep_direct = c.keep && c.keep_col >= 0 && c.keep_col + KC <= c.keep_width;
     for (int l = 0; l < 16; ++l) lane[l] = l;
   }
 
@@ -236,7 +268,7 @@ struct Masker {
     }
     const uint8_t *keep = nullptr;
     if (c.keep) {
-      const uint8_t *tile_row = c.keep + r * a.bm_kb;  // column n is key c0 + n - keep_col
+      const uint8_t *tile_row = c.keep + r * c.keep_width;  // column n: key c0 + n - keep_col
       if (keep_direct) {
         keep = tile_row + c.keep_col;
       } else {  // the tile covers part of the chunk: copy its columns
@@ -345,7 +377,9 @@ void by_columns(int64_t width, F f) {
 
 struct Scratch {
   std::vector<float> s, o, m, l, alpha;
-  Scratch(const Args &a) : s(a.bq * KC), o(a.bq * a.DV), m(a.bq), l(a.bq), alpha(a.bq) {}
+  std::vector<uint8_t> keep;  // a chunk's assembled block-mask rows
+  Scratch(const Args &a)
+      : s(a.bq * KC), o(a.bq * a.DV), m(a.bq), l(a.bq), alpha(a.bq), keep(a.bq * KC) {}
 };
 
 // Scores -> weights in place, the online softmax state updated (alpha: O's rescale).
@@ -389,7 +423,7 @@ void forward_block(const Args &a, const Packed &kt, int64_t b, int64_t h, int64_
   std::fill(w.o.begin(), w.o.begin() + rows * a.DV, 0.0f);
   std::fill(w.m.begin(), w.m.begin() + rows, NEG_INF);
   std::fill(w.l.begin(), w.l.begin() + rows, 0.0f);
-  for_each_chunk(a, b, h, i0, i1, 0, kt.chunks - 1, [&](const Chunk &c) {
+  for_each_chunk(a, b, h, i0, i1, 0, kt.chunks - 1, w.keep.data(), [&](const Chunk &c) {
     dots(qh, a.sq_t, a.D, i0, kt.chunk(a, b, hk, c.ci), c, w.s.data());
     softmax(a, b, h, i0, c, w);
     by_columns(a.DV, [&](auto nw, int64_t col) {
@@ -428,8 +462,10 @@ struct Grads {
 
 struct BackScratch {
   std::vector<float> p, ds, acc, acc2;
+  std::vector<uint8_t> keep;  // a chunk's assembled block-mask rows
   BackScratch(const Args &a)
-      : p(a.bq * KC), ds(a.bq * KC), acc(std::max(a.bq, int64_t(KC)) * a.D), acc2(KC * a.DV) {}
+      : p(a.bq * KC), ds(a.bq * KC), acc(std::max(a.bq, int64_t(KC)) * a.D), acc2(KC * a.DV),
+        keep(a.bq * KC) {}
 };
 
 // p = the chunk's weights, ds = scale * p * (dO V^T - delta), for rows [r0, r1).
@@ -471,7 +507,7 @@ void backward_keys(const Args &a, const Grads &g, const Packed &kt, const Packed
     const float *doh = g.dout + (b * a.H + h) * a.T * a.DV;
     for (int64_t i0 = 0; i0 < a.T; i0 += a.bq) {
       const int64_t i1 = std::min(a.T, i0 + a.bq);
-      for_each_chunk(a, b, h, i0, i1, ci, ci, [&](const Chunk &c) {
+      for_each_chunk(a, b, h, i0, i1, ci, ci, w.keep.data(), [&](const Chunk &c) {
         weights_and_ds(a, g, kt, vt, b, h, i0, c, w);
         by_columns(a.DV, [&](auto nw, int64_t col) {
           keys_acc_cols<decltype(nw)::value>(dv, a.DV, w.p.data(), doh, a.DV, i0, c, col);
@@ -495,7 +531,7 @@ void backward_queries(const Args &a, const Grads &g, const Packed &kt, const Pac
   const float *kh = a.k + b * a.sk_b + hk * a.sk_h;
   float *dq = w.acc.data();  // (rows, D)
   std::fill(dq, dq + (i1 - i0) * a.D, 0.0f);
-  for_each_chunk(a, b, h, i0, i1, 0, kt.chunks - 1, [&](const Chunk &c) {
+  for_each_chunk(a, b, h, i0, i1, 0, kt.chunks - 1, w.keep.data(), [&](const Chunk &c) {
     weights_and_ds(a, g, kt, vt, b, h, i0, c, w);
     by_columns(a.D, [&](auto nw, int64_t col) {
       rows_acc_cols<decltype(nw)::value>(dq, a.D, nullptr, w.ds.data(), kh, a.sk_t, c, col);
