@@ -12,7 +12,8 @@
 // stored bool tile, a bool or float mask tensor), online softmax, then O += P V (4 rows x
 // up to 64 value columns).
 // Every row keeps its running max m and sum l; at the end out = O / l, lse = m + log(l),
-// and a row that kept no key gets out = 0, lse = -inf.
+// and a row that kept no key gets out = 0, lse = -inf. The backward (its section below)
+// recomputes the weights from lse.
 //
 // Vectors are GCC vector extensions (16 floats): AVX-512 where the machine has it
 // (-march=native), pairs of AVX2 registers elsewhere.
