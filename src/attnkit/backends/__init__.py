@@ -29,6 +29,7 @@ __all__ = [
     "available_backends",
     "dispatch",
     "get_backend",
+    "is_sparse",
     "register_backend",
 ]
 
@@ -134,14 +135,18 @@ AUTO_ORDER: list[str] = ["sdpa", "blockwise", "reference"]
 CUDA_KERNEL = "triton"
 
 
+def is_sparse(call: AttentionCall) -> bool:
+    """Whether a window, a ``mask_mod`` or a block mask may leave tiles of ``call`` empty."""
+    return call.window is not None or call.mask_mod is not None or call.block_mask is not None
+
+
 def auto_order(call: AttentionCall) -> list[str]:
     """The backends ``"auto"`` tries for ``call``, fastest first: :data:`AUTO_ORDER`, with
     the backends whose ``auto_first(call)`` holds moved to the front (blockwise for
     sparse masks and the CPU calls its native kernel runs); on CUDA, see :data:`CUDA_KERNEL`."""
-    sparse = call.window is not None or call.mask_mod is not None or call.block_mask is not None
     if call.query.is_cuda and CUDA_KERNEL in _REGISTRY:
         rest = [n for n in AUTO_ORDER if n != CUDA_KERNEL]
-        if sparse or call.score_mod is not None or call.sinks is not None:
+        if is_sparse(call) or call.score_mod is not None or call.sinks is not None:
             return [CUDA_KERNEL, *rest]
         return [*rest[:1], CUDA_KERNEL, *rest[1:]]
     first = [n for n in AUTO_ORDER if n in _REGISTRY and _REGISTRY[n].auto_first(call)]

@@ -33,12 +33,13 @@ import dataclasses
 
 import torch
 
-from attnkit.backends import AttentionCall, BackendResult, register_backend
+from attnkit.backends import AttentionCall, BackendResult, is_sparse, register_backend
 from attnkit.backends.blockwise import flash_cpu, native
 from attnkit.backends.blockwise.autograd import BlockwiseAttention
 from attnkit.backends.blockwise.merge import merge_partials
 from attnkit.backends.blockwise.plan import (
     FLASH_CPU,
+    FUSED_ENGINES,
     NATIVE_CPU,
     TORCH_TILES,
     TilePlan,
@@ -116,7 +117,7 @@ def _plan(call: AttentionCall, engine: str) -> TilePlan:
 
 def _run(call: AttentionCall, engine: str) -> BackendResult:
     extra = score_mod_tensors(call.score_mod, call.query.dtype, call.query.device)
-    if engine in (NATIVE_CPU, FLASH_CPU) and flash_cpu.why_not(
+    if engine in FUSED_ENGINES and flash_cpu.why_not(
         call.query, call.key, call.value, call.score_mod, extra
     ):
         engine = TORCH_TILES
@@ -165,15 +166,14 @@ NATIVE_MIN_KEYS_MASKED = 512
 
 
 def _auto_first(call: AttentionCall) -> bool:
-    sparse = call.window is not None or call.mask_mod is not None or call.block_mask is not None
-    if sparse and call.k_len >= SPARSE_MIN_KEYS:
+    if is_sparse(call) and call.k_len >= SPARSE_MIN_KEYS:
         return True
+    # (what blockwise cannot run at all, auto_supports refuses after this)
     if (
         call.q_len < NATIVE_MIN_QUERIES
         or call.k_len < (NATIVE_MIN_KEYS if call.mask is None else NATIVE_MIN_KEYS_MASKED)
         or call.query.device.type != "cpu"
         or call.need_weights
-        or _supports(call) is not None
         or _wants_grad(call)
     ):
         return False

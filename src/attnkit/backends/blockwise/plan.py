@@ -48,12 +48,13 @@ ROWS_BLOCK_Q = 256
 #: when the tiles above are made smaller, as tests do).
 MOD_BLOCK = 128
 
-#: The engines: attnkit's native CPU kernel for the forward where it can run the plan
-#: (:mod:`.native`; else and for every backward, torch's fused kernel), torch's fused CPU
-#: kernel alone, and PyTorch ops. The first two plan the same tiles ("fused").
+#: The engines: attnkit's native CPU kernel where it can run the plan (:mod:`.native`,
+#: forward and backward; else torch's fused kernel), torch's fused CPU kernel alone, and
+#: PyTorch ops. The first two plan the same tiles: the fused engines.
 NATIVE_CPU = "native_cpu"
 FLASH_CPU = "flash_cpu"
 TORCH_TILES = "torch_tiles"
+FUSED_ENGINES = (NATIVE_CPU, FLASH_CPU)
 
 
 @dataclass
@@ -106,7 +107,7 @@ class TilePlan:
 
     @property
     def fused(self) -> bool:
-        return self.engine in (NATIVE_CPU, FLASH_CPU)
+        return self.engine in FUSED_ENGINES
 
     def q_blocks(self) -> list[tuple[int, int]]:
         """The query blocks ``[(q0, q1), ...]``. The fused engine walks a block mask's
@@ -396,7 +397,7 @@ def build_plan(
     becomes a cached :class:`BlockMask` (positions shifted by ``mod_offsets``)."""
     b, h, h_kv = _layout(query, key)
     t, s = query.shape[-2], key.shape[-2]
-    fused = engine in (NATIVE_CPU, FLASH_CPU)
+    fused = engine in FUSED_ENGINES
     if mask_mod is not None and block_mask is None and query.dim() == 4:
         # a plain mask_mod: the same block plan, built once and cached
         size = min(MOD_BLOCK, BLOCK_Q, BLOCK_K, FUSED_BLOCK_Q)
