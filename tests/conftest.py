@@ -9,6 +9,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The native kernel's speed against torch's is measured once per machine and decides
+# whether dense plans run on it (backends/blockwise/native/calibrate.py). Tests of results
+# want the kernel to run every plan it can, whatever this machine's speed; the tests of
+# that decision (and the speed guard) set or clear the variable themselves.
+os.environ.setdefault("ATTNKIT_NATIVE_SPEED", "fast")
+
 # Tolerances against the float64 reference, keyed by dtype.
 TOL = {
     torch.float64: dict(atol=1e-10, rtol=1e-10),

@@ -155,11 +155,11 @@ def blockwise_tiles_attention(call: AttentionCall) -> BackendResult:
 #: From this many keys on, a sliding window, a ``mask_mod`` or a block mask sends
 #: ``"auto"`` to blockwise first: it skips the empty tiles where sdpa computes a dense mask.
 SPARSE_MIN_KEYS = 1024
-#: From this many queries and keys on, a CPU call that records no gradient and that the
-#: native kernel runs goes to blockwise first too: its forward took 0.46-0.90x of sdpa's
-#: time from 256 keys on, and 0.58-0.88x with a mask tensor from 512 keys on (1.05-1.49x
-#: below; 2-core AMD EPYC, fp32). With gradients sdpa stays first (the backward is
-#: torch's fused kernel either way: 0.87-1.35x).
+#: From this many queries and keys on, a CPU call that the native kernel runs goes to
+#: blockwise first too, when the native kernel is faster than torch's on this machine
+#: (:mod:`.native.calibrate` measures that once per build; a gradient call needs its
+#: backward to be faster as well): below these sizes its fixed costs lost to sdpa
+#: (1.05-2.4x on a 2-core AMD EPYC).
 NATIVE_MIN_QUERIES = 128
 NATIVE_MIN_KEYS = 256
 NATIVE_MIN_KEYS_MASKED = 512
@@ -174,13 +174,17 @@ def _auto_first(call: AttentionCall) -> bool:
         or call.k_len < (NATIVE_MIN_KEYS if call.mask is None else NATIVE_MIN_KEYS_MASKED)
         or call.query.device.type != "cpu"
         or call.need_weights
-        or _wants_grad(call)
     ):
         return False
-    extra = ()  # no gradient is recorded
+    extra = ()  # the score_mod's tensors wanting gradients: none for the native kernel
     if flash_cpu.why_not(call.query, call.key, call.value, call.score_mod, extra) is not None:
         return False
-    return native.why_not(_plan(call, NATIVE_CPU), call.query, call.key, call.value) is None
+    plan = _plan(call, NATIVE_CPU)
+    if _wants_grad(call):
+        if call.score_mod is not None:  # its tensors may want gradients: not native
+            return False
+        return native.why_not_backward(plan, call.query, call.key, call.value, extra) is None
+    return native.why_not(plan, call.query, call.key, call.value) is None
 
 
 register_backend("blockwise", blockwise_attention, supports=_supports, auto_first=_auto_first)

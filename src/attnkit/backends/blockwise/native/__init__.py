@@ -24,8 +24,10 @@ import ctypes
 
 import torch
 
-from attnkit.backends.blockwise.native.build import library, status
+from attnkit.backends.blockwise.native import abi, calibrate
+from attnkit.backends.blockwise.native.build import library, status, warn_once
 from attnkit.backends.blockwise.plan import TilePlan
+from attnkit.block_mask import PARTIAL
 
 __all__ = [
     "BLOCK_Q",
@@ -33,6 +35,7 @@ __all__ = [
     "available",
     "backward",
     "forward",
+    "isa",
     "status",
     "why_not",
     "why_not_backward",
@@ -48,43 +51,21 @@ _NONE = 1 << 62
 #: ``mask_kind`` of attention.cpp.
 _MASK_BOOL, _MASK_FLOAT = 1, 2
 
-_P, _I = ctypes.c_void_p, ctypes.c_int64
-
-
-class _Args(ctypes.Structure):
-    """``struct Args`` of attention.cpp, field for field (all 8 bytes wide)."""
-
-    _fields_ = [
-        *((name, _P) for name in ("q", "k", "v", "out", "lse")),
-        *((f"s{x}_{y}", _I) for x in "qkvo" for y in "bht"),  # element strides
-        *((name, _I) for name in ("B", "H", "HKV", "T", "S", "D", "DV")),
-        ("scale", ctypes.c_double),
-        ("band_lo", _I),
-        ("band_hi", _I),
-        ("bq", _I),
-        ("bm_kind", _P),
-        ("bm_index", _P),
-        ("bm_masks", _P),
-        *((name, _I) for name in ["bm_sb", "bm_sh", "bm_si", "bm_qb", "bm_kb"]),
-        ("rel", _P),
-        ("rel_sh", _I),
-        ("rel_lo", _I),
-        ("mask", _P),
-        ("mask_kind", _I),
-        *((f"sm_{x}", _I) for x in "bhts"),
-        ("threads", _I),
-    ]
-
 
 def _kernel(name: str):
-    """``attnkit_forward`` or ``attnkit_backward`` of the library, typed."""
+    """``attnkit_forward`` or ``attnkit_backward`` of the library (typed and ABI-checked
+    when it was loaded)."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"attnkit's native kernel is not available: {status()}")
-    fn = getattr(lib, name)
-    fn.argtypes = [ctypes.POINTER(_Args)] + ([ctypes.c_void_p] if name.endswith("backward") else [])
-    fn.restype = ctypes.c_int
-    return fn
+    return getattr(lib, name)
+
+
+def isa() -> str | None:
+    """The instruction set of the loaded build (``"avx512-bf16"``, ``"avx512"``, ``"avx2"``,
+    ``"neon"``), or None when there is none."""
+    lib = library()
+    return None if lib is None else lib.attnkit_isa().decode()
 
 
 def available() -> bool:
@@ -121,8 +102,28 @@ def why_not(plan: TilePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -
     if torch.compiler.is_compiling():
         return "under torch.compile (a foreign call)"
     if not available():
+        warn_once()
         return status()
+    if _dense(plan) and not calibrate.measuring() and not calibrate.speed().forward_ok:
+        return _slower("forward", calibrate.speed().forward)
     return None
+
+
+def _dense(plan: TilePlan) -> bool:
+    """A plan with nothing to skip but the causal triangle (torch's kernel runs the same)."""
+    return (
+        plan.mask is None
+        and plan.score_mod is None
+        and plan.window is None
+        and plan.block_mask is None
+    )
+
+
+def _slower(direction: str, ratio: float) -> str:
+    return (
+        f"slower than torch's kernel on this machine for dense {direction} plans "
+        f"({ratio:.2f}x, measured once: see native.calibrate)"
+    )
 
 
 def _band(plan: TilePlan) -> tuple[int, int, bool]:
@@ -147,14 +148,17 @@ def _band(plan: TilePlan) -> tuple[int, int, bool]:
     return max(lo, -(first + keep.numel() - 1)), min(hi, -first), False
 
 
-def _args(plan: TilePlan, q, k, v, out, lse) -> tuple[_Args, list[torch.Tensor]]:
+def _args(plan: TilePlan, q, k, v, out, lse) -> tuple[abi.Args, list[torch.Tensor]]:
     """The kernel's arguments for ``plan`` and the tensors they point into (keep them
     alive through the call): ``q``, ``k``, ``v`` the engine's ``(b, heads, len, d)``
     float32 views, ``out`` ``(b, h, t, d_v)`` (or None), ``lse`` ``(b, h, t)`` contiguous."""
     b, h, t, s = plan.b, plan.h, plan.t, plan.s
     band_lo, band_hi, read_block_mask = _band(plan)
     out_strides = out.stride()[:3] if out is not None else (0, 0, 0)
-    args = _Args(
+    # a band wider than both sequences is no bound: clamped, it cannot overflow int64
+    reach = t + s + 1
+    band_lo, band_hi = max(band_lo, -reach), min(band_hi, reach)
+    args = abi.Args(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), 0 if out is None else out.data_ptr(),
         lse.data_ptr(), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out_strides,
         b, h, plan.h_kv, t, s, q.shape[-1], v.shape[-1],
@@ -163,9 +167,7 @@ def _args(plan: TilePlan, q, k, v, out, lse) -> tuple[_Args, list[torch.Tensor]]
     keep_alive: list[torch.Tensor] = []  # tensors the kernel reads, alive through the call
     bm = plan.block_mask
     if bm is not None and read_block_mask:
-        kind = bm.block_kind.contiguous()  # (B|1, H|1, nq, nk) int8
-        index = bm.partial_index.contiguous()  # same, int64
-        masks = bm.partial_masks.contiguous().view(torch.uint8)  # (n, qb, kb)
+        kind, index, masks = _block_mask_tensors(bm)
         keep_alive += [kind, index, masks]
         args.bm_kind, args.bm_index, args.bm_masks = (
             kind.data_ptr(), index.data_ptr(), masks.data_ptr()
@@ -181,7 +183,7 @@ def _args(plan: TilePlan, q, k, v, out, lse) -> tuple[_Args, list[torch.Tensor]]
         s_pad = -(-s // KEY_CHUNK) * KEY_CHUNK
         j_minus_i = torch.arange(-(t - 1), s_pad)
         rel = relative(j_minus_i + (plan.k_base - plan.q_base), torch.float32)  # (h|1, n)
-        rel = rel.reshape(-1, j_minus_i.numel()).contiguous()
+        rel = torch.as_tensor(rel, dtype=torch.float32).reshape(-1, j_minus_i.numel()).contiguous()
         if rel.shape[0] not in (1, h):
             raise ValueError(f"a relative score_mod gave {rel.shape[0]} heads for {h}")
         keep_alive.append(rel)
@@ -220,13 +222,11 @@ def why_not_backward(plan: TilePlan, q, k, v, extra: tuple) -> str | None:
         return "a score_mod whose tensors want gradients (the tile engine finds them)"
     if q.shape[-1] % 16:
         return "the native backward needs query heads a multiple of 16 wide"
-    return why_not(plan, q, k, v)
-
-
-class _Grads(ctypes.Structure):
-    """``struct Grads`` of attention.cpp."""
-
-    _fields_ = [(name, _P) for name in ("dout", "delta", "dq", "dk", "dv")]
+    why = why_not(plan, q, k, v)
+    dense = why is None and _dense(plan) and not calibrate.measuring()
+    if dense and not calibrate.speed().backward_ok:
+        return _slower("forward+backward", calibrate.speed().backward)
+    return why
 
 
 def backward(
@@ -251,12 +251,36 @@ def backward(
     dk = torch.empty(b, plan.h_kv, plan.s, k.shape[-1], dtype=torch.float32)
     dv = torch.empty(b, plan.h_kv, plan.s, dv_, dtype=torch.float32)
     args, keep_alive = _args(plan, q, k, v, None, lse)
-    grads = _Grads(*(x.data_ptr() for x in (grad_out, delta, dq, dk, dv)))
+    grads = abi.Grads(*(x.data_ptr() for x in (grad_out, delta, dq, dk, dv)))
     _check_code(_kernel("attnkit_backward")(ctypes.byref(args), ctypes.byref(grads)))
     del keep_alive
     return dq, dk, dv
 
 
 def _check_code(code: int) -> None:
-    if code != 0:  # pragma: no cover - why_not() rules these out
-        raise RuntimeError(f"attnkit's native kernel refused the call (code {code})")
+    """A nonzero return of the kernel as a Python exception."""
+    if code == 4:
+        raise MemoryError("attnkit's native kernel ran out of memory")
+    if code != 0:
+        why = abi.CODES.get(code, f"code {code}")
+        raise RuntimeError(f"attnkit's native kernel failed: {why}")
+
+
+def _block_mask_tensors(bm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(kind int8, partial_index int64, partial masks uint8)`` of a block mask, checked:
+    every partial tile's index must name a stored mask (a hand-built BlockMask may not)."""
+    kind = bm.block_kind.to(torch.int8).contiguous()  # (B|1, H|1, nq, nk)
+    index = bm.partial_index.to(torch.int64).contiguous()  # same
+    masks = bm.partial_masks.to(torch.bool).contiguous().view(torch.uint8)  # (n, qb, kb)
+    used = index[kind == PARTIAL]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= masks.shape[0]):
+        raise ValueError(
+            f"block_mask has a partial tile index out of range [0, {masks.shape[0]}) "
+            f"(found {int(used.min())}..{int(used.max())})"
+        )
+    if tuple(masks.shape[1:]) != (bm.Q_BLOCK_SIZE, bm.KV_BLOCK_SIZE):
+        raise ValueError(
+            f"block_mask's partial masks are {tuple(masks.shape[1:])}, not its block size "
+            f"{(bm.Q_BLOCK_SIZE, bm.KV_BLOCK_SIZE)}"
+        )
+    return kind, index, masks

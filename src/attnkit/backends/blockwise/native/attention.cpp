@@ -1,47 +1,76 @@
 // attnkit's native CPU attention: FlashAttention tiles, skipping and masks in one kernel,
-// forward and backward.
+// forward and backward, for every instruction set simd.h targets (AVX-512, AVX2+FMA,
+// aarch64 NEON) from this one source.
 //
-// Built on first use by native/build.py (one g++ call, no torch headers) and called through
-// ctypes; see native/__init__.py for when it runs and what it returns. float32 only.
+// Built on first use by native/build.py (one compiler call, no torch headers) and called
+// through ctypes; see native/__init__.py for when it runs and what it returns. float32.
 //
-// The keys are first transposed, chunk by chunk, into one packed copy (read by every query
-// block). For a block of query rows [i0, i1) of one (batch, head), the kernel walks the
-// chunks of KC keys the block may see (the rows of a chunk that the band leaves nothing
-// in are not computed): scores S = Q K^T (register tiles of 4 rows x KC keys),
-// scale, relative bias, masks (a diagonal band keep iff lo <= j - i <= hi, a block mask's
-// stored bool tile, a bool or float mask tensor), online softmax, then O += P V (4 rows x
-// up to 64 value columns).
-// Every row keeps its running max m and sum l; at the end out = O / l, lse = m + log(l),
-// and a row that kept no key gets out = 0, lse = -inf. The backward (its section below)
-// recomputes the weights from lse.
+// Forward. The keys are first transposed, chunk by chunk, into one packed copy (read by
+// every query block). For a block of query rows [i0, i1) of one (batch, head), the kernel
+// walks the chunks of KC keys the block may see (the rows of a chunk that the band leaves
+// nothing in are not computed): scores S = Q K^T, scale, relative bias, masks (a diagonal
+// band keep iff lo <= j - i <= hi, a block mask's stored bool tile, a bool or float mask
+// tensor), online softmax, then O += P V. Every row keeps its running max m and sum l; at
+// the end out = O / l, lse = m + log(l), and a row that kept no key gets out = 0,
+// lse = -inf (a NaN in the inputs stays NaN). Sums over keys are blocked (each chunk's sum
+// is formed on its own, and chunk sums are gathered SUPER chunks at a time before they
+// join the row's total), so rounding grows with log-like depth, not with the row length.
 //
-// Vectors are GCC vector extensions (16 floats): AVX-512 where the machine has it
-// (-march=native), pairs of AVX2 registers elsewhere.
+// Backward (FlashAttention-2's, in one pass): P = exp(x - lse), dP = dO V^T,
+// dS = scale P (dP - delta) with delta = rowsum(dO O) - dlse; a task owns a (batch, kv
+// head, key group) and, for each of its key chunks in order, sums dV += P^T dO and
+// dK += dS^T Q over the query heads of its kv head and their blocks, and adds dS K to its
+// group's own dQ partial; the partials are then summed in group order. Groups depend only
+// on the shapes, so every bit of the result is the same for any number of threads.
+//
+// Every product is simd::gemm, one register-tiled micro-kernel. Threads come from one
+// persistent pool (rebuilt in a forked child). Errors inside (out of memory, no thread)
+// become return codes, never an abort.
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
+#include <mutex>
+#include <new>
+#include <pthread.h>
+#include <system_error>
 #include <thread>
-#include <type_traits>
 #include <vector>
+
+#include "simd.h"
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint8_t v16b __attribute__((vector_size(16)));
+using simd::vf;
+using simd::vi;
+using simd::W;
 
 constexpr int KC = 64;        // keys per chunk
-constexpr int NV = KC / 16;   // vectors per chunk row
-constexpr int R = 4;          // query rows per register tile
+constexpr int NV = KC / W;    // vectors per chunk row
+constexpr int SUPER = 16;     // chunks whose sums are gathered before joining a row's total
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-constexpr int8_t EMPTY = 0, FULL = 2;  // attnkit.block_mask's kinds (PARTIAL = 1)
+constexpr int8_t EMPTY = 0, PARTIAL = 1, FULL = 2;  // attnkit.block_mask's kinds
 
-// The call, as native/__init__.py fills it (ctypes.Structure of 8-byte fields).
+// Bumped whenever Args or Grads change; native/__init__.py checks it and the sizes at load.
+constexpr int64_t ABI_VERSION = 2;
+
+enum Code : int {
+  OK = 0,
+  BAD_SHAPE = 1,        // head sizes, block rows or heads the kernel cannot take
+  BAD_BLOCK_ROWS = 2,   // a block mask's rows differ from the block's
+  BAD_HEAD_DIM = 3,     // backward: query heads not a multiple of 16 wide
+  NO_MEMORY = 4,
+  NO_THREAD = 5,
+  INTERNAL = 6,
+};
+
+// The call, as native/__init__.py fills it (a ctypes.Structure of 8-byte fields).
 struct Args {
   const float *q, *k, *v;
   float *out, *lse;
@@ -62,51 +91,114 @@ struct Args {
   int64_t threads;
 };
 
+// The gradients' tensors (contiguous: (B, H, T, DV), (B, H, T), (B, H, T, D),
+// (B, HKV, S, D), (B, HKV, S, DV)).
+struct Grads {
+  const float *dout, *delta;
+  float *dq, *dk, *dv;
+};
+
 constexpr int64_t MASK_BOOL = 1, MASK_FLOAT = 2;
 
-inline v16 splat(float x) { return v16{} + x; }
-inline v16 load(const float *p) { v16 r; std::memcpy(&r, p, sizeof r); return r; }
-inline void store(float *p, v16 x) { std::memcpy(p, &x, sizeof x); }
+// ---------------------------------------------------------------------------------------
+// Threads: one persistent pool; run(n, f) calls f(item) for items [0, n) on up to
+// `threads` threads, the calling one included. A forked child starts a new pool.
+// ---------------------------------------------------------------------------------------
 
-// e^x, 1-2 ulp, 0 below -87.3 (and for -inf): 2^n e^r, n = round(x / ln 2), |r| <= ln2 / 2.
-inline v16 vexp(v16 x) {
-  const v16 tiny = splat(-87.33f);
-  v16i dead = x < tiny;
-  x = dead ? tiny : x;
-  const v16 shifter = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
-  v16 t = x * splat(1.44269504088896341f) + shifter;
-  v16 n = t - shifter;
-  v16 r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
-  v16 p = splat(1.9875691500e-4f);
-  p = p * r + splat(1.3981999507e-3f);
-  p = p * r + splat(8.3334519073e-3f);
-  p = p * r + splat(4.1665795894e-2f);
-  p = p * r + splat(1.6666665459e-1f);
-  p = p * r + splat(5.0000001201e-1f);
-  p = p * r * r + r + splat(1.0f);
-  v16i bits = (v16i)t - (v16i)shifter;  // n as an integer
-  v16 scale = (v16)((bits + 127) << 23);
-  v16 e = p * scale;
-  return dead ? splat(0.0f) : e;
+class Pool {
+ public:
+  // Runs body() on `extra` pool threads and the caller; returns when all have returned.
+  void run(int64_t extra, const std::function<void()> &body) {
+    std::unique_lock<std::mutex> busy(run_mu_, std::try_to_lock);
+    if (!busy.owns_lock() || extra <= 0) {  // another call holds the pool: run alone
+      body();
+      return;
+    }
+    while (int64_t(workers_.size()) < extra) workers_.emplace_back([this] { loop(); });
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      body_ = &body;
+      slots_ = extra;
+      running_ = extra;
+      ++generation_;
+    }
+    wake_.notify_all();
+    body();
+    std::unique_lock<std::mutex> lock(mu_);
+    done_.wait(lock, [this] { return running_ == 0; });
+    body_ = nullptr;
+  }
+
+ private:
+  void loop() {
+    int64_t seen = 0;
+    for (;;) {
+      const std::function<void()> *body;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        wake_.wait(lock, [&] { return generation_ != seen && slots_ > 0; });
+        seen = generation_;
+        --slots_;
+        body = body_;
+      }
+      (*body)();
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--running_ == 0) done_.notify_all();
+    }
+  }
+
+  std::mutex run_mu_, mu_;
+  std::condition_variable wake_, done_;
+  std::vector<std::thread> workers_;
+  const std::function<void()> *body_ = nullptr;
+  int64_t slots_ = 0, running_ = 0, generation_ = 0;
+};
+
+Pool *g_pool = nullptr;
+std::once_flag g_atfork;
+
+Pool &pool() {
+  std::call_once(g_atfork, [] {
+    // The child of a fork has none of the pool's threads: it starts a pool of its own
+    // (the parent's is left as it was, never destroyed).
+    pthread_atfork(nullptr, nullptr, [] { g_pool = nullptr; });
+  });
+  if (!g_pool) g_pool = new Pool();
+  return *g_pool;
 }
 
-inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
-
-inline float hmax(v16 x) {
-  x = vmax(x, __builtin_shuffle(x, v16i{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7}));
-  x = vmax(x, __builtin_shuffle(x, v16i{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11}));
-  x = vmax(x, __builtin_shuffle(x, v16i{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13}));
-  x = vmax(x, __builtin_shuffle(x, v16i{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14}));
-  return x[0];
+// f(state, item) for items [0, n), each thread with its own State(a). The first error
+// (an exception in any thread) stops the others and is returned as a Code.
+template <class State, class F>
+Code parallel(const Args &a, int64_t n, F f) {
+  std::atomic<int64_t> next{0};
+  std::atomic<int> error{OK};
+  auto body = [&]() {
+    try {
+      State state(a);
+      for (int64_t it = next++; it < n && error.load() == OK; it = next++) f(state, it);
+    } catch (const std::bad_alloc &) {
+      error = NO_MEMORY;
+    } catch (...) {
+      error = INTERNAL;
+    }
+  };
+  const int64_t extra = std::min(a.threads, n) - 1;
+  try {
+    pool().run(extra, body);
+  } catch (const std::system_error &) {  // no thread could be made: what is left, alone
+    body();
+  }
+  return Code(error.load());
 }
 
-inline float hsum(v16 x) {
-  x += __builtin_shuffle(x, v16i{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-  x += __builtin_shuffle(x, v16i{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-  x += __builtin_shuffle(x, v16i{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-  x += __builtin_shuffle(x, v16i{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-  return x[0];
-}
+struct NoState {
+  NoState(const Args &) {}
+};
+
+// ---------------------------------------------------------------------------------------
+// Chunks and masks
+// ---------------------------------------------------------------------------------------
 
 // Keys (or values) transposed chunk by chunk: kt[b][hk][c][d][j] = k[b][hk][KC c + j][d],
 // zero past the last key. Packed once per call, read by every query block.
@@ -117,6 +209,22 @@ struct Packed {
     return t.get() + ((b * a.HKV + hk) * chunks + c) * depth * KC;
   }
 };
+
+Code pack(const Args &a, const float *x, int64_t sb, int64_t sh, int64_t st, int64_t depth,
+          Packed &pk) {
+  pk.chunks = (a.S + KC - 1) / KC;
+  pk.depth = depth;
+  pk.t.reset(new float[a.B * a.HKV * pk.chunks * depth * KC]);
+  return parallel<NoState>(a, a.B * a.HKV * pk.chunks, [&](NoState &, int64_t it) {
+    const int64_t ci = it % pk.chunks, bh = it / pk.chunks;
+    const float *src = x + (bh / a.HKV) * sb + (bh % a.HKV) * sh;
+    float *dst = pk.t.get() + it * depth * KC;
+    for (int64_t j = 0; j < KC; ++j) {
+      const int64_t key = ci * KC + j;
+      for (int64_t d = 0; d < depth; ++d) dst[d * KC + j] = key < a.S ? src[key * st + d] : 0.0f;
+    }
+  });
+}
 
 // Chunk c of the keys (keys KC c .. KC c + KC) as one block of query rows sees it: the
 // columns [lo, hi) of it that are in range, the block's rows [r0, r1) that may keep one of
@@ -207,30 +315,6 @@ void for_each_chunk(const Args &a, int64_t b, int64_t h, int64_t i0, int64_t i1,
   }
 }
 
-// out[r][0..KC) = x_{i0 + r} . packed[:, j] for rows [r0, r1): x rows of `depth` floats
-// `stride` apart (scores with K^T, or dO V^T in the backward; padding keys give 0).
-void dots(const float *x, int64_t stride, int64_t depth, int64_t i0, const float *packed,
-          const Chunk &c, float *out) {
-  for (int64_t r0 = c.r0; r0 < c.r1; r0 += R) {
-    const float *xr[R];
-    for (int rr = 0; rr < R; ++rr) xr[rr] = x + (i0 + r0 + std::min<int64_t>(rr, c.r1 - r0 - 1)) * stride;
-    v16 acc[R][NV] = {};
-    for (int64_t d = 0; d < depth; ++d) {
-      v16 kv[NV];
-#pragma GCC unroll 4
-      for (int vv = 0; vv < NV; ++vv) kv[vv] = load(packed + d * KC + 16 * vv);
-#pragma GCC unroll 4
-      for (int rr = 0; rr < R; ++rr) {
-        const v16 xv = splat(xr[rr][d]);
-#pragma GCC unroll 4
-        for (int vv = 0; vv < NV; ++vv) acc[rr][vv] += xv * kv[vv];
-      }
-    }
-    for (int rr = 0; rr < R && r0 + rr < c.r1; ++rr)
-      for (int vv = 0; vv < NV; ++vv) store(out + (r0 + rr) * KC + 16 * vv, acc[rr][vv]);
-  }
-}
-
 // Row i's scores over the chunk as the softmax sees them: scaled, biased, and -inf where
 // any mask drops the key (x[0..NV)); `s` the row's raw dot products.
 struct Masker {
@@ -238,18 +322,19 @@ struct Masker {
   const Chunk &c;
   int64_t b, h;
   const float *rel;
-  bool keep_direct;
-  v16i lane;
+  bool keep_direct, plain;
+  vi lane;
   uint8_t kbuf[KC], mbuf[KC];
   float fbuf[KC];
 
   Masker(const Args &a_, const Chunk &c_, int64_t b_, int64_t h_) : a(a_), c(c_), b(b_), h(h_) {
     rel = a.rel ? a.rel + h * a.rel_sh : nullptr;
     keep_direct = c.keep && c.keep_col >= 0 && c.keep_col + KC <= c.keep_width;
-    for (int l = 0; l < 16; ++l) lane[l] = l;
+    plain = !c.band && !c.keep && !rel && !a.mask && c.lo == 0 && c.hi == KC;
+    lane = simd::lanes();
   }
 
-  // Row i of the mask tensor over the chunk: a pointer to read 16 at a time (`buf` filled
+  // Row i of the mask tensor over the chunk: a pointer to read W at a time (`buf` filled
   // with the columns [lo, hi) where the row is broadcast or runs past the last key).
   template <class T>
   const T *mask_row(int64_t i, T *buf) const {
@@ -260,8 +345,13 @@ struct Masker {
     return buf;
   }
 
-  void row(int64_t r, int64_t i, const float *s, v16 *x) {
-    const v16 scale = splat(float(a.scale));
+  void row(int64_t r, int64_t i, const float *s, vf *x) {
+    const vf scale = simd::splat(float(a.scale));
+    if (plain) {
+#pragma GCC unroll 16
+      for (int vv = 0; vv < NV; ++vv) x[vv] = simd::load(s + W * vv) * scale;
+      return;
+    }
     int64_t lo = c.lo, hi = c.hi;  // the columns this row keeps by range and band
     if (c.band) {
       lo = std::min<int64_t>(KC, std::max<int64_t>(lo, i + a.band_lo - c.c0));
@@ -280,107 +370,33 @@ struct Masker {
     }
     const uint8_t *mkeep = a.mask_kind == MASK_BOOL ? mask_row<uint8_t>(i, mbuf) : nullptr;
     const float *madd = a.mask_kind == MASK_FLOAT ? mask_row<float>(i, fbuf) : nullptr;
-#pragma GCC unroll 4
+#pragma GCC unroll 16
     for (int vv = 0; vv < NV; ++vv) {
-      v16 sv = load(s + 16 * vv) * scale;
-      if (rel) sv += load(rel + (c.c0 + 16 * vv - i - a.rel_lo));  // bias of j - i
-      if (madd) sv += load(madd + 16 * vv);
-      const v16i col = lane + int32_t(16 * vv);
-      v16i drop = (col < int32_t(lo)) | (col >= int32_t(hi));
-      for (const uint8_t *k : {keep, mkeep}) {
-        if (!k) continue;
-        v16b kb;
-        std::memcpy(&kb, k + 16 * vv, 16);
-        drop |= (__builtin_convertvector(kb, v16i) == 0);
-      }
-      x[vv] = drop ? splat(NEG_INF) : sv;
+      vf sv = simd::load(s + W * vv) * scale;
+      if (rel) sv += simd::load(rel + (c.c0 + W * vv - i - a.rel_lo));  // bias of j - i
+      if (madd) sv += simd::load(madd + W * vv);
+      const vi col = lane + int32_t(W * vv);
+      vi drop = (col < int32_t(lo)) | (col >= int32_t(hi));
+      if (keep) drop |= ~simd::nonzero(keep + W * vv);
+      if (mkeep) drop |= ~simd::nonzero(mkeep + W * vv);
+      x[vv] = simd::select(drop, simd::splat(NEG_INF), sv);
     }
   }
 };
-
-// dst[r] (times alpha[r] first, if given) += sum_{j in [lo, hi)} p[r][j] src[c0 + j] for
-// rows [r0, r1) and NW vectors of columns from col (P V forward, dS K for dQ).
-template <int NW>
-void rows_acc_cols(float *dst, int64_t dst_stride, const float *alpha, const float *p,
-                   const float *src, int64_t src_stride, const Chunk &c, int64_t col) {
-  for (int64_t r0 = c.r0; r0 < c.r1; r0 += R) {
-    const int nr = int(std::min<int64_t>(R, c.r1 - r0));
-    v16 acc[R][NW];
-    const float *pr[R];
-    for (int rr = 0; rr < R; ++rr) {
-      const int64_t r = r0 + std::min(rr, nr - 1);
-      const v16 al = splat(alpha ? alpha[r] : 1.0f);
-      for (int vv = 0; vv < NW; ++vv) acc[rr][vv] = load(dst + r * dst_stride + col + 16 * vv) * al;
-      pr[rr] = p + r * KC;
-    }
-    for (int64_t j = c.lo; j < c.hi; ++j) {
-      const float *sr = src + (c.c0 + j) * src_stride + col;
-      v16 sj[NW];
-#pragma GCC unroll 4
-      for (int vv = 0; vv < NW; ++vv) sj[vv] = load(sr + 16 * vv);
-#pragma GCC unroll 4
-      for (int rr = 0; rr < R; ++rr) {
-        const v16 pj = splat(pr[rr][j]);
-#pragma GCC unroll 4
-        for (int vv = 0; vv < NW; ++vv) acc[rr][vv] += pj * sj[vv];
-      }
-    }
-    for (int rr = 0; rr < nr; ++rr)
-      for (int vv = 0; vv < NW; ++vv) store(dst + (r0 + rr) * dst_stride + col + 16 * vv, acc[rr][vv]);
-  }
-}
-
-// dst[j] += sum_{r in [r0, r1)} p[r][j] src[i0 + r] for the chunk's columns [lo, hi) and
-// NW vectors of columns from col (P^T dO for dV, dS^T Q for dK); dst rows are the chunk's.
-template <int NW>
-void keys_acc_cols(float *dst, int64_t dst_stride, const float *p, const float *src,
-                   int64_t src_stride, int64_t i0, const Chunk &c, int64_t col) {
-  for (int64_t j0 = c.lo; j0 < c.hi; j0 += R) {
-    const int nj = int(std::min<int64_t>(R, c.hi - j0));
-    v16 acc[R][NW];
-    for (int jj = 0; jj < R; ++jj)
-      for (int vv = 0; vv < NW; ++vv)
-        acc[jj][vv] = load(dst + (j0 + std::min(jj, nj - 1)) * dst_stride + col + 16 * vv);
-    for (int64_t r = c.r0; r < c.r1; ++r) {
-      const float *sr = src + (i0 + r) * src_stride + col;
-      const float *pr = p + r * KC + j0;
-      v16 sv[NW];
-#pragma GCC unroll 4
-      for (int vv = 0; vv < NW; ++vv) sv[vv] = load(sr + 16 * vv);
-#pragma GCC unroll 4
-      for (int jj = 0; jj < R; ++jj) {
-        const v16 pj = splat(pr[std::min(jj, nj - 1)]);
-#pragma GCC unroll 4
-        for (int vv = 0; vv < NW; ++vv) acc[jj][vv] += pj * sv[vv];
-      }
-    }
-    for (int jj = 0; jj < nj; ++jj)
-      for (int vv = 0; vv < NW; ++vv) store(dst + (j0 + jj) * dst_stride + col + 16 * vv, acc[jj][vv]);
-  }
-}
-
-// The column loops above over a row `width` floats wide (a multiple of 16), 64 at a time.
-template <class F>
-void by_columns(int64_t width, F f) {
-  for (int64_t col = 0; col < width; col += 64) {
-    switch (std::min<int64_t>(4, (width - col) / 16)) {
-      case 4: f(std::integral_constant<int, 4>(), col); break;
-      case 3: f(std::integral_constant<int, 3>(), col); break;
-      case 2: f(std::integral_constant<int, 2>(), col); break;
-      default: f(std::integral_constant<int, 1>(), col); break;
-    }
-  }
-}
 
 // ---------------------------------------------------------------------------------------
 // Forward
 // ---------------------------------------------------------------------------------------
 
+// Per thread: a block's scores, its output sums (o: gathered, o_blk: the current SUPER
+// chunks'), per row the running max, its sums of weights lane by lane (l, l_blk: W floats
+// a row) and O's rescale for this chunk.
 struct Scratch {
-  std::vector<float> s, o, m, l, alpha;
+  std::vector<float> s, o, o_blk, m, l, l_blk, alpha;
   std::vector<uint8_t> keep;  // a chunk's assembled block-mask rows
   Scratch(const Args &a)
-      : s(a.bq * KC), o(a.bq * a.DV), m(a.bq), l(a.bq), alpha(a.bq), keep(a.bq * KC) {}
+      : s(a.bq * KC), o(a.bq * a.DV), o_blk(a.bq * a.DV), m(a.bq), l(a.bq * W),
+        l_blk(a.bq * W), alpha(a.bq), keep(a.bq * KC) {}
 };
 
 // Scores -> weights in place, the online softmax state updated (alpha: O's rescale).
@@ -388,28 +404,45 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
   Masker masker(a, c, b, h);
   for (int64_t r = c.r0; r < c.r1; ++r) {
     float *s = w.s.data() + r * KC;
-    v16 x[NV];
+    vf x[NV];
     masker.row(r, i0 + r, s, x);
-    v16 mx = x[0];
-    for (int vv = 1; vv < NV; ++vv) mx = vmax(mx, x[vv]);
+    vf mx = x[0];
+#pragma GCC unroll 16
+    for (int vv = 1; vv < NV; ++vv) mx = simd::vmax(mx, x[vv]);
     const float m_old = w.m[r];
-    const float m_new = std::max(m_old, hmax(mx));
-    if (m_new == NEG_INF) {  // nothing kept yet: weights 0, O untouched
-      for (int vv = 0; vv < NV; ++vv) store(s + 16 * vv, splat(0.0f));
-      w.alpha[r] = 1.0f;
-      continue;
+    float m_new = std::max(m_old, simd::hmax(mx));
+    if (m_new == NEG_INF) {
+      bool nan = false;
+      for (int vv = 0; vv < NV; ++vv) nan |= simd::any_nan(x[vv]);
+      if (!nan) {  // nothing kept yet: weights 0, O untouched
+        for (int vv = 0; vv < NV; ++vv) simd::store(s + W * vv, simd::splat(0.0f));
+        w.alpha[r] = 1.0f;
+        continue;
+      }
+      m_new = std::numeric_limits<float>::quiet_NaN();  // a NaN score: the row is NaN
     }
-    v16 sum = splat(0.0f);
-    const v16 m = splat(m_new);
-#pragma GCC unroll 4
+    vf sum = simd::splat(0.0f);
+    const vf m = simd::splat(m_new);
+#pragma GCC unroll 16
     for (int vv = 0; vv < NV; ++vv) {
-      const v16 p = vexp(x[vv] - m);
-      store(s + 16 * vv, p);
+      const vf p = simd::exp(x[vv] - m);
+      simd::store(s + W * vv, p);
       sum += p;
     }
+    float *l_blk = w.l_blk.data() + r * W;
+    if (m_new == m_old) {  // the usual case once a row has seen a few chunks
+      w.alpha[r] = 1.0f;
+      simd::store(l_blk, simd::load(l_blk) + sum);
+      continue;
+    }
+    // the max moved: rescale what was gathered
     const float alpha = (m_old == NEG_INF) ? 0.0f : std::exp(m_old - m_new);
+    const vf al = simd::splat(alpha);
+    float *o = w.o.data() + r * a.DV, *l = w.l.data() + r * W;
+    for (int64_t d = 0; d < a.DV; d += W) simd::store(o + d, simd::load(o + d) * al);
+    simd::store(l, simd::load(l) * al);
+    simd::store(l_blk, simd::load(l_blk) * al + sum);
     w.alpha[r] = alpha;
-    w.l[r] = w.l[r] * alpha + hsum(sum);
     w.m[r] = m_new;
   }
 }
@@ -422,16 +455,28 @@ void forward_block(const Args &a, const Packed &kt, int64_t b, int64_t h, int64_
   const float *qh = a.q + b * a.sq_b + h * a.sq_h;
   const float *vh = a.v + b * a.sv_b + hk * a.sv_h;
   std::fill(w.o.begin(), w.o.begin() + rows * a.DV, 0.0f);
+  std::fill(w.o_blk.begin(), w.o_blk.begin() + rows * a.DV, 0.0f);
   std::fill(w.m.begin(), w.m.begin() + rows, NEG_INF);
-  std::fill(w.l.begin(), w.l.begin() + rows, 0.0f);
+  std::fill(w.l.begin(), w.l.begin() + rows * W, 0.0f);
+  std::fill(w.l_blk.begin(), w.l_blk.begin() + rows * W, 0.0f);
+  int64_t seen = 0;
+  auto gather = [&]() {  // o += o_blk, l += l_blk
+    for (int64_t n = 0; n < rows * a.DV; ++n) w.o[n] += w.o_blk[n];
+    std::fill(w.o_blk.begin(), w.o_blk.begin() + rows * a.DV, 0.0f);
+    for (int64_t n = 0; n < rows * W; ++n) w.l[n] += w.l_blk[n];
+    std::fill(w.l_blk.begin(), w.l_blk.begin() + rows * W, 0.0f);
+  };
   for_each_chunk(a, b, h, i0, i1, 0, kt.chunks - 1, w.keep.data(), [&](const Chunk &c) {
-    dots(qh, a.sq_t, a.D, i0, kt.chunk(a, b, hk, c.ci), c, w.s.data());
+    const int64_t nr = c.r1 - c.r0;
+    simd::gemm<false>(w.s.data() + c.r0 * KC, KC, nr, KC, qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1,
+                      kt.chunk(a, b, hk, c.ci), KC, a.D, nullptr);
     softmax(a, b, h, i0, c, w);
-    by_columns(a.DV, [&](auto nw, int64_t col) {
-      rows_acc_cols<decltype(nw)::value>(w.o.data(), a.DV, w.alpha.data(), w.s.data(), vh,
-                                         a.sv_t, c, col);
-    });
+    simd::gemm<true>(w.o_blk.data() + c.r0 * a.DV, a.DV, nr, a.DV,
+                     w.s.data() + c.r0 * KC + c.lo, KC, 1, vh + (c.c0 + c.lo) * a.sv_t, a.sv_t,
+                     c.hi - c.lo, w.alpha.data() + c.r0);
+    if (++seen % SUPER == 0) gather();
   });
+  gather();
   float *out = a.out + b * a.so_b + h * a.so_h;
   float *lse = a.lse + (b * a.H + h) * a.T;
   for (int64_t r = 0; r < rows; ++r) {
@@ -441,181 +486,204 @@ void forward_block(const Args &a, const Packed &kt, int64_t b, int64_t h, int64_
       lse[i0 + r] = NEG_INF;
       continue;
     }
-    const float inv = 1.0f / w.l[r];
+    const float l = simd::hsum(simd::load(w.l.data() + r * W)), inv = 1.0f / l;
     for (int64_t d = 0; d < a.DV; ++d) o[d] = w.o[r * a.DV + d] * inv;
-    lse[i0 + r] = w.m[r] + std::log(w.l[r]);
+    lse[i0 + r] = w.m[r] + std::log(l);
   }
 }
 
 // ---------------------------------------------------------------------------------------
-// Backward (FlashAttention-2's, in two passes that write disjoint rows): for a chunk and a
-// block, P = exp(x - lse), dP = dO V^T, dS = scale P (dP - delta) with
-// delta = rowsum(dO O) - dlse; pass 1 (a task per key chunk) sums dV += P^T dO and
-// dK += dS^T Q over the query heads of its kv head and their blocks, pass 2 (a task per
-// query block) dQ += dS K.
+// Backward
 // ---------------------------------------------------------------------------------------
 
-// The gradients' tensors (contiguous: (B, H, T, D|DV), (B, HKV, S, D|DV), (B, H, T)).
-struct Grads {
-  const float *dout, *delta;
-  float *dq, *dk, *dv;
-};
-
 struct BackScratch {
-  std::vector<float> p, ds, acc, acc2;
+  std::vector<float> p, ds, dk, dv;
   std::vector<uint8_t> keep;  // a chunk's assembled block-mask rows
   BackScratch(const Args &a)
-      : p(a.bq * KC), ds(a.bq * KC), acc(std::max(a.bq, int64_t(KC)) * a.D), acc2(KC * a.DV),
-        keep(a.bq * KC) {}
+      : p(a.bq * KC), ds(a.bq * KC), dk(KC * a.D), dv(KC * a.DV), keep(a.bq * KC) {}
 };
 
 // p = the chunk's weights, ds = scale * p * (dO V^T - delta), for rows [r0, r1).
 void weights_and_ds(const Args &a, const Grads &g, const Packed &kt, const Packed &vt,
                     int64_t b, int64_t h, int64_t i0, const Chunk &c, BackScratch &w) {
-  const int64_t hk = h / (a.H / a.HKV);
+  const int64_t hk = h / (a.H / a.HKV), nr = c.r1 - c.r0;
   const float *qh = a.q + b * a.sq_b + h * a.sq_h;
   const float *doh = g.dout + (b * a.H + h) * a.T * a.DV;
   const float *lse = a.lse + (b * a.H + h) * a.T;
   const float *delta = g.delta + (b * a.H + h) * a.T;
-  dots(qh, a.sq_t, a.D, i0, kt.chunk(a, b, hk, c.ci), c, w.p.data());
-  dots(doh, a.DV, a.DV, i0, vt.chunk(a, b, hk, c.ci), c, w.ds.data());
+  simd::gemm<false>(w.p.data() + c.r0 * KC, KC, nr, KC, qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1,
+                    kt.chunk(a, b, hk, c.ci), KC, a.D, nullptr);
+  simd::gemm<false>(w.ds.data() + c.r0 * KC, KC, nr, KC, doh + (i0 + c.r0) * a.DV, a.DV, 1,
+                    vt.chunk(a, b, hk, c.ci), KC, a.DV, nullptr);
   Masker masker(a, c, b, h);
-  const v16 scale = splat(float(a.scale));
+  const vf scale = simd::splat(float(a.scale));
   for (int64_t r = c.r0; r < c.r1; ++r) {
     float *p = w.p.data() + r * KC, *ds = w.ds.data() + r * KC;
-    v16 x[NV];
+    vf x[NV];
     masker.row(r, i0 + r, p, x);
-    const v16 l = splat(lse[i0 + r]), dl = splat(delta[i0 + r]);  // a dead row: lse +inf
-#pragma GCC unroll 4
+    const vf l = simd::splat(lse[i0 + r]), dl = simd::splat(delta[i0 + r]);  // dead: lse +inf
+#pragma GCC unroll 16
     for (int vv = 0; vv < NV; ++vv) {
-      const v16 pv = vexp(x[vv] - l);
-      store(p + 16 * vv, pv);
-      store(ds + 16 * vv, scale * pv * (load(ds + 16 * vv) - dl));
+      const vf pv = simd::exp(x[vv] - l);
+      simd::store(p + W * vv, pv);
+      simd::store(ds + W * vv, scale * pv * (simd::load(ds + W * vv) - dl));
     }
   }
 }
 
-// Pass 1: dK, dV of key chunk ci of (b, hk).
-void backward_keys(const Args &a, const Grads &g, const Packed &kt, const Packed &vt,
-                   int64_t b, int64_t hk, int64_t ci, BackScratch &w) {
-  const int64_t n = std::min<int64_t>(KC, a.S - ci * KC);  // keys of the chunk
-  float *dk = w.acc.data(), *dv = w.acc2.data();  // (KC, D), (KC, DV), chunk-relative rows
-  std::fill(dk, dk + KC * a.D, 0.0f);
-  std::fill(dv, dv + KC * a.DV, 0.0f);
-  const int64_t group = a.H / a.HKV;
-  for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
-    const float *qh = a.q + b * a.sq_b + h * a.sq_h;
-    const float *doh = g.dout + (b * a.H + h) * a.T * a.DV;
-    for (int64_t i0 = 0; i0 < a.T; i0 += a.bq) {
-      const int64_t i1 = std::min(a.T, i0 + a.bq);
-      for_each_chunk(a, b, h, i0, i1, ci, ci, w.keep.data(), [&](const Chunk &c) {
-        weights_and_ds(a, g, kt, vt, b, h, i0, c, w);
-        by_columns(a.DV, [&](auto nw, int64_t col) {
-          keys_acc_cols<decltype(nw)::value>(dv, a.DV, w.p.data(), doh, a.DV, i0, c, col);
-        });
-        by_columns(a.D, [&](auto nw, int64_t col) {
-          keys_acc_cols<decltype(nw)::value>(dk, a.D, w.ds.data(), qh, a.sq_t, i0, c, col);
-        });
-      });
-    }
-  }
-  float *dk_out = g.dk + ((b * a.HKV + hk) * a.S + ci * KC) * a.D;
-  float *dv_out = g.dv + ((b * a.HKV + hk) * a.S + ci * KC) * a.DV;
-  std::copy(dk, dk + n * a.D, dk_out);
-  std::copy(dv, dv + n * a.DV, dv_out);
+// The key chunks of group g are g, g + G, g + 2G, ...; G depends only on the shapes.
+int64_t key_groups(const Args &a, int64_t chunks) {
+  const int64_t per_group = a.B * a.H * a.T * a.D;  // floats of one dQ partial
+  int64_t groups = std::max<int64_t>(2, 32 / std::max<int64_t>(1, a.B * a.HKV));
+  groups = std::min<int64_t>(groups, (int64_t(64) << 20) / std::max<int64_t>(1, per_group));
+  return std::max<int64_t>(1, std::min(groups, chunks));
 }
 
-// Pass 2: dQ of the query rows [i0, i1) of (b, h).
-void backward_queries(const Args &a, const Grads &g, const Packed &kt, const Packed &vt,
-                      int64_t b, int64_t h, int64_t i0, int64_t i1, BackScratch &w) {
-  const int64_t hk = h / (a.H / a.HKV);
+// dK, dV of the key chunks of group g of (b, hk), and group g's dQ partial of its heads.
+void backward_group(const Args &a, const Grads &g, const Packed &kt, const Packed &vt,
+                    int64_t b, int64_t hk, int64_t grp, int64_t groups, float *dq_part,
+                    BackScratch &w) {
+  const int64_t heads = a.H / a.HKV;
   const float *kh = a.k + b * a.sk_b + hk * a.sk_h;
-  float *dq = w.acc.data();  // (rows, D)
-  std::fill(dq, dq + (i1 - i0) * a.D, 0.0f);
-  for_each_chunk(a, b, h, i0, i1, 0, kt.chunks - 1, w.keep.data(), [&](const Chunk &c) {
-    weights_and_ds(a, g, kt, vt, b, h, i0, c, w);
-    by_columns(a.D, [&](auto nw, int64_t col) {
-      rows_acc_cols<decltype(nw)::value>(dq, a.D, nullptr, w.ds.data(), kh, a.sk_t, c, col);
-    });
-  });
-  std::copy(dq, dq + (i1 - i0) * a.D, g.dq + ((b * a.H + h) * a.T + i0) * a.D);
-}
-
-// Run f(state, item) for items [0, n) on up to `threads` threads (the calling one
-// included), each thread with its own State(a).
-template <class State, class F>
-void parallel(const Args &a, int64_t n, F f) {
-  std::atomic<int64_t> next{0};
-  auto worker = [&]() {
-    State state(a);
-    for (int64_t it = next++; it < n; it = next++) f(state, it);
-  };
-  std::vector<std::thread> pool;
-  for (int64_t t = 1; t < std::min(a.threads, n); ++t) pool.emplace_back(worker);
-  worker();
-  for (auto &t : pool) t.join();
-}
-
-struct NoState {
-  NoState(const Args &) {}
-};
-
-// x (B, HKV, S, depth) with strides (sb, sh, st), transposed chunk by chunk.
-Packed pack(const Args &a, const float *x, int64_t sb, int64_t sh, int64_t st, int64_t depth) {
-  Packed pk;
-  pk.chunks = (a.S + KC - 1) / KC;
-  pk.depth = depth;
-  pk.t.reset(new float[a.B * a.HKV * pk.chunks * depth * KC]);
-  parallel<NoState>(a, a.B * a.HKV * pk.chunks, [&](NoState &, int64_t it) {
-    const int64_t ci = it % pk.chunks, bh = it / pk.chunks;
-    const float *src = x + (bh / a.HKV) * sb + (bh % a.HKV) * sh;
-    float *dst = pk.t.get() + it * depth * KC;
-    for (int64_t j = 0; j < KC; ++j) {
-      const int64_t key = ci * KC + j;
-      for (int64_t d = 0; d < depth; ++d) dst[d * KC + j] = key < a.S ? src[key * st + d] : 0.0f;
+  float *dqs = dq_part + (grp * a.B + b) * a.H * a.T * a.D;  // (H, T, D) of this group
+  std::fill(dqs + hk * heads * a.T * a.D, dqs + (hk + 1) * heads * a.T * a.D, 0.0f);
+  for (int64_t ci = grp; ci < kt.chunks; ci += groups) {
+    const int64_t n = std::min<int64_t>(KC, a.S - ci * KC);  // keys of the chunk
+    std::fill(w.dk.begin(), w.dk.end(), 0.0f);
+    std::fill(w.dv.begin(), w.dv.end(), 0.0f);
+    for (int64_t h = hk * heads; h < (hk + 1) * heads; ++h) {
+      const float *qh = a.q + b * a.sq_b + h * a.sq_h;
+      const float *doh = g.dout + (b * a.H + h) * a.T * a.DV;
+      float *dqh = dqs + h * a.T * a.D;
+      for (int64_t i0 = 0; i0 < a.T; i0 += a.bq) {
+        const int64_t i1 = std::min(a.T, i0 + a.bq);
+        for_each_chunk(a, b, h, i0, i1, ci, ci, w.keep.data(), [&](const Chunk &c) {
+          weights_and_ds(a, g, kt, vt, b, h, i0, c, w);
+          const int64_t nr = c.r1 - c.r0, nk = c.hi - c.lo;
+          // dV[j] += sum_r P[r][j] dO[r], dK[j] += sum_r dS[r][j] Q[r]
+          simd::gemm<true>(w.dv.data() + c.lo * a.DV, a.DV, nk, a.DV,
+                           w.p.data() + c.r0 * KC + c.lo, 1, KC, doh + (i0 + c.r0) * a.DV,
+                           a.DV, nr, nullptr);
+          simd::gemm<true>(w.dk.data() + c.lo * a.D, a.D, nk, a.D,
+                           w.ds.data() + c.r0 * KC + c.lo, 1, KC, qh + (i0 + c.r0) * a.sq_t,
+                           a.sq_t, nr, nullptr);
+          // dQ[r] += sum_j dS[r][j] K[j]
+          simd::gemm<true>(dqh + (i0 + c.r0) * a.D, a.D, nr, a.D,
+                           w.ds.data() + c.r0 * KC + c.lo, KC, 1, kh + (c.c0 + c.lo) * a.sk_t,
+                           a.sk_t, nk, nullptr);
+        });
+      }
     }
-  });
-  return pk;
+    std::copy(w.dk.begin(), w.dk.begin() + n * a.D, g.dk + ((b * a.HKV + hk) * a.S + ci * KC) * a.D);
+    std::copy(w.dv.begin(), w.dv.begin() + n * a.DV,
+              g.dv + ((b * a.HKV + hk) * a.S + ci * KC) * a.DV);
+  }
 }
 
-int check(const Args &a) {
-  if (a.D <= 0 || a.DV <= 0 || a.DV % 16 || a.bq <= 0 || a.HKV <= 0 || a.H % a.HKV) return 1;
-  if (a.bm_kind && a.bq != a.bm_qb) return 2;
-  return 0;
+Code check(const Args &a) {
+  if (a.D <= 0 || a.DV <= 0 || a.DV % 16 || a.bq <= 0 || a.HKV <= 0 || a.H % a.HKV ||
+      a.B <= 0 || a.T <= 0 || a.S <= 0 || a.threads <= 0)
+    return BAD_SHAPE;
+  if (a.bm_kind && a.bq != a.bm_qb) return BAD_BLOCK_ROWS;
+  return OK;
+}
+
+// Exceptions thrown by the caller's own thread (allocations before the parallel part).
+template <class F>
+int guarded(F f) {
+  try {
+    return f();
+  } catch (const std::bad_alloc &) {
+    return NO_MEMORY;
+  } catch (const std::system_error &) {
+    return NO_THREAD;
+  } catch (...) {
+    return INTERNAL;
+  }
 }
 
 }  // namespace
 
-extern "C" int attnkit_forward(const Args *args) {
+#define ATTNKIT_EXPORT __attribute__((visibility("default")))
+
+extern "C" {
+
+// The ABI this library was built for: its version, and sizeof(Args), sizeof(Grads).
+ATTNKIT_EXPORT int64_t attnkit_abi(int64_t *sizes) {
+  sizes[0] = sizeof(Args);
+  sizes[1] = sizeof(Grads);
+  return ABI_VERSION;
+}
+
+// The instruction set the library was built for ("avx512-bf16", "avx512", "avx2", "neon").
+ATTNKIT_EXPORT const char *attnkit_isa() { return ATTNKIT_ISA; }
+
+ATTNKIT_EXPORT int attnkit_forward(const Args *args) {
   const Args &a = *args;
-  if (int bad = check(a)) return bad;
-  const Packed kt = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D);
-  const int64_t nq = (a.T + a.bq - 1) / a.bq;  // query blocks per (batch, head)
-  parallel<Scratch>(a, a.B * a.H * nq, [&](Scratch &w, int64_t it) {
-    const int64_t qi = it % nq, bh = it / nq;
-    const int64_t i0 = qi * a.bq, i1 = std::min(a.T, i0 + a.bq);
-    forward_block(a, kt, bh / a.H, bh % a.H, i0, i1, w);
+  if (Code bad = check(a)) return bad;
+  return guarded([&] {
+    Packed kt;
+    if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, kt)) return int(err);
+    const int64_t nq = (a.T + a.bq - 1) / a.bq;  // query blocks per (batch, head)
+    return int(parallel<Scratch>(a, a.B * a.H * nq, [&](Scratch &w, int64_t it) {
+      const int64_t qi = it % nq, bh = it / nq;
+      const int64_t i0 = qi * a.bq, i1 = std::min(a.T, i0 + a.bq);
+      forward_block(a, kt, bh / a.H, bh % a.H, i0, i1, w);
+    }));
   });
-  return 0;
 }
 
 // dq, dk, dv from dout, delta and the forward's lse (Args.lse, +inf on dead rows).
-extern "C" int attnkit_backward(const Args *args, const Grads *grads) {
+ATTNKIT_EXPORT int attnkit_backward(const Args *args, const Grads *grads) {
   const Args &a = *args;
   const Grads &g = *grads;
-  if (int bad = check(a)) return bad;
-  if (a.D % 16) return 3;
-  const Packed kt = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D);
-  const Packed vt = pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV);
-  parallel<BackScratch>(a, a.B * a.HKV * kt.chunks, [&](BackScratch &w, int64_t it) {
-    const int64_t ci = it % kt.chunks, bh = it / kt.chunks;
-    backward_keys(a, g, kt, vt, bh / a.HKV, bh % a.HKV, ci, w);
+  if (Code bad = check(a)) return bad;
+  if (a.D % 16) return BAD_HEAD_DIM;
+  return guarded([&] {
+    Packed kt, vt;
+    if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, kt)) return int(err);
+    if (Code err = pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, vt)) return int(err);
+    const int64_t groups = key_groups(a, kt.chunks);
+    std::unique_ptr<float[]> dq_part(new float[groups * a.B * a.H * a.T * a.D]);
+    Code err = parallel<BackScratch>(a, a.B * a.HKV * groups, [&](BackScratch &w, int64_t it) {
+      const int64_t grp = it % groups, bh = it / groups;
+      backward_group(a, g, kt, vt, bh / a.HKV, bh % a.HKV, grp, groups, dq_part.get(), w);
+    });
+    if (err) return int(err);
+    // dQ = the groups' partials summed in group order, rows in parallel
+    const int64_t rows = a.B * a.H * a.T, per = 256, n = (rows + per - 1) / per;
+    const int64_t stride = a.B * a.H * a.T * a.D;
+    return int(parallel<NoState>(a, n, [&](NoState &, int64_t it) {
+      const int64_t from = it * per * a.D, to = std::min(rows, (it + 1) * per) * a.D;
+      float *dq = g.dq;
+      std::copy(dq_part.get() + from, dq_part.get() + to, dq + from);
+      for (int64_t grp = 1; grp < groups; ++grp) {
+        const float *src = dq_part.get() + grp * stride;
+        for (int64_t x = from; x < to; ++x) dq[x] += src[x];
+      }
+    }));
   });
-  const int64_t nq = (a.T + a.bq - 1) / a.bq;
-  parallel<BackScratch>(a, a.B * a.H * nq, [&](BackScratch &w, int64_t it) {
-    const int64_t qi = it % nq, bh = it / nq;
-    const int64_t i0 = qi * a.bq, i1 = std::min(a.T, i0 + a.bq);
-    backward_queries(a, g, kt, vt, bh / a.H, bh % a.H, i0, i1, w);
-  });
-  return 0;
 }
+
+// Keeps `threads` threads on FMAs for `iters` rounds of CHAINS independent vectors (the
+// machine's peak, for the benchmark): returns the flops done.
+ATTNKIT_EXPORT double attnkit_fma_probe(int64_t iters, int64_t threads) {
+  constexpr int CHAINS = simd::TILE_R * simd::TILE_C;  // as many as the register tile
+  Args a{};
+  a.threads = std::max<int64_t>(1, threads);
+  std::atomic<int64_t> sink{0};
+  parallel<NoState>(a, a.threads, [&](NoState &, int64_t) {
+    vf acc[CHAINS];
+    for (int c = 0; c < CHAINS; ++c) acc[c] = simd::splat(1.0f + c * 1e-3f);
+    const vf x = simd::splat(0.999999f), y = simd::splat(1e-7f);
+    for (int64_t i = 0; i < iters; ++i)
+#pragma GCC unroll 24
+      for (int c = 0; c < CHAINS; ++c) acc[c] = acc[c] * x + y;
+    vf total = acc[0];
+    for (int c = 1; c < CHAINS; ++c) total += acc[c];
+    sink += int64_t(simd::hsum(total));
+  });
+  return double(a.threads) * double(iters) * CHAINS * W * 2 + double(sink.load()) * 0.0;
+}
+
+}  // extern "C"

@@ -1,32 +1,73 @@
-"""Build and load the native kernel (``attention.cpp``) once per machine, on first use.
+"""Build and load the native kernel (``attention.cpp`` + ``simd.h``) on first use, once per
+instruction set.
 
-One ``g++`` call (``$CXX`` if set) of about a second: no torch headers, plain C ABI,
-loaded with :mod:`ctypes`. The shared library is cached under
-``$ATTNKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/attnkit``, else ``~/.cache/attnkit``, named
-by a hash of the source, the compiler, its flags and this CPU's features, and written
-atomically (parallel test workers may build it at once). Where there is no compiler or
-the build fails, :func:`library` returns None and :func:`status` says why; the blockwise
-backend then runs torch's fused kernel instead (same results, slower).
-``ATTNKIT_NATIVE=0`` turns the kernel off.
+One ``g++`` call (``$CXX`` if set, e.g. ``"ccache g++"``) of about two seconds: no torch
+headers, a plain C ABI loaded with :mod:`ctypes`. Each build targets one instruction set
+(:data:`ISA_FLAGS`), and this machine uses the best one its CPU runs (:func:`host_isas`),
+or the one ``ATTNKIT_NATIVE_ISA`` names (the tests run every build the CPU can execute,
+so an AVX-512 machine proves the AVX2 code too). ``ATTNKIT_NATIVE=0`` turns the kernel off.
+
+Where libraries are kept, and what is loaded:
+
+* the cache directory is ``$ATTNKIT_CACHE_DIR``, else ``$XDG_CACHE_HOME/attnkit``, else
+  ``~/.cache/attnkit``, created private (0700). It is used only when this user owns it and
+  nobody else may write it; otherwise each process builds into a private temporary
+  directory, loads the library and removes the directory again;
+* a library is named by a hash of the sources, the compiler, its flags and the ISA,
+  written atomically (parallel test workers may build at once), with the SHA-256 of its
+  bytes beside it;
+* it is loaded only when it is a regular file this user owns, writable by nobody else,
+  whose bytes (read through the same open descriptor that is then loaded) match that
+  hash, so a truncated or planted file is rebuilt, never mapped; and only when it reports
+  the ABI version and struct sizes of :mod:`.abi`.
+
+Every failure is one line from :func:`status`, and the blockwise backend then runs torch's
+fused kernel instead (same results, slower); :func:`warn_once` says so once per process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
 import platform
+import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
+from attnkit.backends.blockwise.native import abi
+
 SOURCE = Path(__file__).with_name("attention.cpp")
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
+HEADERS = (Path(__file__).with_name("simd.h"),)
+#: Flags of every build; -ffp-contract=fast lets a * b + c be one FMA under -std=c++17.
+FLAGS = (
+    "-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-ffp-contract=fast",
+    "-fno-math-errno", "-fvisibility=hidden",
+)  # fmt: skip
+#: The instruction sets attention.cpp is built for, best first, and their flags.
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx512-bf16": ("-march=x86-64-v4", "-mavx512bf16"),
+    "avx512": ("-march=x86-64-v4",),
+    "avx2": ("-march=x86-64-v3",),
+    "neon": ("-march=armv8-a",),
+}
+#: CPU flags (/proc/cpuinfo) each build needs.
+_NEEDS = {
+    "avx512-bf16": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16"},
+    "avx512": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+    "avx2": {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"},
+}
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+_state: dict[str, tuple[ctypes.CDLL | None, str]] = {}  # isa -> (library, status line)
+_warned: set[str] = set()
+_held_fds: list[int] = []  # descriptors of loaded libraries (see _load)
 
 
 def cache_dir() -> Path:
@@ -38,89 +79,223 @@ def cache_dir() -> Path:
     return Path(base) / "attnkit"
 
 
-def _cpu_features() -> str:
+def _cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
                 if line.startswith(("flags", "Features")):
-                    return line
+                    return set(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return platform.processor()
+    return set()
 
 
-def _compiler() -> tuple[str, str] | None:
-    """``(path, version line)`` of the C++ compiler, or None."""
-    path = shutil.which(os.environ.get("CXX", "g++"))
-    if path is None:
+def host_isas() -> list[str]:
+    """The builds this CPU can execute, best first (empty: none; torch's kernel runs)."""
+    if platform.system() != "Linux":
+        return []
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return ["neon"]  # NEON (Advanced SIMD) is part of every AArch64 CPU
+    if machine not in ("x86_64", "amd64"):
+        return []
+    flags = _cpu_flags()
+    return [isa for isa, needs in _NEEDS.items() if needs <= flags]
+
+
+def selected_isa() -> str | None:
+    """The build this process uses: ``ATTNKIT_NATIVE_ISA`` if set, else the best one."""
+    forced = os.environ.get("ATTNKIT_NATIVE_ISA")
+    if forced:
+        return forced
+    isas = host_isas()
+    return isas[0] if isas else None
+
+
+def _compiler() -> tuple[list[str], str] | None:
+    """``(command, version line)`` of the C++ compiler, or None."""
+    command = shlex.split(os.environ.get("CXX", "g++"))
+    if not command or shutil.which(command[-1]) is None:
         return None
+    command = [*command[:-1], str(shutil.which(command[-1]))]
     try:
-        run = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+        run = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
-    return path, (run.stdout.splitlines() or [""])[0]
+    return command, (run.stdout.splitlines() or [""])[0]
 
 
-def _build() -> tuple[ctypes.CDLL | None, str]:
+def _private_dir(path: Path) -> str | None:
+    """Why ``path`` is not a safe cache (None when it is): made 0700 if missing, and then
+    owned by this user, writable by nobody else, and writable by us."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = path.stat()
+    except OSError as err:
+        return f"cannot create {path}: {err.strerror}"
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        return f"{path} belongs to another user"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is writable by other users"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path} is not writable"
+    return None
+
+
+def _compile(command: list[str], isa: str, target: Path) -> str | None:
+    """Build into ``target`` (atomically, with its hash beside it); why not, or None."""
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        run = subprocess.run(
+            [*command, *FLAGS, *ISA_FLAGS[isa], "-o", tmp, str(SOURCE)],
+            capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        if run.returncode != 0:
+            last = (run.stderr.strip().splitlines() or ["?"])[-1]
+            return f"building the native kernel failed: {last}"
+        os.chmod(tmp, 0o600)
+        digest = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
+        os.replace(tmp, target)
+        _write_atomic(_hash_path(target), digest)
+        return None
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"building the native kernel failed: {err}"
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _hash_path(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _load(target: Path) -> tuple[ctypes.CDLL | None, str | None]:
+    """Load ``target`` if it is this user's, private, and its bytes match its hash;
+    ``(library, None)``, or ``(None, why not)``."""
+    try:
+        want = _hash_path(target).read_text().strip()
+        fd = os.open(target, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as err:
+        return None, f"no intact build ({err.strerror})"
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            return None, f"{target} is not a regular file"
+        if hasattr(os, "getuid") and info.st_uid != os.getuid():
+            return None, f"{target} belongs to another user"
+        if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            return None, f"{target} is writable by other users"
+        with os.fdopen(os.dup(fd), "rb") as f:
+            got = hashlib.sha256(f.read()).hexdigest()
+        if got != want:
+            return None, f"{target} does not match its hash (truncated or replaced)"
+        # Load the very bytes just checked, through the descriptor. It stays open for the
+        # life of the process: the dynamic loader knows a library by the name it was opened
+        # with, so a closed (and reused) descriptor's name would hand a later build the
+        # library loaded first.
+        by_fd = f"/proc/self/fd/{fd}"
+        try:
+            lib = ctypes.CDLL(by_fd if os.path.exists(by_fd) else str(target))
+        except OSError as err:
+            return None, f"loading the native kernel failed: {err}"
+        _held_fds.append(fd)
+    finally:
+        if fd not in _held_fds:
+            os.close(fd)
+    why = abi.check(lib)
+    return (None, why) if why else (lib, None)
+
+
+def _build(isa: str | None) -> tuple[ctypes.CDLL | None, str]:
     if os.environ.get("ATTNKIT_NATIVE", "1") == "0":
         return None, "turned off by ATTNKIT_NATIVE=0"
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return (
-            None,
-            f"built for x86-64 Linux only (this is {platform.system()} {platform.machine()})",
+    host = host_isas()
+    if isa is None:
+        return None, (
+            f"no build for this CPU ({platform.system()} {platform.machine()}): the native "
+            "kernel targets AVX-512, AVX2+FMA (x86-64 Linux) and NEON (aarch64 Linux)"
         )
+    if isa not in ISA_FLAGS:
+        return None, f"ATTNKIT_NATIVE_ISA={isa!r} is not one of {', '.join(ISA_FLAGS)}"
+    if isa not in host:
+        return None, f"this CPU cannot run the {isa} build (it runs: {', '.join(host) or 'none'})"
     compiler = _compiler()
     if compiler is None:
         return None, f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH"
-    cxx, version = compiler
+    command, version = compiler
     if "clang" in version.lower():
         return None, f"the native kernel needs GCC (its vector extensions), found {version}"
     try:
-        source = SOURCE.read_bytes()
+        sources = [p.read_bytes() for p in (SOURCE, *HEADERS)]
     except OSError as err:
         return None, f"the native kernel's source is missing: {err}"
-    digest = hashlib.sha256(
-        b"\0".join([source, version.encode(), " ".join(FLAGS).encode(), _cpu_features().encode()])
-    ).hexdigest()[:16]
-    target = cache_dir() / f"attention-{digest}.so"
-    if not target.exists():
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            where = target.parent
-        except OSError:
-            where = Path(tempfile.mkdtemp(prefix="attnkit-"))
-            target = where / target.name
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=where)
-        os.close(fd)
-        try:
-            run = subprocess.run(
-                [cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=300
-            )
-            if run.returncode != 0:
-                last = (run.stderr.strip().splitlines() or ["?"])[-1]
-                return None, f"building the native kernel failed: {last}"
-            os.replace(tmp, target)
-        except (OSError, subprocess.SubprocessError) as err:
-            return None, f"building the native kernel failed: {err}"
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError as err:
-        return None, f"loading the native kernel failed: {err}"
-    return lib, f"built with {version} ({target})"
+    flags = " ".join((*FLAGS, *ISA_FLAGS[isa]))
+    digest = hashlib.sha256(b"\0".join([*sources, version.encode(), flags.encode()])).hexdigest()
+    name = f"attention-{isa}-{digest[:16]}.so"
+    where = cache_dir()
+    unsafe = _private_dir(where)
+    if unsafe is None:
+        target = where / name
+        lib, why = _load(target)
+        if lib is None:  # not built yet, or not intact: build it (again)
+            failed = _compile(command, isa, target)
+            if failed:
+                return None, failed
+            lib, why = _load(target)
+        if lib is None:
+            return None, str(why)
+        return lib, f"{isa} build, {version} ({target})"
+    with tempfile.TemporaryDirectory(prefix="attnkit-") as private:  # removed after loading
+        target = Path(private) / name
+        failed = _compile(command, isa, target)
+        if failed:
+            return None, failed
+        lib, why = _load(target)
+    if lib is None:
+        return None, str(why)
+    return lib, f"{isa} build, {version} (in a temporary directory: {unsafe})"
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel library (built on the first call), or None (see :func:`status`)."""
+def library(isa: str | None = None) -> ctypes.CDLL | None:
+    """The loaded kernel library for ``isa`` (default :func:`selected_isa`), built on the
+    first call, or None (see :func:`status`)."""
+    isa = isa or selected_isa()
+    key = isa or ""
     with _lock:
-        if "lib" not in _state:
-            _state["lib"], _state["status"] = _build()
-    return _state["lib"]  # type: ignore[return-value]
+        if key not in _state:
+            _state[key] = _build(isa)
+    return _state[key][0]
 
 
-def status() -> str:
-    """One line: where the native kernel was built from, or why it is not available."""
-    library()
-    return str(_state["status"])
+def status(isa: str | None = None) -> str:
+    """One line: which build is loaded and from where, or why there is none."""
+    isa = isa or selected_isa()
+    library(isa)
+    return _state[isa or ""][1]
+
+
+def warn_once() -> None:
+    """A :class:`RuntimeWarning` naming :func:`status`'s reason, once per process and reason:
+    the native kernel could not be used, so torch's (slower) kernel runs."""
+    why = status()
+    if why in _warned or why.startswith("turned off"):
+        return
+    _warned.add(why)
+    with contextlib.suppress(Exception):
+        warnings.warn(
+            f"attnkit's native CPU kernel is not used ({why}); torch's kernel runs instead",
+            RuntimeWarning,
+            stacklevel=3,
+        )

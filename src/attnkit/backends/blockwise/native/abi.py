@@ -1,0 +1,92 @@
+"""The C boundary of ``attention.cpp``, in one place: its argument structs as
+:mod:`ctypes` sees them, the ABI version they are checked against at load, and the
+names of its return codes.
+
+A library is loaded only when it reports the same ABI version and the same sizes of
+``Args`` and ``Grads`` as below (:func:`check`), so a stale or foreign build is a
+:func:`~attnkit.backends.blockwise.native.status` reason, never a corrupt call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+__all__ = ["ABI_VERSION", "CODES", "Args", "Grads", "check", "typed"]
+
+#: ``ABI_VERSION`` of attention.cpp: bumped whenever ``Args`` or ``Grads`` change.
+ABI_VERSION = 2
+
+#: attention.cpp's return codes (``enum Code``).
+CODES = {
+    1: "head sizes, heads or block rows the kernel cannot take",
+    2: "a block mask whose rows differ from the kernel's blocks",
+    3: "query heads not a multiple of 16 wide (backward)",
+    4: "out of memory",
+    5: "no thread could be started",
+    6: "an internal error",
+}
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+class Args(ctypes.Structure):
+    """``struct Args`` of attention.cpp, field for field (all 8 bytes wide)."""
+
+    _fields_ = [
+        *((name, _P) for name in ("q", "k", "v", "out", "lse")),
+        *((f"s{x}_{y}", _I) for x in "qkvo" for y in "bht"),  # element strides
+        *((name, _I) for name in ("B", "H", "HKV", "T", "S", "D", "DV")),
+        ("scale", ctypes.c_double),
+        ("band_lo", _I),
+        ("band_hi", _I),
+        ("bq", _I),
+        ("bm_kind", _P),
+        ("bm_index", _P),
+        ("bm_masks", _P),
+        *((name, _I) for name in ["bm_sb", "bm_sh", "bm_si", "bm_qb", "bm_kb"]),
+        ("rel", _P),
+        ("rel_sh", _I),
+        ("rel_lo", _I),
+        ("mask", _P),
+        ("mask_kind", _I),
+        *((f"sm_{x}", _I) for x in "bhts"),
+        ("threads", _I),
+    ]
+
+
+class Grads(ctypes.Structure):
+    """``struct Grads`` of attention.cpp."""
+
+    _fields_ = [(name, _P) for name in ("dout", "delta", "dq", "dk", "dv")]
+
+
+def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` with the argument and return types of its exported functions set."""
+    lib.attnkit_abi.argtypes = [ctypes.POINTER(ctypes.c_int64)]
+    lib.attnkit_abi.restype = ctypes.c_int64
+    lib.attnkit_isa.argtypes = []
+    lib.attnkit_isa.restype = ctypes.c_char_p
+    lib.attnkit_forward.argtypes = [ctypes.POINTER(Args)]
+    lib.attnkit_forward.restype = ctypes.c_int
+    lib.attnkit_backward.argtypes = [ctypes.POINTER(Args), ctypes.POINTER(Grads)]
+    lib.attnkit_backward.restype = ctypes.c_int
+    lib.attnkit_fma_probe.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    lib.attnkit_fma_probe.restype = ctypes.c_double
+    return lib
+
+
+def check(lib: ctypes.CDLL) -> str | None:
+    """Why ``lib`` must not be called (None when its ABI is this module's)."""
+    try:
+        typed(lib)
+    except AttributeError as err:
+        return f"the native library lacks an entry point ({err})"
+    sizes = (ctypes.c_int64 * 2)()
+    version = lib.attnkit_abi(sizes)
+    want = (ctypes.sizeof(Args), ctypes.sizeof(Grads))
+    if version != ABI_VERSION or tuple(sizes) != want:
+        return (
+            f"the native library's ABI (version {version}, sizes {tuple(sizes)}) is not "
+            f"attnkit's (version {ABI_VERSION}, sizes {want})"
+        )
+    return None

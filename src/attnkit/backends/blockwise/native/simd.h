@@ -1,0 +1,211 @@
+// attnkit's SIMD layer: one vector type at the native width of the target, the few
+// operations the kernel needs on it, and the register tile its products use.
+//
+// GCC/Clang vector extensions at exactly the hardware's width, so that every operation
+// (arithmetic, compares, selects, widening a byte mask) maps to one instruction and
+// nothing is lowered to scalar code:
+//
+//   target                         W (floats)   registers   register tile (rows x vectors)
+//   AVX-512 (x86-64-v4)            16           32          6 x 4   (24 accumulators)
+//   AVX2 + FMA (x86-64-v3)          8           16          6 x 2   (12 accumulators)
+//   aarch64 NEON                    4           32          6 x 4   (24 accumulators)
+//
+// Any other target is an #error: the Python side then runs torch's kernel and says why.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define ATTNKIT_W 16
+#define ATTNKIT_TILE_R_ 6
+#define ATTNKIT_TILE_C_ 4
+#if defined(__AVX512BF16__)
+#define ATTNKIT_BF16 1
+#define ATTNKIT_ISA "avx512-bf16"
+#else
+#define ATTNKIT_ISA "avx512"
+#endif
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ATTNKIT_W 8
+#define ATTNKIT_TILE_R_ 6
+#define ATTNKIT_TILE_C_ 2
+#define ATTNKIT_ISA "avx2"
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define ATTNKIT_W 4
+#define ATTNKIT_TILE_R_ 6
+#define ATTNKIT_TILE_C_ 4
+#define ATTNKIT_ISA "neon"
+#include <arm_neon.h>
+#else
+#error "attnkit's kernel is built for AVX-512, AVX2+FMA or aarch64 NEON"
+#endif
+
+#ifndef ATTNKIT_TILE_R  // (-D overrides, to tune a target)
+#define ATTNKIT_TILE_R ATTNKIT_TILE_R_
+#endif
+#ifndef ATTNKIT_TILE_C
+#define ATTNKIT_TILE_C ATTNKIT_TILE_C_
+#endif
+
+namespace simd {
+
+constexpr int W = ATTNKIT_W;
+constexpr int TILE_R = ATTNKIT_TILE_R;  // rows of a register tile
+constexpr int TILE_C = ATTNKIT_TILE_C;  // vectors of a register tile
+
+typedef float vf __attribute__((vector_size(4 * W)));
+typedef int32_t vi __attribute__((vector_size(4 * W)));
+typedef uint8_t vb __attribute__((vector_size(W)));
+
+// (Not vf{} + x: adding 0.0 is no identity for -0.0, so that costs an add and a shuffle.)
+inline vf splat(float x) {
+#if ATTNKIT_W == 16
+  return (vf)_mm512_set1_ps(x);
+#elif ATTNKIT_W == 8
+  return (vf)_mm256_set1_ps(x);
+#else
+  return (vf)vdupq_n_f32(x);
+#endif
+}
+inline vf load(const float *p) {
+  vf r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+}
+inline void store(float *p, vf x) { std::memcpy(p, &x, sizeof x); }
+inline vf select(vi keep, vf a, vf b) { return keep ? a : b; }
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+// Lanes whose byte is nonzero (W bytes at p).
+inline vi nonzero(const uint8_t *p) {
+  vb b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vi) != 0;
+}
+inline vi lanes() {
+  vi r;
+  for (int l = 0; l < W; ++l) r[l] = l;
+  return r;
+}
+
+// Reductions of the lanes (log2 W shuffles deep). hmax: a NaN lane may or may not win.
+inline float hsum(vf x) {
+#if ATTNKIT_W == 16
+  return _mm512_reduce_add_ps((__m512)x);
+#elif ATTNKIT_W == 8
+  __m128 v = _mm_add_ps(_mm256_castps256_ps128((__m256)x), _mm256_extractf128_ps((__m256)x, 1));
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+#else
+  return vaddvq_f32((float32x4_t)x);
+#endif
+}
+inline float hmax(vf x) {
+#if ATTNKIT_W == 16
+  return _mm512_reduce_max_ps((__m512)x);
+#elif ATTNKIT_W == 8
+  __m128 v = _mm_max_ps(_mm256_castps256_ps128((__m256)x), _mm256_extractf128_ps((__m256)x, 1));
+  v = _mm_max_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_max_ss(v, _mm_movehdup_ps(v)));
+#else
+  return vmaxvq_f32((float32x4_t)x);
+#endif
+}
+inline bool any_nan(vf x) {
+  float t[W];
+  store(t, x);
+  for (int l = 0; l < W; ++l)
+    if (t[l] != t[l]) return true;
+  return false;
+}
+
+// e^x, 1-2 ulp; 0 below -87.3 (and for -inf); NaN stays NaN. 2^n e^r with
+// n = round(x / ln 2), |r| <= ln 2 / 2, a degree-6 polynomial for e^r (Cephes' expf).
+inline vf exp(vf x) {
+  const vf tiny = splat(-87.33f);
+  const vi dead = x < tiny;
+  x = select(dead, tiny, x);
+  const vf shifter = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf t = x * splat(1.44269504088896341f) + shifter;
+  const vf n = t - shifter;
+  const vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * r * r + r + splat(1.0f);
+  const vi bits = (vi)t - (vi)shifter;  // n as an integer
+  const vf scale = (vf)((bits + 127) << 23);
+  return select(dead, splat(0.0f), p * scale);
+}
+
+// C (rows x NC vectors, row stride ldc) = alpha (.) C + A B, or = A B when !ACC, with
+// A(r, k) = a[r * ars + k * aks] and B(k, :) the NC vectors at b + k * ldb, k < kn.
+// Rows past `nr` (< R) are computed on a copy of the last row and not stored.
+// `alpha` (per row, or null for 1) rescales the loaded C first.
+template <int R, int NC, bool ACC>
+inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int64_t aks,
+                 const float *b, int64_t ldb, int64_t kn, const float *alpha) {
+  vf acc[R][NC];
+  const float *ar[R];
+  for (int r = 0; r < R; ++r) {
+    const int rr = r < nr ? r : nr - 1;
+    ar[r] = a + rr * ars;
+    if (ACC) {
+      const vf al = splat(alpha ? alpha[rr] : 1.0f);
+      for (int v = 0; v < NC; ++v) acc[r][v] = alpha ? load(c + rr * ldc + W * v) * al
+                                                     : load(c + rr * ldc + W * v);
+    } else {
+      for (int v = 0; v < NC; ++v) acc[r][v] = vf{};
+    }
+  }
+  for (int64_t k = 0; k < kn; ++k) {
+    vf bv[NC];
+#pragma GCC unroll 4
+    for (int v = 0; v < NC; ++v) bv[v] = load(b + k * ldb + W * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const vf av = splat(ar[r][k * aks]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NC; ++v) acc[r][v] += av * bv[v];
+    }
+  }
+  for (int r = 0; r < nr; ++r)
+    for (int v = 0; v < NC; ++v) store(c + r * ldc + W * v, acc[r][v]);
+}
+
+// The product above over `rows` rows and `cols` columns (a multiple of W), in register
+// tiles of TILE_R rows x TILE_C vectors.
+template <bool ACC>
+inline void gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float *a,
+                 int64_t ars, int64_t aks, const float *b, int64_t ldb, int64_t kn,
+                 const float *alpha) {
+  for (int64_t c0 = 0; c0 < cols; c0 += TILE_C * W) {
+    const int64_t nv = (cols - c0) / W < TILE_C ? (cols - c0) / W : TILE_C;
+    for (int64_t r0 = 0; r0 < rows; r0 += TILE_R) {
+      const int nr = int(rows - r0 < TILE_R ? rows - r0 : TILE_R);
+      float *cc = c + r0 * ldc + c0;
+      const float *aa = a + r0 * ars;
+      const float *al = alpha ? alpha + r0 : nullptr;
+      switch (nv) {
+#define ATTNKIT_CASE(n)                                                          \
+  case n:                                                                        \
+    if constexpr (n <= TILE_C)                                                   \
+      tile<TILE_R, n, ACC>(cc, ldc, nr, aa, ars, aks, b + c0, ldb, kn, al);       \
+    break;
+        ATTNKIT_CASE(4)
+        ATTNKIT_CASE(3)
+        ATTNKIT_CASE(2)
+        default:
+          tile<TILE_R, 1, ACC>(cc, ldc, nr, aa, ars, aks, b + c0, ldb, kn, al);
+#undef ATTNKIT_CASE
+      }
+    }
+  }
+}
+
+}  // namespace simd
