@@ -49,6 +49,7 @@ def isa(request):
         else:
             os.environ["ATTNKIT_NATIVE_ISA"] = before
 
+
 EPS = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
 
 

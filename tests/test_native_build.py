@@ -14,9 +14,7 @@ import torch
 from attnkit import attention
 from attnkit.backends.blockwise.native import abi, build
 
-needs_host_build = pytest.mark.skipif(
-    not build.host_isas(), reason="this CPU runs no native build"
-)
+needs_host_build = pytest.mark.skipif(not build.host_isas(), reason="this CPU runs no native build")
 
 
 @pytest.fixture
