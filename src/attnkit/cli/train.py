@@ -179,9 +179,7 @@ def _stop_on_ctrl_c() -> Iterator[threading.Event]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnkit.models import GPT
-    from attnkit.train import CheckpointError, TaskData, TextData, load_checkpoint
-    from attnkit.train.loop import Schedule, train
+    from attnkit.train.loop import train
 
     _check_args(args)
     out = output_dir(args.out)
@@ -192,6 +190,22 @@ def run(args: argparse.Namespace) -> int:
 
         fit = context_parallel_trainer(args)
         out = output_dir(args.out)  # rank 0 keeps --out; the others, a private copy
+    from attnkit.checkpoints import CheckpointError, lock_directory
+
+    with contextlib.ExitStack() as stack:
+        try:  # one run per --out: a second one would delete this one's saves in progress
+            stack.enter_context(lock_directory(out))
+        except CheckpointError as err:
+            raise CliError(f"--out: {err}") from None
+        return _train(args, out, fit)
+
+
+def _train(args: argparse.Namespace, out: Path, fit: Any) -> int:
+    """The run itself, holding the lock on ``out``."""
+    from attnkit.models import GPT
+    from attnkit.train import CheckpointError, TaskData, TextData, load_checkpoint
+    from attnkit.train.loop import Schedule
+
     torch.manual_seed(args.seed)
     model, opt_state, start = None, None, 0
     losses: list[float] = []
