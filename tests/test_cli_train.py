@@ -108,6 +108,18 @@ def test_generate_help_says_temperature_zero_is_greedy(capsys):
     assert "0 = greedy" in " ".join(capsys.readouterr().out.split())
 
 
+def test_generate_with_a_subnormal_temperature_is_greedy(tmp_path, capsys):
+    out = tmp_path / "ck"
+    argv = ["train", "--task", "copy", "--length", "2", "--steps", "2", "--quiet"]
+    assert main([*argv, "--out", str(out)]) == 0
+    capsys.readouterr()
+    generate = ["generate", "--checkpoint", str(out), "--prompt", "12>"]
+    assert main(generate) == 0
+    greedy = capsys.readouterr().out
+    assert main([*generate, "--temperature", "1e-45"]) == 0  # was a multinomial traceback
+    assert capsys.readouterr().out == greedy
+
+
 @pytest.mark.parametrize("command", ["train", "generate", "bench", "demo", "explain", "viz"])
 def test_help_has_description_examples_and_defaults(command, capsys):
     with pytest.raises(SystemExit):

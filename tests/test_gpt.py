@@ -215,6 +215,18 @@ def test_sampling_is_seeded_and_respects_top_k_and_top_p():
     assert torch.equal(nucleus, model.generate(prompt, 10))
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 5e-324, 1e-30])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
+    # logits / 1e-45 overflows float32 to inf (softmax NaN, multinomial raised): it is the
+    # limit temperature -> 0 instead, the most likely token as at temperature 0
+    model = small().eval()
+    prompt = torch.randint(0, 40, (2, 4), generator=torch.Generator().manual_seed(0))
+    greedy = model.generate(prompt, 6)
+    tiny = model.generate(prompt, 6, temperature=temperature, top_k=5, top_p=0.9)
+    assert torch.equal(tiny, greedy)
+    assert torch.equal(model.generate(prompt, 6, temperature=temperature), greedy)
+
+
 @pytest.mark.parametrize(
     "kw, err, match",
     [
