@@ -120,6 +120,24 @@ def test_generate_with_a_subnormal_temperature_is_greedy(tmp_path, capsys):
     assert capsys.readouterr().out == greedy
 
 
+def test_generate_refuses_a_config_larger_than_its_weights_in_one_line(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "ck"
+    argv = ["train", "--task", "copy", "--length", "2", "--steps", "1", "--quiet"]
+    assert main([*argv, "--out", str(out)]) == 0
+    (out / "manifest.json").unlink()  # generate accepts checkpoints from before manifests
+    config = json.loads((out / "config.json").read_text())
+    config["model"]["vocab_size"] = 10**13
+    (out / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    one_line_error(
+        capsys,
+        ["generate", "--checkpoint", str(out), "--prompt", "1>"],
+        "does not match model.safetensors: tok_emb.weight",
+    )
+
+
 @pytest.mark.parametrize("command", ["train", "generate", "bench", "demo", "explain", "viz"])
 def test_help_has_description_examples_and_defaults(command, capsys):
     with pytest.raises(SystemExit):
