@@ -20,8 +20,8 @@ from attnkit import backends, trace
 from attnkit._validate import (
     check_bool,
     check_float,
-    check_optional_int,
     check_probability,
+    check_window,
 )
 from attnkit.block_mask import BlockMask
 from attnkit.masks import (
@@ -215,7 +215,7 @@ def attention(
     dropout_p = check_dropout(dropout_p)
     need_weights = check_bool(need_weights, "need_weights")
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else check_float(scale, "scale")
-    window = check_optional_int(window, "window")
+    window = check_window(window)
     _check_mods(mask_mod, score_mod, query, key)
     _check_block_mask(block_mask, query, key)
     check_sinks(sinks, query)
