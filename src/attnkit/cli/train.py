@@ -49,7 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument(
-        "--task", choices=TASKS, default=None, help=f"synthetic task (default {DEFAULT_TASK})"
+        "--task", choices=TASKS, default=None, help=f"synthetic task (default: {DEFAULT_TASK})"
     )
     src.add_argument("--text", metavar="FILE", help="a text file (byte-level tokens)")
     p.add_argument("--out", metavar="DIR", required=True, help="checkpoint directory")
@@ -63,13 +63,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--lr",
         type=float,
         default=None,
-        help=f"peak learning rate, warm-up then cosine (default {DEFAULT_LR}; kept on --resume)",
+        help=f"peak learning rate, warm-up then cosine (default: {DEFAULT_LR}; kept on --resume)",
     )
     p.add_argument(
         "--length",
         type=int,
         default=None,
-        help=f"task length: digits, or key/value pairs for recall (default {DEFAULT_LENGTH})",
+        help=f"task length: digits, or key/value pairs for recall (default: {DEFAULT_LENGTH})",
     )
     p.add_argument("--seed", type=int, default=0, help="random seed of weights and batches")
     p.add_argument("--save-every", type=int, default=500, help="steps between checkpoints")
