@@ -204,9 +204,12 @@ def attention(
         row whose keys are all masked gets zeros.
 
     Raises:
-        TypeError: non-tensor or non-float inputs, mixed dtypes, a mask neither bool nor float.
-        ValueError: mismatched shapes, a mask that does not broadcast, a bad ``dropout_p``,
-            ``scale`` or backend name, or a backend that cannot honour the request.
+        TypeError: non-tensor or non-float inputs, a key or value whose dtype is not the
+            query's, a mask neither bool nor float.
+        ValueError: mismatched shapes, a key, value, mask or sinks on another device than
+            the query (the meta device included; checked before any backend runs), a mask
+            that does not broadcast, a bad ``dropout_p``, ``scale`` or backend name, or a
+            backend that cannot honour the request.
     """
     _check_qkv(query, key, value)
     key, value = _broadcast_kv(query, key, value)
@@ -268,10 +271,19 @@ def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> N
     # Runs on every call (once per layer per decoded token): shapes are read once.
     qs, ks, vs = query.shape, key.shape, value.shape
     rank = len(qs)
-    if not (query.dtype == key.dtype == value.dtype):
-        raise TypeError(
-            f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
-        )
+    # Checked before any backend runs: a kernel handed a key/value on another device (the
+    # meta device above all) may read memory that is not there.
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise TypeError(
+                f"{name} has dtype {t.dtype} but query has {query.dtype}: query, key and value "
+                "must share a dtype"
+            )
+        if t.device != query.device:
+            raise ValueError(
+                f"{name} is on {t.device} but query is on {query.device}: key and value must "
+                "be on the query's device"
+            )
     if not (rank == len(ks) == len(vs)):
         raise ValueError(
             "query, key and value must have the same rank, got shapes "
