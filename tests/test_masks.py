@@ -254,6 +254,26 @@ def test_score_mod_returning_the_wrong_shape_names_the_mod_and_shapes(backend, e
         attention(q, q, q, backend=backend, score_mod=bad_score)
 
 
+@pytest.mark.parametrize(
+    "backend, err",
+    [
+        ("reference", TypeError),
+        ("auto", TypeError),
+        ("blockwise", ValueError),
+        ("blockwise-tiles", ValueError),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.long, torch.int32, torch.bool])
+def test_score_mod_returning_integer_scores_names_the_mod_and_dtype(backend, err, dtype):
+    # once torch's "softmax ... not implemented for 'Long'", naming no mod
+    def rounded(score, b, h, q, kv):
+        return score.to(dtype)
+
+    q = torch.rand(1, 2, 6, 4)
+    with pytest.raises(err, match=f"score_mod .*rounded must return floating scores.*{dtype}"):
+        attention(q, q, q, backend=backend, score_mod=rounded)
+
+
 def test_alibi_is_exact_in_float64():
     """Regression: ALiBi slopes were float32, so a float64 call was only float32-accurate."""
     heads = 12  # not a power of 2: the interleaved slopes 2^(-k/2) are irrational
