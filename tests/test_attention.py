@@ -420,3 +420,41 @@ def test_float_mask_huge_negative_is_a_bias_in_every_dtype(backend, dtype):
     lo, hi = v.amin(dim=-2), v.amax(dim=-2)  # (b, h, d)
     assert ((out[..., 0, :] >= lo - 1e-2) & (out[..., 0, :] <= hi + 1e-2)).all()
     torch.testing.assert_close(out[..., 1, :], v[..., 0, :], atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "change, err, match",
+    [
+        (dict(value="meta"), ValueError, "value is on meta but query is on cpu"),
+        (dict(key="meta"), ValueError, "key is on meta but query is on cpu"),
+        (dict(value=torch.float64), TypeError, "value has dtype torch.float64 but query has"),
+        (dict(key=torch.float16), TypeError, "key has dtype torch.float16 but query has"),
+        (dict(mask="meta"), ValueError, "mask is on meta but query is on cpu"),
+        (dict(sinks="meta"), ValueError, "sinks is on meta but query is on cpu"),
+        (dict(mask=torch.int32), TypeError, "mask must be bool"),
+        (dict(sinks=torch.long), TypeError, "sinks must be a float tensor"),
+    ],
+)
+def test_devices_and_dtypes_are_checked_before_any_backend_runs(monkeypatch, change, err, match):
+    # attention(q, k, v.to("meta")) once reached a kernel and killed the process (segfault)
+    import attnkit.backends
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("a backend ran before the inputs were checked")
+
+    monkeypatch.setattr(attnkit.backends, "dispatch", no_kernel)
+    q, k, v = (torch.randn(1, 2, 256, 16) for _ in range(3))
+    tensors = dict(
+        query=q, key=k, value=v, mask=torch.ones(256, 256, dtype=torch.bool), sinks=torch.zeros(2)
+    )
+    for name, to in change.items():
+        tensors[name] = tensors[name].to(to)
+    with pytest.raises(err, match=match):
+        attention(
+            tensors["query"],
+            tensors["key"],
+            tensors["value"],
+            mask=tensors["mask"],
+            sinks=tensors["sinks"],
+            backend="blockwise",
+        )

@@ -222,6 +222,36 @@ def test_weights_recomputed_from_lse():
     torch.testing.assert_close(out, ref_out, **TOL[torch.float64])
 
 
+@pytest.mark.parametrize("backend", ["blockwise", "blockwise-flash", "blockwise-tiles"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_a_single_kept_key_has_weight_exactly_one(backend, dtype):
+    # the weights were exp(S - lse) with the lse of another kernel (the native one): one
+    # key came out 1 - 1e-5. Now the lse is taken over the very scores the weights use.
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 16, dtype=dtype) * 10 for n in (5, 1, 1))
+    _, w = attention(q, k, v, need_weights=True, backend=backend)
+    assert torch.equal(w, torch.ones_like(w))
+    q, k, v = (torch.randn(1, 2, 300, 16, dtype=dtype) * 10 for _ in range(3))
+    _, w = attention(q, k, v, causal=True, window=1, need_weights=True, backend=backend)
+    assert torch.equal(w, torch.eye(300, dtype=dtype).expand_as(w))  # itself only
+    _, w = attention(q, k, v, causal="top_left", need_weights=True, backend=backend)
+    assert torch.equal(w[..., 0, :], torch.eye(1, 300, dtype=dtype).expand_as(w[..., 0, :]))
+    # sinks: the key's share is its own exp(s - lse), the sink in the lse (as the reference)
+    sinks = torch.tensor([0.5, -2.0])
+    _, w = attention(
+        q[..., :1, :], k[..., :1, :], v[..., :1, :], sinks=sinks, need_weights=True, backend=backend
+    )
+    _, ref = attention(
+        q[..., :1, :],
+        k[..., :1, :],
+        v[..., :1, :],
+        sinks=sinks,
+        need_weights=True,
+        backend="reference",
+    )
+    torch.testing.assert_close(w, ref)
+
+
 def test_weights_with_grad_are_refused_or_handed_on():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="carry no gradient"):

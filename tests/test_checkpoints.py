@@ -189,3 +189,33 @@ def test_directory_save_is_whole_and_keeps_other_files(tmp_path: Path) -> None:
         read_directory(d)
     with pytest.raises(ValueError, match="bad checkpoint file name"):
         write_directory(d, {"../escape": b""})
+
+
+def test_directory_save_through_a_symlink_writes_the_target(tmp_path: Path) -> None:
+    from attnkit.checkpoints import read_directory, write_directory
+
+    real = write_directory(tmp_path / "real", {"model.bin": b"old"})
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    assert write_directory(link, {"model.bin": b"new"}) == real.resolve()
+    assert link.is_symlink() and (real / "model.bin").read_bytes() == b"new"
+    assert set(read_directory(link)) == {"model.bin"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]  # no leftovers
+
+
+def test_directory_lock_is_exclusive_and_shared_by_a_link(tmp_path: Path) -> None:
+    from attnkit.checkpoints import CheckpointLockedError, lock_directory
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    with lock_directory(real) as path:
+        assert path == tmp_path.resolve() / ".real.lock"
+        with (
+            pytest.raises(CheckpointLockedError, match="in use by another process"),
+            lock_directory(tmp_path / "link"),
+        ):
+            pass
+    assert not path.exists()  # removed on leaving the block
+    with lock_directory(tmp_path / "link"):  # and free again
+        pass

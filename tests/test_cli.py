@@ -30,3 +30,22 @@ def test_help_and_version_as_subprocess():
         [sys.executable, "-m", "attnkit.cli", "--version"], capture_output=True, text=True
     )
     assert r.returncode == 0 and r.stdout.startswith("attnkit ")
+
+
+def test_every_option_states_its_default_once():
+    # hand-written defaults once sat beside argparse's "(default: None)"
+    import argparse
+
+    from attnkit.cli import SUBCOMMANDS, build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name in SUBCOMMANDS:
+        command = sub.choices[name]
+        formatter = command.formatter_class(prog=command.prog)
+        for action in command._actions:
+            text = formatter._expand_help(action) if action.help else ""
+            assert text.count("(default") <= 1, (name, action.dest, text)
+            assert "(default: None)" not in text and "(default: False)" not in text, text
+        help_text = " ".join(command.format_help().split())
+        assert "(default: None)" not in help_text and "(default: )" not in help_text, name

@@ -108,6 +108,36 @@ def test_generate_help_says_temperature_zero_is_greedy(capsys):
     assert "0 = greedy" in " ".join(capsys.readouterr().out.split())
 
 
+def test_generate_with_a_subnormal_temperature_is_greedy(tmp_path, capsys):
+    out = tmp_path / "ck"
+    argv = ["train", "--task", "copy", "--length", "2", "--steps", "2", "--quiet"]
+    assert main([*argv, "--out", str(out)]) == 0
+    capsys.readouterr()
+    generate = ["generate", "--checkpoint", str(out), "--prompt", "12>"]
+    assert main(generate) == 0
+    greedy = capsys.readouterr().out
+    assert main([*generate, "--temperature", "1e-45"]) == 0  # was a multinomial traceback
+    assert capsys.readouterr().out == greedy
+
+
+def test_generate_refuses_a_config_larger_than_its_weights_in_one_line(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "ck"
+    argv = ["train", "--task", "copy", "--length", "2", "--steps", "1", "--quiet"]
+    assert main([*argv, "--out", str(out)]) == 0
+    (out / "manifest.json").unlink()  # generate accepts checkpoints from before manifests
+    config = json.loads((out / "config.json").read_text())
+    config["model"]["vocab_size"] = 10**13
+    (out / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    one_line_error(
+        capsys,
+        ["generate", "--checkpoint", str(out), "--prompt", "1>"],
+        "does not match model.safetensors: tok_emb.weight",
+    )
+
+
 @pytest.mark.parametrize("command", ["train", "generate", "bench", "demo", "explain", "viz"])
 def test_help_has_description_examples_and_defaults(command, capsys):
     with pytest.raises(SystemExit):
@@ -136,3 +166,53 @@ def test_train_quiet_logs_a_line_per_save_and_no_bar(tmp_path, capsys):
     text = capsys.readouterr()
     assert "step 2/4: loss" in text.out and "step 4/4: loss" in text.out
     assert "it/s" not in text.err and "step/s" not in text.err
+
+
+def test_resume_through_a_symlinked_out_saves_into_its_target(tmp_path, capsys):
+    real, link = tmp_path / "real", tmp_path / "link"
+    argv = ["train", "--task", "copy", "--length", "2", "--batch-size", "4", "--quiet"]
+    assert main([*argv, "--steps", "1", "--out", str(real)]) == 0
+    link.symlink_to(real, target_is_directory=True)
+    assert main([*argv, "--steps", "2", "--resume", "--out", str(link)]) == 0
+    assert link.is_symlink() and link.resolve() == real.resolve()  # the link is kept
+    from attnkit.train import load_checkpoint
+
+    assert load_checkpoint(real, require_manifest=True)[2]["step"] == 2  # saved into the target
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+
+
+def test_second_train_on_the_same_out_is_refused_up_front(tmp_path, capsys):
+    from attnkit.checkpoints import lock_directory
+
+    out = tmp_path / "ck"
+    argv = ["train", "--task", "copy", "--length", "2", "--steps", "1", "--out", str(out)]
+    with lock_directory(out):  # as a run in progress holds it (flock: per open file)
+        one_line_error(capsys, argv, "is in use by another process")
+    assert not out.exists()  # nothing written, nothing deleted
+    assert main(argv) == 0  # free again once released
+
+
+def test_two_train_processes_on_one_out(tmp_path):
+    out = tmp_path / "ck"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from attnkit.checkpoints import lock_directory\n"
+            f"with lock_directory({str(out)!r}):\n print('locked', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        r = subprocess.run(
+            [sys.executable, "-m", "attnkit.cli", "train", "--steps", "1", "--out", str(out)],
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        holder.kill()
+        holder.wait()
+    assert r.returncode == 2 and "in use by another process" in r.stderr
+    assert r.stderr.count("\n") == 1, r.stderr

@@ -215,6 +215,18 @@ def test_sampling_is_seeded_and_respects_top_k_and_top_p():
     assert torch.equal(nucleus, model.generate(prompt, 10))
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 5e-324, 1e-30])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
+    # logits / 1e-45 overflows float32 to inf (softmax NaN, multinomial raised): it is the
+    # limit temperature -> 0 instead, the most likely token as at temperature 0
+    model = small().eval()
+    prompt = torch.randint(0, 40, (2, 4), generator=torch.Generator().manual_seed(0))
+    greedy = model.generate(prompt, 6)
+    tiny = model.generate(prompt, 6, temperature=temperature, top_k=5, top_p=0.9)
+    assert torch.equal(tiny, greedy)
+    assert torch.equal(model.generate(prompt, 6, temperature=temperature), greedy)
+
+
 @pytest.mark.parametrize(
     "kw, err, match",
     [
@@ -271,7 +283,8 @@ def test_forward_and_length_errors():
     model.setup_cache(1, 8)
     with pytest.raises(ValueError, match="with a KV cache, pass input_pos"):
         model(torch.zeros(1, 3, dtype=torch.long))
-    with pytest.raises(ValueError, match="9 tokens exceed context_length=8"):
+    # the limit here is the cache's (context_length is 32): the message names the cache
+    with pytest.raises(ValueError, match=r"9 tokens exceed the KV cache's max_seq_len=8 \(set by"):
         model(torch.zeros(1, 3, dtype=torch.long), input_pos=torch.arange(6, 9))
     with pytest.raises(ValueError, match="must cover all 3"):
         model(
@@ -279,6 +292,16 @@ def test_forward_and_length_errors():
             input_pos=torch.arange(3),
             attention_mask=torch.ones(1, 2, dtype=torch.long),
         )
+
+
+def test_feeding_past_a_short_cache_names_the_cache_not_context_length():
+    model = GPT(GPTConfig(vocab_size=10, context_length=8, emb_dim=8, n_layers=1, n_heads=2))
+    model.setup_cache(1, 4)
+    with pytest.raises(ValueError, match="exceed the KV cache's max_seq_len=4") as info:
+        model(torch.zeros(1, 5, dtype=torch.long), input_pos=torch.arange(5))
+    assert "context_length=4" not in str(info.value)
+    with pytest.raises(ValueError, match="9 tokens exceed context_length=8"):  # the model's own
+        model(torch.zeros(1, 9, dtype=torch.long), input_pos=torch.arange(9))
 
 
 def test_generate_output_and_cache_work_outside_inference_mode():

@@ -104,3 +104,14 @@ def test_kv_cache_refuses_bool_where_an_int_is_meant(kw, name):
     args = dict(batch_size=1, max_seq_len=8, num_kv_heads=2, head_dim=4) | kw
     with pytest.raises(TypeError, match=rf"{name} must be an int, got bool"):
         KVCache(**args)
+
+
+def test_kv_cache_is_exported_from_attnkit_and_models():
+    import attnkit
+    import attnkit.models
+    from attnkit import KVCache as top
+    from attnkit.kv_cache import KVCache
+    from attnkit.models import KVCache as models
+
+    assert top is KVCache and models is KVCache
+    assert "KVCache" in attnkit.__all__ and "KVCache" in attnkit.models.__all__

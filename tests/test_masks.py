@@ -254,6 +254,26 @@ def test_score_mod_returning_the_wrong_shape_names_the_mod_and_shapes(backend, e
         attention(q, q, q, backend=backend, score_mod=bad_score)
 
 
+@pytest.mark.parametrize(
+    "backend, err",
+    [
+        ("reference", TypeError),
+        ("auto", TypeError),
+        ("blockwise", ValueError),
+        ("blockwise-tiles", ValueError),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.long, torch.int32, torch.bool])
+def test_score_mod_returning_integer_scores_names_the_mod_and_dtype(backend, err, dtype):
+    # once torch's "softmax ... not implemented for 'Long'", naming no mod
+    def rounded(score, b, h, q, kv):
+        return score.to(dtype)
+
+    q = torch.rand(1, 2, 6, 4)
+    with pytest.raises(err, match=f"score_mod .*rounded must return floating scores.*{dtype}"):
+        attention(q, q, q, backend=backend, score_mod=rounded)
+
+
 def test_alibi_is_exact_in_float64():
     """Regression: ALiBi slopes were float32, so a float64 call was only float32-accurate."""
     heads = 12  # not a power of 2: the interleaved slopes 2^(-k/2) are irrational
@@ -299,3 +319,30 @@ def test_reachable_keys_match_the_dense_mask(align, window, lq, lk):
     cols = keep.any(dim=0).nonzero().flatten().tolist()
     lo, hi = M.reachable_keys(lq, lk, align, window)
     assert list(range(lo, hi)) == cols
+
+
+def test_alignment_and_window_are_checked_alike_everywhere():
+    # one check (attnkit._validate) for every place that takes them: a typo'd alignment
+    # once built the top-left mask silently, window 0 an all-False one
+    bad_alignment = "alignment must be 'top_left' or 'bottom_right', got 'botom_right'"
+    with pytest.raises(ValueError, match=bad_alignment):
+        M.causal_mask(2, 3, "botom_right")
+    with pytest.raises(ValueError, match=bad_alignment):
+        M.window_mask(2, 3, 2, "botom_right")
+    with pytest.raises(ValueError, match=bad_alignment):
+        M.causal("botom_right", 2, 3)
+    with pytest.raises(ValueError, match=bad_alignment):
+        M.sliding_window(2, alignment="botom_right", q_len=2, k_len=3)
+    with pytest.raises(ValueError, match="causal must be 'top_left' or 'bottom_right'"):
+        M.normalize_causal("sideways")
+    q = torch.randn(1, 1, 3, 4)
+    for make in (
+        lambda: M.window_mask(3, 3, 0),
+        lambda: M.sliding_window(0, alignment="top_left"),
+        lambda: attention(q, q, q, window=0),
+    ):
+        with pytest.raises(ValueError, match="window must be >= 1, got 0"):
+            make()
+    with pytest.raises(TypeError, match="window must be an int, got bool"):
+        M.window_mask(3, 3, True)
+    assert M.causal_mask(2, 3, "top_left").tolist() == [[True, False, False], [True, True, False]]

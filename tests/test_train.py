@@ -136,6 +136,47 @@ def test_checkpoint_round_trip_and_corruption(tmp_path):
         load_checkpoint(tmp_path / "nope")
 
 
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (
+            dict(vocab_size=10**13),
+            r"tok_emb.weight \(vocab_size, emb_dim\) would be \(10000000000000",
+        ),
+        (dict(n_layers=10**9), r"the number of blocks \(n_layers\) would be 1000000000 .* hold 2"),
+        (dict(emb_dim=2**20, n_heads=2**10), "tok_emb.weight"),
+        (dict(context_length=10**12), r"pos_emb.weight would be \(1000000000000, 64\)"),
+        (dict(n_kv_heads=2), r"trf_blocks.0.att.W_key.weight would be \(32, 64\)"),
+    ],
+)
+def test_a_config_asking_for_other_sizes_than_the_weights_is_refused_before_allocating(
+    tmp_path, change, match
+):
+    # an old checkpoint (no manifest) whose config.json asks for an absurd model: refused from
+    # the safetensors header, not an allocator traceback (or an hour of allocating)
+    model = GPT(GPTConfig.preset("tiny", vocab_size=22, context_length=8))
+    save_checkpoint(tmp_path, model, TaskData("copy", 3).tokenizer)
+    (tmp_path / "manifest.json").unlink()
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["model"].update(change)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=f"does not match model.safetensors: {match}"):
+        load_checkpoint(tmp_path)
+
+
+def test_a_config_too_large_to_allocate_is_one_checkpoint_error(tmp_path):
+    # with RoPE the context length is in no weight: its table cannot be allocated
+    model = GPT(GPTConfig.preset("tiny", vocab_size=22, context_length=8, rope=True))
+    save_checkpoint(tmp_path, model, TaskData("copy", 3).tokenizer)
+    (tmp_path / "manifest.json").unlink()
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["model"]["context_length"] = 10**15
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="asks for a model that cannot be allocated") as info:
+        load_checkpoint(tmp_path)
+    assert "\n" not in str(info.value)
+
+
 def test_attention_maps_of_trained_gpt_use_viz(tmp_path):
     """The GPT's maps are attnkit.viz AttentionMaps (the duplicate heatmap code is gone)."""
     from attnkit import viz

@@ -64,3 +64,28 @@ def test_check_bool_and_choice():
     assert check_choice("a", "mode", ("a", "b")) == "a"
     with pytest.raises(ValueError, match="mode must be one of 'a', 'b'; got 'c'"):
         check_choice("c", "mode", ("a", "b"))
+
+
+def test_check_alignment_refuses_typos_and_non_strings():
+    from attnkit._validate import check_alignment
+
+    assert check_alignment("top_left") == "top_left"
+    assert check_alignment("bottom_right", "causal") == "bottom_right"
+    with pytest.raises(
+        ValueError, match="alignment must be 'top_left' or 'bottom_right'.*'botom_right'"
+    ):
+        check_alignment("botom_right")
+    with pytest.raises(TypeError, match="causal must be 'top_left' or 'bottom_right', got bool"):
+        check_alignment(True, "causal")
+
+
+def test_check_window_is_an_int_of_at_least_one():
+    from attnkit._validate import check_window
+
+    assert check_window(None) is None and check_window(3) == 3
+    with pytest.raises(ValueError, match="window must be >= 1, got 0"):
+        check_window(0)
+    with pytest.raises(TypeError, match="window must be an int.*bool"):
+        check_window(True)
+    with pytest.raises(TypeError, match="window must be an int.*None"):
+        check_window(None, optional=False)

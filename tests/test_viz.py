@@ -267,3 +267,33 @@ def test_html_view_masked_cells_axes_and_single_head_in_chromium(tmp_path):
     multi = maps.names.index("multihead")
     dom = _chromium(tmp_path, f"{page.as_uri()}#layer={multi}", "--dump-dom").stdout
     assert "average of heads" in re.search(r'<select class="akv-head">(.*?)</select>', dom).group(1)
+
+
+@pytest.mark.parametrize("empty", [(), [], None, (None, None), ((None, None), (None, None))])
+def test_from_hf_without_weights_says_how_to_load_the_model(empty):
+    # a model on SDPA (transformers' default) gives outputs.attentions == (): say what to do
+    with pytest.raises(ValueError, match="no attention tensors found") as info:
+        viz.from_hf(empty, TOKENS)
+    message = str(info.value)
+    assert "attn_implementation='attnkit'" in message and "'eager'" in message
+    assert "\n" not in message
+
+
+def test_from_hf_on_an_sdpa_model_then_attnkit_as_the_readme_shows():
+    transformers = pytest.importorskip("transformers")
+    import attnkit.integrations.hf as attnkit_hf
+
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=16, vocab_size=50, n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()  # the default way: SDPA
+    ids, tokens = torch.tensor([[1, 2, 3, 4, 5]]), ["a", "b", "c", "d", "e"]
+    with torch.no_grad():
+        outputs = model(ids, output_attentions=True)
+    with pytest.raises(ValueError, match="attn_implementation='attnkit'"):
+        viz.from_hf(outputs.attentions, tokens)
+    attnkit_hf.register()
+    model.set_attn_implementation("attnkit")
+    with torch.no_grad():
+        outputs = model(ids, output_attentions=True)
+    maps = viz.from_hf(outputs.attentions, tokens)
+    assert len(maps.weights) == 2 and maps.weights[0].shape == (2, 5, 5)

@@ -9,6 +9,7 @@ from attnkit import backends, masks, trace
 from attnkit.attention import attention
 from attnkit.backends import available_backends, register_backend
 from attnkit.block_mask import BlockMask, create_block_mask
+from attnkit.kv_cache import KVCache
 from attnkit.masks import causal_mask
 from attnkit.modules import (
     CausalAttention,
@@ -25,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BlockMask",
     "CausalAttention",
+    "KVCache",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
     "SelfAttentionV1",

@@ -9,16 +9,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, cast, overload
 
 __all__ = [
+    "ALIGNMENTS",
+    "Alignment",
+    "check_alignment",
     "check_bool",
     "check_choice",
     "check_float",
     "check_int",
     "check_optional_int",
     "check_probability",
+    "check_window",
 ]
+
+#: How a causal (or windowed) mask lines up when the query and key lengths differ.
+Alignment = Literal["top_left", "bottom_right"]
+ALIGNMENTS: tuple[Alignment, ...] = ("top_left", "bottom_right")
 
 T = TypeVar("T")
 
@@ -92,3 +100,56 @@ def check_choice(value: T, name: str, choices: Iterable[T]) -> T:
         valid = ", ".join(repr(c) for c in options)
         raise ValueError(f"{name} must be one of {valid}; got {value!r}")
     return value
+
+
+def check_alignment(value: Any, name: str = "alignment") -> Alignment:
+    """A causal alignment: ``"top_left"`` or ``"bottom_right"`` (a typo is refused, never
+    read as the other one).
+
+    Args:
+        value: the alignment given.
+        name: the argument's name, for the message.
+
+    Returns:
+        ``value``.
+
+    Raises:
+        TypeError: not a string.
+        ValueError: a string that names no alignment.
+    """
+    if not isinstance(value, str):
+        raise TypeError(
+            f"{name} must be 'top_left' or 'bottom_right', got {type(value).__name__} ({value!r})"
+        )
+    if value not in ALIGNMENTS:
+        raise ValueError(f"{name} must be 'top_left' or 'bottom_right', got {value!r}")
+    return cast(Alignment, value)
+
+
+@overload
+def check_window(value: Any, name: str = ..., *, optional: Literal[False]) -> int: ...
+
+
+@overload
+def check_window(value: Any, name: str = ..., *, optional: bool = ...) -> int | None: ...
+
+
+def check_window(value: Any, name: str = "window", *, optional: bool = True) -> int | None:
+    """A sliding-window size: an int >= 1 (the query itself and ``window - 1`` keys before
+    it; 0 would keep nothing), or None (no window) when ``optional``.
+
+    Args:
+        value: the window given.
+        name: the argument's name, for the message.
+        optional: accept None.
+
+    Returns:
+        ``value``.
+
+    Raises:
+        TypeError: not an int (``bool`` included), or None where a window is required.
+        ValueError: an int below 1.
+    """
+    if value is None and optional:
+        return None
+    return check_int(value, name, minimum=1)

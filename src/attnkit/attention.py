@@ -20,8 +20,8 @@ from attnkit import backends, trace
 from attnkit._validate import (
     check_bool,
     check_float,
-    check_optional_int,
     check_probability,
+    check_window,
 )
 from attnkit.block_mask import BlockMask
 from attnkit.masks import (
@@ -204,9 +204,12 @@ def attention(
         row whose keys are all masked gets zeros.
 
     Raises:
-        TypeError: non-tensor or non-float inputs, mixed dtypes, a mask neither bool nor float.
-        ValueError: mismatched shapes, a mask that does not broadcast, a bad ``dropout_p``,
-            ``scale`` or backend name, or a backend that cannot honour the request.
+        TypeError: non-tensor or non-float inputs, a key or value whose dtype is not the
+            query's, a mask neither bool nor float.
+        ValueError: mismatched shapes, a key, value, mask or sinks on another device than
+            the query (the meta device included; checked before any backend runs), a mask
+            that does not broadcast, a bad ``dropout_p``, ``scale`` or backend name, or a
+            backend that cannot honour the request.
     """
     _check_qkv(query, key, value)
     key, value = _broadcast_kv(query, key, value)
@@ -215,7 +218,7 @@ def attention(
     dropout_p = check_dropout(dropout_p)
     need_weights = check_bool(need_weights, "need_weights")
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else check_float(scale, "scale")
-    window = check_optional_int(window, "window")
+    window = check_window(window)
     _check_mods(mask_mod, score_mod, query, key)
     _check_block_mask(block_mask, query, key)
     check_sinks(sinks, query)
@@ -268,10 +271,19 @@ def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> N
     # Runs on every call (once per layer per decoded token): shapes are read once.
     qs, ks, vs = query.shape, key.shape, value.shape
     rank = len(qs)
-    if not (query.dtype == key.dtype == value.dtype):
-        raise TypeError(
-            f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}"
-        )
+    # Checked before any backend runs: a kernel handed a key/value on another device (the
+    # meta device above all) may read memory that is not there.
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != query.dtype:
+            raise TypeError(
+                f"{name} has dtype {t.dtype} but query has {query.dtype}: query, key and value "
+                "must share a dtype"
+            )
+        if t.device != query.device:
+            raise ValueError(
+                f"{name} is on {t.device} but query is on {query.device}: key and value must "
+                "be on the query's device"
+            )
     if not (rank == len(ks) == len(vs)):
         raise ValueError(
             "query, key and value must have the same rank, got shapes "

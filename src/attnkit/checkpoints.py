@@ -31,7 +31,7 @@ import shutil
 import sys
 import warnings
 import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +41,10 @@ from torch import nn
 __all__ = [
     "MANIFEST",
     "CheckpointError",
+    "CheckpointLockedError",
     "load_checkpoint",
     "load_module",
+    "lock_directory",
     "read_directory",
     "safe_torch_load",
     "save_checkpoint",
@@ -58,6 +60,10 @@ _TIED_KEY = "attnkit.tied"  # safetensors metadata: {"alias": "kept name"} as JS
 
 class CheckpointError(ValueError):
     """A missing, incomplete (torn) or corrupt checkpoint."""
+
+
+class CheckpointLockedError(CheckpointError):
+    """Another process holds the checkpoint directory's lock (:func:`lock_directory`)."""
 
 
 def _safetensors() -> Any:
@@ -341,6 +347,67 @@ def _link_or_copy(src: Any, dst: Any) -> None:
         shutil.copy2(src, dst, follow_symlinks=False)
 
 
+def _real_directory(directory: PathLike) -> Path:
+    """``directory`` as an absolute path, a symbolic link replaced by its target: the atomic
+    exchange must swap the real directory, never the link (which would be replaced by a
+    directory, its target left behind)."""
+    d = Path(directory).absolute()
+    return d.resolve() if d.is_symlink() else d
+
+
+@contextlib.contextmanager
+def lock_directory(directory: PathLike) -> Iterator[Path]:
+    """Hold an exclusive lock on the checkpoint directory ``directory`` while in the block.
+
+    The lock is ``flock`` on a file ``.NAME.lock`` beside the directory (a link is resolved
+    first, so a link and its target share one lock), removed on leaving the block; after a
+    ``kill -9`` the file stays, but the lock went with the process. Two writers of one directory would each remove the
+    other's in-progress save as stale: a run that saves there should hold this lock.
+
+    Args:
+        directory: the checkpoint directory (it need not exist yet; its parent is created).
+
+    Yields:
+        The lock file's path.
+
+    Raises:
+        CheckpointLockedError: another process (or another open of the lock) holds it.
+    """
+    d = _real_directory(directory)
+    path = d.parent / f".{d.name}.lock"
+    d.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: no lock
+        yield path
+        return
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CheckpointLockedError(
+                f"{str(d)!r} is in use by another process "
+                f"(it holds {str(path)!r}); wait for it to finish or save elsewhere"
+            ) from None
+        try:  # the holder before us may have removed the file between our open and flock
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        yield path
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()  # still locked: whoever opens it next makes (and locks) a new file
+        os.close(fd)  # releases the lock
+
+
 def write_directory(directory: PathLike, files: Mapping[str, FileSource]) -> Path:
     """Write ``files`` as the checkpoint directory ``directory``, atomically as a whole.
 
@@ -349,18 +416,22 @@ def write_directory(directory: PathLike, files: Mapping[str, FileSource]) -> Pat
     of an existing directory (pictures, notes) are kept: they are hard-linked into the new
     one before the swap. Temporary directories of an earlier interrupted save are removed.
 
+    A ``directory`` that is a symbolic link is resolved first: the files are saved into the
+    link's target (swapped beside it), and the link itself is left as it is.
+
     Args:
-        directory: the checkpoint directory (created, with its parents, if missing).
+        directory: the checkpoint directory (created, with its parents, if missing), or a
+            symbolic link to it.
         files: file name (no folders) to its bytes, or to a function that writes that path.
 
     Returns:
-        ``directory``.
+        The directory written (a link's target, as an absolute path).
 
     Raises:
         ValueError: a file name with a folder in it, or ``manifest.json`` given as a file.
         NotADirectoryError: ``directory`` exists and is not a directory.
     """
-    d = Path(directory).absolute()
+    d = _real_directory(directory)
     for name in files:
         if name == MANIFEST or Path(name).name != name or name.startswith("."):
             raise ValueError(f"bad checkpoint file name {name!r}")

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnkit._validate import check_bool, check_int, check_optional_int
+from attnkit._validate import check_bool, check_int, check_optional_int, check_window
 
 __all__ = ["KVCache"]
 
@@ -72,7 +72,7 @@ class KVCache(nn.Module):
         check_int(batch_size, "batch_size")
         check_int(num_kv_heads, "num_kv_heads")
         check_int(head_dim, "head_dim")
-        window = check_optional_int(window, "window")
+        window = check_window(window)
         self.sink_tokens = check_int(sink_tokens, "sink_tokens", minimum=0)
         self.static = check_bool(static, "static")
         if max_seq_len is None and window is None:

@@ -54,11 +54,16 @@ on every backend (the blockwise one finds them through the mod's autograd graph)
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal
 
 import torch
 
-from attnkit._validate import check_float, check_int
+from attnkit._validate import (
+    Alignment,
+    check_alignment,
+    check_float,
+    check_int,
+    check_window,
+)
 
 __all__ = [
     "CausalAlignment",
@@ -93,8 +98,7 @@ ScoreMod = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 ]
 
-CausalAlignment = Literal["top_left", "bottom_right"]
-_ALIGNMENTS = ("top_left", "bottom_right")
+CausalAlignment = Alignment
 
 
 def normalize_causal(causal: bool | str | None) -> CausalAlignment | None:
@@ -109,11 +113,7 @@ def normalize_causal(causal: bool | str | None) -> CausalAlignment | None:
     if causal is True:
         return "bottom_right"
     if isinstance(causal, str):
-        if causal not in _ALIGNMENTS:
-            raise ValueError(
-                f"causal must be True, False, 'top_left' or 'bottom_right', got {causal!r}"
-            )
-        return causal  # type: ignore[return-value]
+        return check_alignment(causal, "causal")
     raise TypeError(f"causal must be a bool or an alignment name, got {type(causal).__name__}")
 
 
@@ -179,7 +179,11 @@ def causal_mask(
         k_len: number of keys.
         alignment: ``"bottom_right"`` (default) or ``"top_left"``; see the module docs.
         device: where to build the mask.
+
+    Raises:
+        ValueError: an ``alignment`` that is neither (a typo is not read as top-left).
     """
+    alignment = check_alignment(alignment)
     pos, kv = _aligned_positions(q_len, k_len, alignment, device)
     return position_keep(pos, kv, causal=True, window=None)  # (q, k)
 
@@ -198,7 +202,13 @@ def window_mask(
     ``q_idx`` for top-left) keeps the keys ``p - window < kv_idx``: itself and the
     ``window - 1`` before it. Without ``causal`` the window is symmetric
     (``|p - kv_idx| < window``); with it, later keys are removed too.
+
+    Raises:
+        TypeError / ValueError: a ``window`` that is not an int >= 1 (0 would keep no
+            key), or an ``alignment`` that is neither ``"top_left"`` nor ``"bottom_right"``.
     """
+    window = check_window(window, optional=False)
+    alignment = check_alignment(alignment)
     pos, kv = _aligned_positions(q_len, k_len, alignment, device)
     return position_keep(pos, kv, causal=causal, window=window)  # (q, k)
 
@@ -343,8 +353,7 @@ def _mod_offset(name: str, alignment: str, q_len: int | None, k_len: int | None)
     Bottom-right (the default, as ``causal=True``) lines the last query up with the
     last key: a mod cannot see the lengths, so it must be given them; top-left needs none.
     """
-    if alignment not in _ALIGNMENTS:
-        raise ValueError(f"alignment must be 'top_left' or 'bottom_right', got {alignment!r}")
+    check_alignment(alignment)
     if alignment == "top_left":
         if q_len is not None or k_len is not None:
             raise ValueError(f"{name}: top_left alignment takes no q_len/k_len")
@@ -384,7 +393,7 @@ def sliding_window(
     ``kv_idx < p + window``), ``p`` the aligned query position: the same keys as
     ``attention(window=window, causal=causal)``. Aligned like :func:`causal` (bottom-right
     needs ``q_len`` and ``k_len``; ``"top_left"`` needs neither)."""
-    w = check_int(window, "window")
+    w = check_window(window, optional=False)
     offset = _mod_offset("sliding_window", alignment, q_len, k_len)
 
     def fn(b, h, q, kv):

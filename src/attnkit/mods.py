@@ -101,7 +101,13 @@ def eval_score_mod(
     k0: int,
 ) -> torch.Tensor:
     """``mod`` on a score tile ``(b, h, bq, bk)`` whose first row is query ``q0``, first
-    column key ``k0``; returns the modded scores ``(b, h, bq, bk)``, differentiable."""
+    column key ``k0``; returns the modded scores ``(b, h, bq, bk)``, differentiable.
+
+    Raises:
+        TypeError: naming the mod, when it fails, returns something that is not one value
+            per ``(b, h, q_idx, kv_idx)``, or returns integer or bool scores (which no
+            softmax takes) instead of floating ones.
+    """
     b, h, bq, bk = score.shape
     idx = _grids(b, h, q0, q0 + bq, k0, k0 + bk, score.device)
     try:
@@ -114,7 +120,13 @@ def eval_score_mod(
             f"score_mod {mod_name(mod)} failed on scalar indices (score, b, h, q_idx, kv_idx): "
             f"{err}"
         ) from err
-    return _fit(torch.as_tensor(out), score.shape, "score_mod", mod)
+    out = _fit(torch.as_tensor(out), score.shape, "score_mod", mod)
+    if not out.is_floating_point():
+        raise TypeError(
+            f"score_mod {mod_name(mod)} must return floating scores; it returned dtype "
+            f"{out.dtype} (for scores of dtype {score.dtype})"
+        )
+    return out
 
 
 def _fit(

@@ -27,7 +27,20 @@ class CliError(Exception):
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Help with defaults shown and descriptions/examples kept as written."""
+    """Help with defaults shown once and descriptions/examples kept as written.
+
+    argparse's ``(default: X)`` is added only where it says something: not to an option
+    whose help already states its default (``"(default: ..."``, written so by hand where
+    argparse's would say None), and not for a default of None, False or ``""`` (an option
+    left out, a flag not given).
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == ""
+        if "(default" in text or "%(default)" in text or unset:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def output_dir(path: str | Path, flag: str = "--out") -> Path:

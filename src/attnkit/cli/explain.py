@@ -38,10 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("sentence", nargs="?", help="the sentence (default: the seeds' example)")
     p.add_argument("--embeddings", metavar="FILE", help="JSON or CSV file, one vector per token")
-    p.add_argument("--dim", type=int, help="width of seeded random embeddings (default 3)")
-    p.add_argument(
-        "--stage", default="all", help=f"one of {', '.join(STAGES)} or all (default all)"
-    )
+    p.add_argument("--dim", type=int, help="width of seeded random embeddings (default: 3)")
+    p.add_argument("--stage", default="all", help=f"one of {', '.join(STAGES)} or all")
     p.add_argument("--heads", type=int, default=2, help="heads of the multihead stage (2)")
     p.add_argument("--d-out", type=int, default=2, help="d_out of the trainable stages (2)")
     p.add_argument("--dropout", type=float, default=0.5, help="dropout of the dropout stage (0.5)")

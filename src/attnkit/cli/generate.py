@@ -43,7 +43,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--temperature",
         type=float,
         default=0.0,
-        help="softmax temperature; 0 = greedy (always the most likely token)",
+        help=(
+            "softmax temperature; 0 = greedy (always the most likely token), as is a "
+            "positive one too small to divide the logits by (e.g. 1e-45)"
+        ),
     )
     p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")

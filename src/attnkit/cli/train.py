@@ -49,7 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument(
-        "--task", choices=TASKS, default=None, help=f"synthetic task (default {DEFAULT_TASK})"
+        "--task", choices=TASKS, default=None, help=f"synthetic task (default: {DEFAULT_TASK})"
     )
     src.add_argument("--text", metavar="FILE", help="a text file (byte-level tokens)")
     p.add_argument("--out", metavar="DIR", required=True, help="checkpoint directory")
@@ -63,13 +63,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--lr",
         type=float,
         default=None,
-        help=f"peak learning rate, warm-up then cosine (default {DEFAULT_LR}; kept on --resume)",
+        help=f"peak learning rate, warm-up then cosine (default: {DEFAULT_LR}; kept on --resume)",
     )
     p.add_argument(
         "--length",
         type=int,
         default=None,
-        help=f"task length: digits, or key/value pairs for recall (default {DEFAULT_LENGTH})",
+        help=f"task length: digits, or key/value pairs for recall (default: {DEFAULT_LENGTH})",
     )
     p.add_argument("--seed", type=int, default=0, help="random seed of weights and batches")
     p.add_argument("--save-every", type=int, default=500, help="steps between checkpoints")
@@ -179,9 +179,7 @@ def _stop_on_ctrl_c() -> Iterator[threading.Event]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from attnkit.models import GPT
-    from attnkit.train import CheckpointError, TaskData, TextData, load_checkpoint
-    from attnkit.train.loop import Schedule, train
+    from attnkit.train.loop import train
 
     _check_args(args)
     out = output_dir(args.out)
@@ -192,6 +190,22 @@ def run(args: argparse.Namespace) -> int:
 
         fit = context_parallel_trainer(args)
         out = output_dir(args.out)  # rank 0 keeps --out; the others, a private copy
+    from attnkit.checkpoints import CheckpointError, lock_directory
+
+    with contextlib.ExitStack() as stack:
+        try:  # one run per --out: a second one would delete this one's saves in progress
+            stack.enter_context(lock_directory(out))
+        except CheckpointError as err:
+            raise CliError(f"--out: {err}") from None
+        return _train(args, out, fit)
+
+
+def _train(args: argparse.Namespace, out: Path, fit: Any) -> int:
+    """The run itself, holding the lock on ``out``."""
+    from attnkit.models import GPT
+    from attnkit.train import CheckpointError, TaskData, TextData, load_checkpoint
+    from attnkit.train.loop import Schedule
+
     torch.manual_seed(args.seed)
     model, opt_state, start = None, None, 0
     losses: list[float] = []

@@ -6,7 +6,12 @@ import math
 
 import torch
 
-from attnkit._validate import check_bool, check_choice, check_float, check_optional_int
+from attnkit._validate import (
+    check_bool,
+    check_choice,
+    check_float,
+    check_window,
+)
 from attnkit.attention import check_sinks
 from attnkit.distributed.all_to_all import all_to_all_attention
 from attnkit.distributed.comm import Group, rank_and_size
@@ -105,7 +110,7 @@ def context_parallel_attention(
     check_choice(strategy, "strategy", STRATEGIES)
     check_bool(causal, "causal")
     check_bool(return_lse, "return_lse")
-    window = check_optional_int(window, "window")
+    window = check_window(window)
     for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
         if fn is not None and not callable(fn):
             raise TypeError(f"{name} must be callable, got {type(fn).__name__}")

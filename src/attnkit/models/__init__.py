@@ -1,6 +1,8 @@
 """Language models built on attnkit's attention: :class:`GPT`, its :class:`GPTConfig`,
-and the LLM attention layers (:class:`CausalSelfAttention`, :class:`MultiHeadLatentAttention`)."""
+the LLM attention layers (:class:`CausalSelfAttention`, :class:`MultiHeadLatentAttention`)
+and their :class:`KVCache`."""
 
+from attnkit.kv_cache import KVCache
 from attnkit.models.attention import AttentionInputs, CausalSelfAttention
 from attnkit.models.config import GPTConfig
 from attnkit.models.gpt import GPT, TransformerBlock
@@ -11,6 +13,7 @@ __all__ = [
     "AttentionInputs",
     "CausalSelfAttention",
     "GPTConfig",
+    "KVCache",
     "MultiHeadLatentAttention",
     "TransformerBlock",
 ]

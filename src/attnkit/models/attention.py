@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from attnkit import trace
-from attnkit._validate import check_int, check_optional_int, check_probability
+from attnkit._validate import check_int, check_probability, check_window
 from attnkit.attention import attention
 from attnkit.kv_cache import KVCache
 from attnkit.models.linear import Linear
@@ -119,7 +119,7 @@ class CausalSelfAttention(nn.Module):
         self.d_in, self.d_out = d_in, d_out
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim = d_out // num_heads
-        self.window = check_optional_int(window, "window")
+        self.window = check_window(window)
         self.backend = check_backend(backend)
         kv_out = num_kv_heads * self.head_dim
         self.W_query = Linear(d_in, d_out, bias=qkv_bias)

@@ -12,6 +12,7 @@ from attnkit._validate import (
     check_int,
     check_optional_int,
     check_probability,
+    check_window,
 )
 
 __all__ = ["GPTConfig"]
@@ -87,7 +88,7 @@ class GPTConfig:
         for name in ("qkv_bias", "rope", "attn_sinks"):
             check_bool(getattr(self, name), f"GPTConfig.{name}")
         check_float(self.rope_theta, "GPTConfig.rope_theta", minimum=0.0, min_inclusive=False)
-        check_optional_int(self.window, "GPTConfig.window")
+        check_window(self.window, "GPTConfig.window")
         check_optional_int(self.global_every, "GPTConfig.global_every")
         if self.global_every is not None and self.window is None:
             raise ValueError("GPTConfig.global_every needs a window (the local layers' size)")
@@ -104,7 +105,7 @@ class GPTConfig:
                     f"n_layers is {self.n_layers}"
                 )
             for i, w in enumerate(self.layer_windows):
-                check_optional_int(w, f"GPTConfig.layer_windows[{i}]")
+                check_window(w, f"GPTConfig.layer_windows[{i}]")
             self.layer_windows = list(self.layer_windows)
         head_dim = self.emb_dim // self.n_heads
         if self.mla_kv_rank is not None:

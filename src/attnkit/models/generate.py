@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 __all__ = ["generate", "sample"]
 
+#: Half the smallest float32 subnormal: a temperature below it is 0 in float32 arithmetic.
+_FLOAT32_TINY = 2.0**-150
+
 
 def _check_prompt(model: GPT, idx: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
     if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.long, torch.int):
@@ -71,7 +74,11 @@ def generate(
         model: the GPT.
         idx: prompts ``(b, t)``, left-padded when their lengths differ.
         max_new_tokens: tokens to add (0 returns the prompt).
-        temperature: softmax temperature; 0 (default) is greedy (argmax).
+        temperature: softmax temperature; 0 (default) is greedy (argmax). A positive one so
+            small that the logits divided by it overflow (``1e-45``) is the limit
+            ``temperature -> 0``: the most likely token (exact ties share the draw), as
+            greedy; never an error. The logits are shifted by their maximum before the
+            division (softmax is unchanged by the shift), so nothing overflows to NaN.
         top_k: sample among the ``top_k`` most likely tokens only.
         top_p: nucleus sampling: among the most likely tokens whose probabilities add
             up to ``top_p`` (at least one).
@@ -172,10 +179,17 @@ def sample(
     top_p: float | None,
     generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """Pick one token per row from ``logits`` ``(b, v)``: argmax at temperature 0."""
-    if temperature == 0:
+    """Pick one token per row from ``logits`` ``(b, v)``: argmax at temperature 0.
+
+    The logits are shifted by their row maximum before dividing by ``temperature``: the
+    softmax is the same, and a tiny positive temperature (``1e-45``) sends every token
+    but the most likely to ``-inf`` instead of overflowing to ``inf``/NaN (greedy, the
+    limit ``temperature -> 0``); one that float32 rounds to 0 (``5e-324``) is argmax.
+    """
+    if temperature < _FLOAT32_TINY:  # 0, or a temperature float32 rounds to 0
         return logits.argmax(dim=-1, keepdim=True)  # (b, 1)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature  # <= 0: no overflow
     if top_k is not None:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (b, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))

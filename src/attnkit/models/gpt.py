@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from attnkit import trace
-from attnkit._validate import check_bool, check_int
+from attnkit._validate import check_bool, check_int, check_window
 from attnkit.kv_cache import KVCache
 from attnkit.models.attention import AttentionInputs, CausalSelfAttention
 from attnkit.models.config import GPTConfig
@@ -207,7 +207,7 @@ class GPT(nn.Module):
             if not isinstance(streaming, tuple) or len(streaming) != 2:
                 raise TypeError(f"streaming must be (sink_tokens, window), got {streaming!r}")
             sinks = check_int(streaming[0], "streaming sink_tokens", minimum=0)
-            window = check_int(streaming[1], "streaming window")
+            window = check_window(streaming[1], "streaming window", optional=False)
             if not self.cfg.rope:
                 raise ValueError(
                     "streaming needs rope=True: learned position embeddings stop at "

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from attnkit import trace
-from attnkit._validate import check_int, check_optional_int, check_probability
+from attnkit._validate import check_int, check_probability, check_window
 from attnkit.attention import attention
 from attnkit.kv_cache import KVCache
 from attnkit.models.attention import AttentionInputs, rotate
@@ -86,7 +86,7 @@ class MultiHeadLatentAttention(nn.Module):
             raise ValueError(f"rope_dim must be even, got {rope_dim}")
         self.d_in, self.d_out, self.num_heads = d_in, d_out, num_heads
         self.head_dim = d_out // num_heads
-        self.window = check_optional_int(window, "window")
+        self.window = check_window(window)
         self.backend = check_backend(backend)
         h, d = num_heads, self.head_dim
         self.W_query = Linear(d_in, h * (d + rope_dim), bias=qkv_bias)

@@ -151,12 +151,17 @@ def plan_forward(
     end = input_pos[-1] + 1  # (): a tensor, so a compiled step does not specialise on it
     end_i = int(end) if eager else None
     if eager and stream is None:
-        limit = model.cfg.context_length
+        ctx = model.cfg.context_length
+        if end_i is not None and end_i > ctx:
+            raise ValueError(f"{end_i} tokens exceed context_length={ctx}")
         if caches is not None:
             first: KVCache = caches[0]  # type: ignore[assignment]
-            limit = min(limit, first.max_seq_len or limit)
-        if end_i is not None and end_i > limit:
-            raise ValueError(f"{end_i} tokens exceed context_length={limit}")
+            if end_i is not None and first.max_seq_len is not None and end_i > first.max_seq_len:
+                raise ValueError(
+                    f"{end_i} tokens exceed the KV cache's max_seq_len={first.max_seq_len} "
+                    "(set by setup_cache; context_length is "
+                    f"{ctx}): call setup_cache with a longer max_seq_len"
+                )
     key_real = None
     if attention_mask is not None:
         if stream is not None:

@@ -154,11 +154,19 @@ def load_checkpoint(
         groups = None
         if "optimizer" in config:
             groups = _check_param_groups(config["optimizer"].get("param_groups"))
-        model = GPT(cfg)
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         msg = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise CheckpointError(
             f"corrupt checkpoint config {str(d / 'config.json')!r}: {msg}"
+        ) from None
+    _check_sizes(cfg, d / "config.json", files["model.safetensors"])
+    try:
+        model = GPT(cfg)
+    except (RuntimeError, MemoryError) as err:  # e.g. a RoPE table for a huge context_length
+        msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"checkpoint config {str(d / 'config.json')!r} asks for a model that cannot be "
+            f"allocated: {msg}"
         ) from None
     try:
         model.load_state_dict(load_state(files["model.safetensors"]), strict=True)
@@ -172,6 +180,44 @@ def load_checkpoint(
     if groups is not None and "optimizer.safetensors" in files:
         opt_state = _optimizer_state(files["optimizer.safetensors"], groups, model)
     return model, tokenizer, meta, opt_state
+
+
+def _check_sizes(cfg: GPTConfig, config_path: Path, weights: Path) -> None:
+    """Refuse a config whose sizes differ from the weights' shapes, before allocating.
+
+    The shapes come from the safetensors header (nothing is loaded); the model is laid out
+    on the ``meta`` device (no memory) once the layer count and the embedding, the sizes a
+    config could make absurd, are known to match.
+
+    Raises:
+        CheckpointError: one line naming the first tensor that differs.
+    """
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(weights), framework="pt") as f:
+            shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    except Exception as exc:  # safetensors raises its own error types
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"corrupt or mismatched weights {str(weights)!r}: {msg}") from None
+
+    def differ(what: str, wanted: object, held: object) -> CheckpointError:
+        return CheckpointError(
+            f"{str(config_path)!r} does not match {weights.name}: {what} would be {wanted} "
+            f"by the config, the weights hold {held}"
+        )
+
+    blocks = {n.split(".")[1] for n in shapes if n.startswith("trf_blocks.")}
+    if len(blocks) != cfg.n_layers:
+        raise differ("the number of blocks (n_layers)", cfg.n_layers, len(blocks))
+    wanted = (cfg.vocab_size, cfg.emb_dim)
+    if "tok_emb.weight" in shapes and shapes["tok_emb.weight"] != wanted:
+        raise differ("tok_emb.weight (vocab_size, emb_dim)", wanted, shapes["tok_emb.weight"])
+    with torch.device("meta"):
+        layout = GPT(cfg).state_dict()
+    for name, tensor in layout.items():
+        if name in shapes and tuple(tensor.shape) != shapes[name]:
+            raise differ(name, tuple(tensor.shape), shapes[name])
 
 
 def _check_backend(name: str) -> None:

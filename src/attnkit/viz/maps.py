@@ -91,12 +91,16 @@ def from_hf(
         names: layer labels (default ``"layer 0"``, ``"layer 1"``, ...).
 
     Raises:
-        ValueError: wrong ranks, mismatched token count or batch index.
+        ValueError: wrong ranks, mismatched token count or batch index; no weights at all
+            (``outputs.attentions`` of a model on SDPA, which computes none: the message
+            says to load it with ``attn_implementation="attnkit"`` or ``"eager"``).
     """
     if not isinstance(attentions, (torch.Tensor, np.ndarray, list, tuple)) and hasattr(
         attentions, "attentions"
     ):
         attentions = attentions.attentions  # a model output or a generate() output
+    if _holds_no_weights(attentions):
+        raise ValueError(_NO_WEIGHTS.format(type(attentions).__name__))
     if _is_generate_steps(attentions):
         attentions = _stitch_generate_steps(attentions)
         total = attentions[0].shape[-1]
@@ -151,6 +155,23 @@ def _stitch_generate_steps(steps: Any) -> list[torch.Tensor]:
     return out
 
 
+_NO_WEIGHTS = (
+    "no attention tensors found in {} (None, empty, or None for every layer): a transformers "
+    "model loaded the default way (SDPA) returns no attention weights; load it with "
+    "attn_implementation='attnkit' (after attnkit.integrations.hf.register(): weights from "
+    "the fast path) or attn_implementation='eager', and call it with output_attentions=True"
+)
+
+
+def _holds_no_weights(attentions: Any) -> bool:
+    """True for None, an empty sequence, or sequences (of sequences) holding only None."""
+    if attentions is None:
+        return True
+    if isinstance(attentions, (list, tuple)):
+        return all(_holds_no_weights(a) for a in attentions)
+    return False
+
+
 def _as_layers(attentions: Any) -> list[torch.Tensor]:
     if isinstance(attentions, (np.ndarray, torch.Tensor)):
         t = torch.as_tensor(attentions)
@@ -172,7 +193,7 @@ def _as_layers(attentions: Any) -> list[torch.Tensor]:
                 )
             out.append(t)
         return out
-    raise ValueError(f"no attention tensors found in {type(attentions).__name__}")
+    raise ValueError(_NO_WEIGHTS.format(type(attentions).__name__))
 
 
 def _natural(key: str) -> list[Any]:

@@ -24,7 +24,7 @@ the last two are reachable for tests and comparisons.
 
 It hands off (``supports`` returns a reason) rather than drop a request: dropout, a
 float mask that requires grad, and weights while gradients are being recorded
-(weights recomputed from the log-sum-exp carry no gradient).
+(weights, recomputed from the scores and their own log-sum-exp, carry no gradient).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from attnkit.backends.blockwise.plan import (
     build_plan,
 )
 from attnkit.backends.blockwise.segment import SegmentMask, segment_backward, segment_forward
-from attnkit.backends.blockwise.torch_tiles import weights_from_lse
+from attnkit.backends.blockwise.torch_tiles import attention_weights
 from attnkit.masks import ScoreMod
 from attnkit.mods import grad_leaves
 
@@ -128,7 +128,7 @@ def _run(call: AttentionCall, engine: str) -> BackendResult:
     weights = None
     if call.need_weights:
         tiles_plan = dataclasses.replace(plan, engine=TORCH_TILES)
-        w = weights_from_lse(tiles_plan, call.query, call.key, lse)
+        w = attention_weights(tiles_plan, call.query, call.key, call.sinks)
         weights = w.reshape(*lead, call.k_len)
     lse_out = None
     if call.return_lse:

@@ -182,18 +182,25 @@ def backward(
     )
 
 
-def weights_from_lse(plan: TilePlan, q, k, lse: torch.Tensor) -> torch.Tensor:
-    """Recompute the ``(b, h, t, s)`` attention weights ``exp(S - lse)`` tile by tile."""
+def attention_weights(plan: TilePlan, q, k, sinks: torch.Tensor | None) -> torch.Tensor:
+    """The ``(b, h, t, s)`` attention weights ``exp(S - lse)``, the ``lse`` taken over these
+    very scores (plus the ``(h,)`` sink logits, whose share is dropped).
+
+    Not the engine's ``lse``: computed by another kernel, it differs from these scores in
+    the last bits, and a row's weights would miss 1 by ~1e-5 (one kept key: ``1 - 1e-5``).
+    Here a single kept key's weight is exactly 1; a row with no key (and no sink) is 0.
+    """
     acc, out_dtype = acc_dtype(q.dtype), q.dtype
     q, k = _upcast(q, k)
     q5, k5, _ = _views(plan, q, k, k)
-    w = torch.zeros(plan.b, plan.h, plan.t, plan.s, dtype=out_dtype, device=q.device)
-    lse4 = lse.reshape(plan.b, plan.h, plan.t, 1).to(acc)
-    lse4 = lse4.masked_fill(torch.isneginf(lse4), float("inf"))
+    scores = torch.full((plan.b, plan.h, plan.t, plan.s), float("-inf"), dtype=acc, device=q.device)
     with torch.no_grad():
         for q0, q1 in plan.q_blocks():
             for tile in plan.tiles(q0, q1, acc, q.device):
                 s = plan.mod_scores(_scores(plan, q5, k5, q0, q1, tile, acc), q0, tile.k0)
-                s = _masked(plan, s, q0, q1, tile)
-                w[:, :, q0:q1, tile.k0 : tile.k1] = torch.exp(s - lse4[:, :, q0:q1]).to(out_dtype)
-    return w
+                scores[:, :, q0:q1, tile.k0 : tile.k1] = _masked(plan, s, q0, q1, tile)
+        lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (b, h, t, 1); -inf: no key
+        if sinks is not None:
+            lse = torch.logaddexp(lse, sinks.detach().to(acc).view(1, plan.h, 1, 1))
+        lse = lse.masked_fill(torch.isneginf(lse), float("inf"))  # no key, no sink: weights 0
+        return torch.exp(scores - lse).to(out_dtype)
