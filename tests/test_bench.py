@@ -54,3 +54,34 @@ def test_peers_compute_the_same_attention():
         peers.kernel_runner(
             "nope", b=1, h=1, t=8, d=8, dtype=torch.float32, pattern="causal", backward=False
         )
+
+
+def test_machine_peak_and_the_kernel_report(tmp_path):
+    """The machine's fp32 peak and bandwidth are measured (positive, and all threads at least
+    as fast as one within noise), and the per-build report names every build and row."""
+    from attnkit.backends.blockwise import native
+    from attnkit.bench import native_kernel
+
+    one = native_kernel.machine_peak(1)
+    assert one["copy_gbps"] > 0.1
+    if native.available():
+        assert one["fp32_gflops"] > 0.1
+    fake = {
+        "machine": {"cpu": "Test CPU", "threads": 2, "torch": "x"},
+        "t": 8192,
+        "builds": {
+            "avx2": {
+                "status": "avx2 build",
+                "peak": {"1 thread": {"fp32_gflops": 50.0, "copy_gbps": 20.0}},
+                "causal": {"native/sdpa fwd": 0.7, "fwd % of peak": 71.0},
+                "grid": [{"pattern": "causal", "t": 1024, "direction": "fwd",
+                          "fastest": "blockwise", "auto/fastest": 1.01}],
+            },
+            "neon": {"status": "this CPU cannot run the neon build"},
+        },
+    }  # fmt: skip
+    native_kernel.write(fake, tmp_path)
+    text = (tmp_path / "native.md").read_text()
+    for needle in ("## avx2", "| 1 thread | 50.0 | 20.0 |", "| native/sdpa fwd | 0.70 |",
+                   "worst auto / fastest: 1.01", "## neon", "cannot run the neon build"):  # fmt: skip
+        assert needle in text, needle

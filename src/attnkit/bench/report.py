@@ -21,6 +21,13 @@ def markdown(result: dict) -> str:
     ]
     if m.get("native_kernel"):
         lines += [f"attnkit's native CPU kernel: {m['native_kernel']}", ""]
+    for threads, p in (m.get("peak") or {}).items():
+        lines.append(
+            f"Measured on {threads}: fp32 FMA peak {p['fp32_gflops']:.1f} GFLOP/s "
+            f"({m.get('native_isa') or 'no native'} build's probe), copy {p['copy_gbps']:.1f} GB/s"
+        )
+    if m.get("peak"):
+        lines.append("")
     if result.get("note"):
         lines += [result["note"], ""]
     quick = bool(result.get("quick"))

@@ -270,7 +270,17 @@ def machine() -> dict:
         "python": platform.python_version(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "native_kernel": native.status(),
+        "native_isa": native.isa(),
+        "peak": _peaks(),
     }
+
+
+def _peaks() -> dict:
+    """fp32 FMA peak and copy bandwidth on 1 thread and on all (the rows' yardstick)."""
+    from attnkit.bench.native_kernel import machine_peak
+
+    threads = torch.get_num_threads()
+    return {f"{n} thread{'s' * (n > 1)}": machine_peak(n) for n in sorted({1, threads})}
 
 
 def run_suite(
@@ -339,6 +349,12 @@ def build_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     )
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions per case (median)")
     parser.add_argument("--note", default="", help="free text stored with the results")
+    parser.add_argument(
+        "--kernel",
+        action="store_true",
+        help="also benchmark the native kernel once per build this CPU runs "
+        "(peak, causal rows, auto against the fastest backend): native.md",
+    )
     return parser
 
 

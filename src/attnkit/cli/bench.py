@@ -12,6 +12,7 @@ examples:
   attnkit bench --quick --out /tmp/bench     # smoke run: toy sizes, seconds, not graded
   attnkit bench                              # the targets (~4 min on 2 cores)
   attnkit bench --grid --note "idle VM"      # plus the full grid (~20 min more)
+  attnkit bench --kernel                     # plus the native kernel, once per CPU build
 """
 
 
@@ -45,6 +46,12 @@ def run(args: argparse.Namespace) -> int:
         out, quick=args.quick, grid=args.grid, reps=args.reps, note=args.note, quiet=args.quiet
     )
     print((out / "results.md").read_text())
+    if args.kernel:
+        from attnkit.bench import native_kernel
+
+        kernel = native_kernel.run(args.quick, args.reps)
+        native_kernel.write(kernel, out)
+        print(native_kernel.markdown(kernel))
     print(f"results: {out / 'results.json'}, {out / 'results.md'}")
     if result.get("plots"):
         print(f"plots: {', '.join(result['plots'])}")

@@ -49,7 +49,7 @@ class Speed:
 
     forward: float
     backward: float  # forward + backward
-    source: str  # "measured", "cached", or "ATTNKIT_NATIVE_SPEED"
+    source: str  # "measured", "cached", "ATTNKIT_NATIVE_SPEED" or "measurement failed (...)"
 
     @property
     def forward_ok(self) -> bool:
@@ -97,7 +97,7 @@ def _load_or_measure(key: tuple) -> Speed:
         except (OSError, ValueError, KeyError, TypeError):
             pass
     measured = _measure()
-    if path is not None:
+    if path is not None and measured.source == "measured":  # a failure is not kept
         with contextlib.suppress(OSError):
             build._write_atomic(path, json.dumps(asdict(measured)))
     return measured
@@ -117,28 +117,39 @@ def _median_ratio(native, torch_fn) -> float:
 
 
 def _measure() -> Speed:
+    """Time the case; a measurement that fails for any reason counts as "slower" (torch's
+    kernel keeps dense plans), never as an error in the call that triggered it."""
+    _measuring.on = True
+    try:
+        # The first dense call may come from inside no_grad() or inference_mode(): measure
+        # in a context of our own, with gradients on for the backward.
+        with torch.inference_mode(False), torch.enable_grad():
+            forward, backward = _time_case()
+    except Exception as err:  # any failure: the safe answer, and why
+        return Speed(2.0, 2.0, f"measurement failed ({type(err).__name__}: {err})")
+    finally:
+        _measuring.on = False
+    return Speed(round(forward, 3), round(backward, 3), "measured")
+
+
+def _time_case() -> tuple[float, float]:
     from attnkit.attention import attention  # (the core imports the backends)
 
     b, h, t, d = CASE
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, h, t, d, generator=g) for _ in range(3))
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    _measuring.on = True
-    try:
-        with torch.no_grad():
-            forward = _median_ratio(
-                lambda: attention(q, k, v, causal=True, backend="blockwise"),
-                lambda: sdpa(q, k, v, is_causal=True),
-            )
-        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+    with torch.no_grad():
+        forward = _median_ratio(
+            lambda: attention(q, k, v, causal=True, backend="blockwise"),
+            lambda: sdpa(q, k, v, is_causal=True),
+        )
+    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
 
-        def native_step():
-            attention(qg, kg, vg, causal=True, backend="blockwise").sum().backward()
+    def native_step():
+        attention(qg, kg, vg, causal=True, backend="blockwise").sum().backward()
 
-        def torch_step():
-            sdpa(qg, kg, vg, is_causal=True).sum().backward()
+    def torch_step():
+        sdpa(qg, kg, vg, is_causal=True).sum().backward()
 
-        backward = _median_ratio(native_step, torch_step)
-    finally:
-        _measuring.on = False
-    return Speed(round(forward, 3), round(backward, 3), "measured")
+    return forward, _median_ratio(native_step, torch_step)

@@ -1,0 +1,91 @@
+"""The native kernel's one-time speed calibration (``native/calibrate.py``): measured on
+first use whatever context the user's call runs in, cached per build, never an error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnkit import attention
+from attnkit.backends.blockwise import native
+from attnkit.backends.blockwise.native import build, calibrate
+
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason=f"no native kernel: {native.status()}"
+)
+
+
+@pytest.fixture
+def uncalibrated(monkeypatch, tmp_path):
+    """No speed known yet (none forced, none cached), a small measured case."""
+    monkeypatch.delenv("ATTNKIT_NATIVE_SPEED", raising=False)
+    monkeypatch.setattr(calibrate, "_cache", {})
+    monkeypatch.setattr(calibrate, "CASE", (1, 2, 256, 32))
+    monkeypatch.setattr(calibrate, "REPS", 2)
+    saved = tmp_path / "speed.json"
+    monkeypatch.setattr(calibrate, "_cache_file", lambda key: saved)
+    return saved
+
+
+def _qkv(t=300, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, 2, t, 32, generator=g) for _ in range(3))
+
+
+@pytest.mark.parametrize("context", ["no_grad", "inference_mode"])
+def test_first_use_inside_no_grad_or_inference_mode(uncalibrated, context):
+    """The first dense call of a process may be an inference call: the calibration (which
+    times a backward too) runs in a context of its own and the call is answered."""
+    q, k, v = _qkv()
+    guard = torch.no_grad() if context == "no_grad" else torch.inference_mode()
+    with guard:
+        out = attention(q, k, v, causal=True, backend="blockwise")
+    ref = attention(q, k, v, causal=True, backend="reference")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    speed = calibrate.speed()
+    assert speed.source == "measured" and speed.forward > 0 and speed.backward > 0
+
+
+def test_measured_once_then_cached(uncalibrated):
+    first = calibrate.speed()
+    assert uncalibrated.exists()
+    calibrate._cache.clear()  # as a new process
+    again = calibrate.speed()
+    assert again.source == "cached"
+    assert (again.forward, again.backward) == (first.forward, first.backward)
+
+
+def test_the_speed_file_sits_beside_its_build(monkeypatch, tmp_path):
+    """Keyed by the library (so by ISA and source), torch's version and the threads."""
+    monkeypatch.setattr(build, "_state", {})
+    monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
+    key = (build.status(), torch.__version__, 3)
+    path = calibrate._cache_file(key)
+    assert path is not None and path.parent == tmp_path
+    assert path.name.startswith(f"attention-{build.selected_isa()}-") and path.name.endswith(
+        f"torch{torch.__version__}-3t.json"
+    )
+
+
+def test_a_failed_measurement_is_slower_and_not_kept(uncalibrated, monkeypatch):
+    def broken():
+        raise RuntimeError("no clock")
+
+    monkeypatch.setattr(calibrate, "_time_case", broken)
+    speed = calibrate.speed()
+    assert not speed.forward_ok and not speed.backward_ok
+    assert "measurement failed" in speed.source and "no clock" in speed.source
+    assert not uncalibrated.exists()
+    q, k, v = _qkv(seed=1)
+    with torch.no_grad():  # dense plans then run on torch's kernel, same answer
+        out = attention(q, k, v, causal=True, backend="blockwise")
+    ref = attention(q, k, v, causal=True, backend="reference")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("forced, ok", [("fast", True), ("slow", False)])
+def test_a_forced_speed_skips_the_measurement(uncalibrated, monkeypatch, forced, ok):
+    monkeypatch.setenv("ATTNKIT_NATIVE_SPEED", forced)
+    monkeypatch.setattr(calibrate, "_time_case", lambda: pytest.fail("measured"))
+    speed = calibrate.speed()
+    assert speed.forward_ok is ok and speed.source == "ATTNKIT_NATIVE_SPEED"
