@@ -222,3 +222,18 @@ def test_repeated_plain_mask_mod_builds_its_plan_once(monkeypatch):
     i, j = torch.arange(200).view(-1, 1), torch.arange(200).view(1, -1)
     ref = ref_attention_lse(q, k, v, keep=(j <= i) & (i - j < 5))[0]
     torch.testing.assert_close(changed, ref, **TOL[torch.float64])
+
+
+@pytest.mark.parametrize("backend", ["blockwise", "blockwise-flash", "blockwise-tiles"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_window_wider_than_any_distance_costs_nothing(backend, causal):
+    """Without the native kernel the fallback layouts grew with ``window``, not the
+    sequence: window=16384 at 1024 tokens took 4.6 s and 1.5 GB, window=2**31 asked for
+    34 GB. A window past every query-key distance is no window."""
+    q, k, v = _qkv(lq=300, lk=300, d=16, dtype=torch.float32, seed=41)
+    want = attention(q, k, v, causal=causal, backend=backend)
+    for window in (601, 2**31, 2**62):
+        got = attention(q, k, v, causal=causal, window=window, backend=backend)
+        assert torch.equal(got, want), window
+    narrower = attention(q, k, v, causal=causal, window=299, backend=backend)
+    assert not torch.equal(narrower, want)  # a window that still cuts is kept

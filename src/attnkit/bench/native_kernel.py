@@ -60,12 +60,15 @@ def _env(**values: str | None) -> Iterator[None]:
 
 
 def _best(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    """Median seconds of each closure, timed round-robin after one warm-up each."""
+    """Median seconds of each closure, timed round-robin after one warm-up each; each round
+    starts one closure later, so none always runs right after the same neighbour (a dense
+    mask's large frees made the next call page-fault its fresh buffers)."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    for r in range(reps):
+        for name, fn in order[r % len(order) :] + order[: r % len(order)]:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)

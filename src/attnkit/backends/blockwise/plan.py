@@ -413,6 +413,11 @@ def build_plan(
             k_offset=mod_offsets[1],
         )
         mask_mod = None
+    offset = s - t if causal == "bottom_right" or causal is None else 0
+    if window is not None and window > t + s + abs(offset):
+        # wider than any query-key distance: no bound (and no band of `window` keys to
+        # lay out: the torch-kernel layouts grew with it, 34 GB asked for window=2**31)
+        window = None
     dq = min(FUSED_BLOCK_Q if fused else BLOCK_Q, max(t, 1))
     dk = min(BLOCK_K, max(s, 1))
     if window is not None:  # narrow query tiles waste less of a narrow band
@@ -431,7 +436,7 @@ def build_plan(
         s=s,
         scale=scale,
         causal=causal is not None,
-        offset=s - t if causal == "bottom_right" or causal is None else 0,
+        offset=offset,
         window=window,
         mask=mask,
         mask_mod=mask_mod,
