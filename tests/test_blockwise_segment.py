@@ -135,3 +135,29 @@ def test_segment_fully_masked_gives_minus_inf():
     assert torch.isneginf(lse).all() and out.abs().max() == 0
     with pytest.raises(TypeError):
         segment_forward(q, k, v, {"q_offset": 0}, scale=0.3)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("window", [500, 960, 1100, 10**9])
+def test_far_segments_keep_their_window(causal, window):
+    """A segment whose queries sit far past its keys (ring attention's late steps): the
+    window is measured in global positions, so a window shorter than the distance drops
+    every pair even when it is wider than the segment's own lengths (a window clamp that
+    read the local alignment once turned it into no window at all)."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 64, 16, generator=g) for _ in range(3))
+    out, lse = segment_forward(q, k, v, SegmentMask(1000, 0, causal=causal, window=window),
+                               scale=0.25)  # fmt: skip
+    qp = torch.arange(64).view(-1, 1) + 1000
+    kp = torch.arange(64).view(1, -1)
+    keep = qp - kp < window
+    if causal:
+        keep &= kp <= qp
+    else:
+        keep &= kp - qp < window
+    s = (q.double() @ k.double().transpose(-1, -2) * 0.25).masked_fill(~keep, float("-inf"))
+    want_lse = torch.logsumexp(s, -1)
+    want = torch.softmax(s, -1).nan_to_num(0.0) @ v.double()
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+    assert bool(keep.any()) == bool(torch.isfinite(lse).any())

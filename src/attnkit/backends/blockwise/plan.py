@@ -391,10 +391,14 @@ def build_plan(
     block_q: int | None = None,
     block_k: int | None = None,
     mod_offsets: tuple[int, int] = (0, 0),
+    position_offset: int | None = None,
 ) -> TilePlan:
     """The plan of one attention call (flattened to ``(b, h, t, d)`` terms): tile sizes
     chosen here, in one place, for the engine that will run it. A plain ``mask_mod``
-    becomes a cached :class:`BlockMask` (positions shifted by ``mod_offsets``)."""
+    becomes a cached :class:`BlockMask` (positions shifted by ``mod_offsets``).
+    ``position_offset``: query ``i`` sits at key position ``i + position_offset`` for
+    causal and window (default: from the causal alignment; a context-parallel segment
+    passes its own)."""
     b, h, h_kv = _layout(query, key)
     t, s = query.shape[-2], key.shape[-2]
     fused = engine in FUSED_ENGINES
@@ -413,7 +417,9 @@ def build_plan(
             k_offset=mod_offsets[1],
         )
         mask_mod = None
-    offset = s - t if causal == "bottom_right" or causal is None else 0
+    offset = position_offset
+    if offset is None:
+        offset = s - t if causal == "bottom_right" or causal is None else 0
     if window is not None and window > t + s + abs(offset):
         # wider than any query-key distance: no bound (and no band of `window` keys to
         # lay out: the torch-kernel layouts grew with it, 34 GB asked for window=2**31)
@@ -445,6 +451,8 @@ def build_plan(
         block_q=block_q or dq,
         block_k=block_k or dk,
         engine=engine,
+        q_base=mod_offsets[0],
+        k_base=mod_offsets[1],
     )
     if fused and block_q is None and block_mask is None and plan.materialises():
         # a causal square (bq x bq) with a mask must fit MASK_TILE_ELEMENTS

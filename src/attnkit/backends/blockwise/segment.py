@@ -72,10 +72,9 @@ def _plan(
         block_mask=None,
         engine=engine,
         mod_offsets=(seg.q_offset, seg.k_offset),
+        # causal/window compare key position j + k_offset with query position i + q_offset
+        position_offset=seg.q_offset - seg.k_offset,
     )
-    # causal/window compare key position j + k_offset with query position i + q_offset
-    plan.offset = seg.q_offset - seg.k_offset
-    plan.q_base, plan.k_base = seg.q_offset, seg.k_offset
     return plan
 
 
