@@ -50,7 +50,7 @@ def isa(request):
             os.environ["ATTNKIT_NATIVE_ISA"] = before
 
 
-EPS = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
+EPS = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
 @pytest.fixture
@@ -74,7 +74,7 @@ def calls(monkeypatch) -> list[tuple]:
     original = native.forward
 
     def spy(plan, q, k, v):
-        seen.append((plan.t, plan.s, plan.block_mask is not None))
+        seen.append((plan.t, plan.s, plan.block_mask is not None, q.dtype))
         return original(plan, q, k, v)
 
     monkeypatch.setattr(native, "forward", spy)
@@ -164,8 +164,69 @@ def test_large_scores_rescale_exactly(calls):
 
 
 def test_half_precision_is_upcast(calls):
-    q, k, v = _qkv(1, 2, 2, 150, 150, 32, 32, seed=7, dtype=torch.bfloat16)
+    q, k, v = _qkv(1, 2, 2, 150, 150, 32, 32, seed=7, dtype=torch.float16)
     _check(q, k, v, ref_band_keep(150, 150, "top_left", 40), causal="top_left", window=40)
+    assert calls
+
+
+BF16_CASES = [
+    # b, h, h_kv, lq, lk, d, dv, causal, window, strided
+    (1, 2, 2, 150, 150, 32, 32, "top_left", 40, False),
+    (2, 4, 2, 63, 65, 48, 48, None, None, False),  # GQA, one chunk and a key past it
+    (1, 2, 1, 129, 131, 64, 64, "bottom_right", None, True),  # odd lengths, strided
+    (1, 3, 3, 300, 300, 16, 16, "bottom_right", 64, False),
+    (1, 2, 2, 1, 257, 80, 80, "bottom_right", None, False),  # decode: one query row
+]
+
+
+@pytest.mark.parametrize("b, h, h_kv, lq, lk, d, dv, causal, window, strided", BF16_CASES)
+def test_bf16_inputs(calls, b, h, h_kv, lq, lk, d, dv, causal, window, strided):
+    """bf16 inputs: on an avx512-bf16 build QK^T and PV use bf16 products (float32 softmax
+    and sums), elsewhere they are upcast; either way within 2x plain bf16 math's error."""
+    q, k, v = _qkv(b, h, h_kv, lq, lk, d, dv, seed=lq + d, dtype=torch.bfloat16, strided=strided)
+    out = _check(q, k, v, ref_band_keep(lq, lk, causal, window), causal=causal, window=window)
+    assert out.dtype == torch.bfloat16 and calls
+    assert calls[-1][3] == (torch.bfloat16 if native.bf16() else torch.float32)
+
+
+def test_bf16_inputs_with_masks_and_biases(calls):
+    """Every mask kind the kernel reads, on the bf16 products."""
+    lq = lk = 200
+    q, k, v = _qkv(1, 2, 2, lq, lk, 32, 32, seed=37, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(38)
+    keep = torch.rand(1, 2, lq, lk, generator=g) > 0.3
+    _check(q, k, v, keep, mask=keep)
+    bias = torch.randn(1, 1, lq, lk, generator=g)
+    _check(q, k, v, ref_band_keep(lq, lk, None, None), bias=bias, mask=bias)
+    bm = create_block_mask(lambda b_, h_, qi, ki: (qi // 50) == (ki // 50), None, None, lq, lk,
+                           block_size=64)  # fmt: skip
+    docs = (torch.arange(lq).view(-1, 1) // 50) == (torch.arange(lk).view(1, -1) // 50)
+    _check(q, k, v, docs, block_mask=bm)
+    mod = M.alibi(2)
+    alibi = (
+        -M.alibi_slopes(2).view(2, 1, 1)
+        * (torch.arange(lq).view(-1, 1) - torch.arange(lk).view(1, -1)).abs()
+    )
+    causal_keep = ref_band_keep(lq, lk, "top_left", None)
+    _check(q, k, v, causal_keep, bias=alibi.unsqueeze(0), causal="top_left", score_mod=mod)
+    assert len(calls) == 4
+
+
+def test_bf16_gradients_are_float32_math(calls):
+    """bf16 inputs with gradients: the forward may use bf16 products, the backward is the
+    float32 one (upcast inputs); gradients within 2x plain bf16 autograd's error."""
+    q, k, v = _qkv(1, 2, 2, 150, 150, 32, 32, seed=39, dtype=torch.bfloat16)
+    xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    attention(*xs, causal=True, backend="blockwise").square().sum().backward()
+    ref = [x.double().clone().requires_grad_(True) for x in (q, k, v)]
+    plain = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    keep = ref_band_keep(150, 150, "top_left", None)
+    plain_attention(*ref, keep).square().sum().backward()
+    plain_attention(*plain, keep).square().sum().backward()
+    for ours, want, yard in zip(xs, ref, plain, strict=True):
+        err = (ours.grad.double() - want.grad).abs().max().item()
+        plain_err = (yard.grad.double() - want.grad).abs().max().item()
+        assert err <= 2 * plain_err + 2e-2, (err, plain_err)
     assert calls
 
 
@@ -201,7 +262,7 @@ def test_block_masks_match_float64(block_size, lq, lk, heads, causal, calls):
     q, k, v = _qkv(1, 2, 2, lq, lk, 32, 32, seed=8)
     keep = table.unsqueeze(0) & ref_band_keep(lq, lk, causal, None)
     _check(q, k, v, keep, block_mask=bm, causal=causal)
-    assert calls and all(with_bm for _, _, with_bm in calls)
+    assert calls and all(with_bm for _, _, with_bm, _ in calls)
 
 
 def test_documents_with_window_and_batch_masks(calls):
@@ -763,3 +824,12 @@ def test_fuzz_against_float64(case):
 def test_fuzz_gradients_against_float64(case, lse_weight):
     q, k, v, keep, bias, sinks, kwargs = _fuzz_call(case)
     _check_grads(q, k, v, keep, bias=bias, sinks=sinks, lse_weight=lse_weight, **kwargs)
+
+
+@settings(max_examples=25, deadline=None)
+@given(case=_cases())
+def test_fuzz_bf16_against_float64(case):
+    """bf16 inputs (bf16 products on an avx512-bf16 build) against float64, 2x plain bf16."""
+    q, k, v, keep, bias, sinks, kwargs = _fuzz_call(case)
+    q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
+    _check(q, k, v, keep, bias=bias, sinks=sinks, **kwargs)

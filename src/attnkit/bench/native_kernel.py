@@ -7,9 +7,9 @@ instruction-set build of :mod:`attnkit.backends.blockwise.native` the machine ca
 * the machine: fp32 FMA peak (the kernel's own probe: independent FMA chains at the
   build's vector width) and memory bandwidth (a large copy), on 1 thread and on all;
 * the kernel: causal forward and forward+backward against SDPA (T=8192, B=1, H=4, d=64,
-  fp32), the forward's FLOP rate as a share of the measured peak, and the backward's FLOP
+  fp32), the forward's FLOP rate as a share of the measured peak, the backward's FLOP
   rate over the forward's (flash-attn's convention: the backward does 2.5x the forward's
-  FLOPs);
+  FLOPs), and on avx512-bf16 builds the bf16 forward over the float32 one;
 * ``auto`` against the fastest backend on a grid (causal, window 256, 8 documents, ALiBi
   x T x fwd / fwd+bwd), with the build's own calibration deciding what ``auto`` runs.
 
@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from attnkit import attention, create_block_mask
 from attnkit import masks as M
+from attnkit.backends.blockwise import native
 from attnkit.backends.blockwise.native import build
 
 SHAPE = (1, 4, 64)  # (b, h, d)
@@ -139,6 +140,16 @@ def causal_rows(t: int, reps: int, peak_all: float) -> dict[str, float]:
         key = "fwd+bwd" if backward else "fwd"
         out[f"native/sdpa {key}"] = med["native"] / med["sdpa"]
         seconds[key] = med["native"]
+    if native.bf16():  # bf16 products against the float32 forward
+        q, k, v = _inputs(t, False)
+        qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
+        fns = {
+            "fp32": _step(lambda: attention(q, k, v, causal=True, backend="blockwise"), False),
+            "bf16": _step(lambda: attention(qb, kb, vb, causal=True, backend="blockwise"), False),
+        }  # fmt: skip
+        with _env(ATTNKIT_NATIVE_SPEED="fast"):
+            med = _best(fns, reps)
+        out["bf16 fwd / fp32 fwd"] = med["bf16"] / med["fp32"]
     fwd_rate = fwd_flops / seconds["fwd"]
     bwd_rate = 2.5 * fwd_flops / max(seconds["fwd+bwd"] - seconds["fwd"], 1e-9)
     out["fwd GFLOP/s"] = fwd_rate / 1e9

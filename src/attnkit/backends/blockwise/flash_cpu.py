@@ -64,12 +64,13 @@ def why_not(
 
 
 def engine_views(
-    plan: TilePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    plan: TilePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, upcast: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(b, h, t, d)`` views, half precision upcast to float32 (one ``O(t d)`` copy each):
-    the kernel's own bf16 backward is measurably less accurate than plain bf16 math. The
-    kernel reads the last dim as contiguous: a strided one (``kv[..., ::2]``) is copied."""
-    acc = acc_dtype(q.dtype)
+    """``(b, h, t, d)`` views, half precision upcast to float32 (one ``O(t d)`` copy each;
+    ``upcast=False`` keeps the dtype): the kernel's own bf16 backward is measurably less
+    accurate than plain bf16 math. The kernel reads the last dim as contiguous: a strided
+    one (``kv[..., ::2]``) is copied."""
+    acc = acc_dtype(q.dtype) if upcast else q.dtype
 
     def fix(x: torch.Tensor, n: int, lead: int) -> torch.Tensor:
         x = x.reshape(plan.b, lead, n, x.shape[-1]).to(acc)
@@ -258,6 +259,12 @@ def _gathered_backward(
 def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(out (b, h, t, d_v) in q's dtype, lse (b, h, t))``, as the tile engine."""
     acc, out_dtype = acc_dtype(q.dtype), q.dtype
+    if plan.engine == NATIVE_CPU and q.dtype == torch.bfloat16 and native.bf16():
+        # bf16 products in the native kernel: the inputs are read as they are
+        qb, kb, vb = engine_views(plan, q, k, v, upcast=False)
+        if native.why_not(plan, qb, kb, vb) is None:
+            native_out, native_lse = native.forward(plan, qb, kb, vb)
+            return native_out.to(out_dtype), native_lse
     q, k, v = engine_views(plan, q, k, v)
     if plan.engine == NATIVE_CPU and native.why_not(plan, q, k, v) is None:
         native_out, native_lse = native.forward(plan, q, k, v)

@@ -14,8 +14,10 @@ running max and sum per row: a row is alive when one key survives every mask at 
 weights from them (FlashAttention-2's backward, two passes that write disjoint rows).
 A plan runs here when :func:`why_not` (:func:`why_not_backward`) finds nothing against
 it; otherwise the engine's torch-kernel paths run. The library is built on first use
-(:mod:`.build`); where it cannot be, nothing changes but speed. float32 arithmetic (half
-precision is upcast by the engine, float64 runs on torch's kernel).
+(:mod:`.build`); where it cannot be, nothing changes but speed. float32 arithmetic; bf16
+inputs on an avx512-bf16 build compute ``QK^T`` and ``PV`` with bf16 products (float32
+softmax and sums) in the forward, and are upcast elsewhere and for the backward; float16
+is upcast, float64 runs on torch's kernel.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ __all__ = [
     "KEY_CHUNK",
     "available",
     "backward",
+    "bf16",
     "forward",
     "isa",
     "status",
@@ -68,6 +71,13 @@ def isa() -> str | None:
     return None if lib is None else lib.attnkit_isa().decode()
 
 
+def bf16() -> bool:
+    """Whether the loaded build computes bf16 inputs with bf16 products (AVX512_BF16):
+    ``QK^T`` and ``PV`` in bf16 with float32 softmax and accumulators, forward only."""
+    lib = library()
+    return lib is not None and bool(lib.attnkit_bf16())
+
+
 def available() -> bool:
     """Whether the kernel is built and loaded (see :func:`status` when it is not)."""
     return library() is not None
@@ -75,12 +85,17 @@ def available() -> bool:
 
 def why_not(plan: TilePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
     """Why the kernel cannot run this fused plan on the engine's ``(b, heads, len, d)``
-    tensors (None when it can): it takes float32 CPU tensors with contiguous last dims,
+    tensors (None when it can): it takes float32 CPU tensors (bf16 on an avx512-bf16
+    build, forward) with contiguous last dims,
     value heads a multiple of 16 wide, causal/window bounds, a block mask, a ``mask``
     tensor and a relative bias, but no other ``score_mod``, and not under
     ``torch.compile``."""
-    if q.dtype != torch.float32 or q.device.type != "cpu":
-        return "the native kernel runs float32 CPU tensors"
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
+        return "the native kernel runs float32 (and bf16) CPU tensors"
+    if q.dtype == torch.bfloat16 and not bf16():
+        return "bf16 products need an avx512-bf16 build (bf16 is computed in float32)"
+    if any(x.dtype != q.dtype for x in (k, v)):
+        return "the native kernel needs query, key and value of one dtype"
     if any(x.stride(-1) != 1 for x in (q, k, v)):
         return "the native kernel reads contiguous last dims"
     if v.shape[-1] % 16 or q.shape[-1] == 0:
@@ -201,6 +216,7 @@ def _args(plan: TilePlan, q, k, v, out, lse) -> tuple[abi.Args, list[torch.Tenso
             0 if n == 1 else st for n, st in zip(mask.shape, mask.stride(), strict=True)
         )
     args.threads = torch.get_num_threads()
+    args.dtype = abi.DT_BF16 if q.dtype == torch.bfloat16 else abi.DT_F32
     return args, keep_alive
 
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import ctypes
 
-__all__ = ["ABI_VERSION", "CODES", "Args", "Grads", "check", "typed"]
+__all__ = ["ABI_VERSION", "CODES", "DT_BF16", "DT_F32", "Args", "Grads", "check", "typed"]
 
 #: ``ABI_VERSION`` of attention.cpp: bumped whenever ``Args`` or ``Grads`` change.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 #: attention.cpp's return codes (``enum Code``).
 CODES = {
@@ -24,7 +24,11 @@ CODES = {
     4: "out of memory",
     5: "no thread could be started",
     6: "an internal error",
+    7: "bf16 inputs to a build without bf16 products",
 }
+
+#: ``Args.dtype``: what ``q``, ``k``, ``v`` point to (bf16: the forward only).
+DT_F32, DT_BF16 = 0, 1
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -51,6 +55,7 @@ class Args(ctypes.Structure):
         ("mask_kind", _I),
         *((f"sm_{x}", _I) for x in "bhts"),
         ("threads", _I),
+        ("dtype", _I),
     ]
 
 
@@ -66,6 +71,8 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.attnkit_abi.restype = ctypes.c_int64
     lib.attnkit_isa.argtypes = []
     lib.attnkit_isa.restype = ctypes.c_char_p
+    lib.attnkit_bf16.argtypes = []
+    lib.attnkit_bf16.restype = ctypes.c_int
     lib.attnkit_forward.argtypes = [ctypes.POINTER(Args)]
     lib.attnkit_forward.restype = ctypes.c_int
     lib.attnkit_backward.argtypes = [ctypes.POINTER(Args), ctypes.POINTER(Grads)]

@@ -58,7 +58,7 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int8_t EMPTY = 0, PARTIAL = 1, FULL = 2;  // attnkit.block_mask's kinds
 
 // Bumped whenever Args or Grads change; native/__init__.py checks it and the sizes at load.
-constexpr int64_t ABI_VERSION = 2;
+constexpr int64_t ABI_VERSION = 3;
 
 enum Code : int {
   OK = 0,
@@ -68,7 +68,10 @@ enum Code : int {
   NO_MEMORY = 4,
   NO_THREAD = 5,
   INTERNAL = 6,
+  BAD_DTYPE = 7,        // bf16 inputs to a build without bf16 products
 };
+
+constexpr int64_t DT_F32 = 0, DT_BF16 = 1;  // Args.dtype: what q, k, v point to
 
 // The call, as native/__init__.py fills it (a ctypes.Structure of 8-byte fields).
 struct Args {
@@ -89,6 +92,7 @@ struct Args {
   int64_t mask_kind;         // MASK_BOOL (keep where nonzero) or MASK_FLOAT (added)
   int64_t sm_b, sm_h, sm_t, sm_s;
   int64_t threads;
+  int64_t dtype;             // DT_F32, or DT_BF16 (forward only; q, k, v are then bf16)
 };
 
 // The gradients' tensors (contiguous: (B, H, T, DV), (B, H, T), (B, H, T, D),
@@ -225,6 +229,42 @@ Code pack(const Args &a, const float *x, int64_t sb, int64_t sh, int64_t st, int
     }
   });
 }
+
+#if defined(ATTNKIT_BF16)
+// bf16 keys or values packed in pairs for simd::tile_bf16, chunk by chunk (zero past the
+// last key): keys as (D / 2 pairs of dims, KC keys, 2), values as (KC / 2 pairs of keys,
+// DV, 2). Packed once per call.
+struct PackedPairs {
+  int64_t chunks = 0, depth = 0;
+  std::unique_ptr<uint16_t[]> t;  // (B, HKV, chunks, KC * depth)
+  const uint16_t *chunk(const Args &a, int64_t b, int64_t hk, int64_t c) const {
+    return t.get() + ((b * a.HKV + hk) * chunks + c) * depth * KC;
+  }
+};
+
+Code pack_pairs(const Args &a, const void *x_, int64_t sb, int64_t sh, int64_t st,
+                int64_t depth, bool keys, PackedPairs &pk) {
+  const uint16_t *x = static_cast<const uint16_t *>(x_);
+  pk.chunks = (a.S + KC - 1) / KC;
+  pk.depth = depth;
+  pk.t.reset(new uint16_t[a.B * a.HKV * pk.chunks * depth * KC]);
+  return parallel<NoState>(a, a.B * a.HKV * pk.chunks, [&](NoState &, int64_t it) {
+    const int64_t ci = it % pk.chunks, bh = it / pk.chunks;
+    const uint16_t *src = x + (bh / a.HKV) * sb + (bh % a.HKV) * sh;
+    uint16_t *dst = pk.t.get() + it * depth * KC;
+    for (int64_t j = 0; j < KC; ++j) {
+      const int64_t key = ci * KC + j;
+      for (int64_t d = 0; d < depth; ++d) {
+        const uint16_t val = key < a.S ? src[key * st + d] : uint16_t(0);
+        if (keys)  // dims 2p, 2p + 1 of key j side by side
+          dst[(d / 2) * KC * 2 + j * 2 + d % 2] = val;
+        else  // keys 2p, 2p + 1 of dim d side by side
+          dst[(j / 2) * depth * 2 + d * 2 + j % 2] = val;
+      }
+    }
+  });
+}
+#endif
 
 // Chunk c of the keys (keys KC c .. KC c + KC) as one block of query rows sees it: the
 // columns [lo, hi) of it that are in range, the block's rows [r0, r1) that may keep one of
@@ -394,9 +434,25 @@ struct Masker {
 struct Scratch {
   std::vector<float> s, o, o_blk, m, l, l_blk, alpha;
   std::vector<uint8_t> keep;  // a chunk's assembled block-mask rows
+  std::vector<uint16_t> p16;  // bf16 calls: the chunk's weights rounded to bf16
   Scratch(const Args &a)
       : s(a.bq * KC), o(a.bq * a.DV), o_blk(a.bq * a.DV), m(a.bq), l(a.bq * W),
-        l_blk(a.bq * W), alpha(a.bq), keep(a.bq * KC) {}
+        l_blk(a.bq * W), alpha(a.bq), keep(a.bq * KC), p16(a.dtype == DT_BF16 ? a.bq * KC : 0) {}
+};
+
+// What the forward's two products read: keys transposed (float32), or keys and values
+// packed in bf16 pairs.
+struct Operands {
+  Packed kt;
+#if defined(ATTNKIT_BF16)
+  PackedPairs kp, vp;
+#endif
+  int64_t chunks() const {
+#if defined(ATTNKIT_BF16)
+    if (kp.chunks) return kp.chunks;
+#endif
+    return kt.chunks;
+  }
 };
 
 // Scores -> weights in place, the online softmax state updated (alpha: O's rescale).
@@ -448,7 +504,7 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
 }
 
 // One block of query rows [i0, i1) of batch b, head h.
-void forward_block(const Args &a, const Packed &kt, int64_t b, int64_t h, int64_t i0,
+void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int64_t i0,
                    int64_t i1, Scratch &w) {
   const int64_t rows = i1 - i0;
   const int64_t hk = h / (a.H / a.HKV);
@@ -466,14 +522,31 @@ void forward_block(const Args &a, const Packed &kt, int64_t b, int64_t h, int64_
     for (int64_t n = 0; n < rows * W; ++n) w.l[n] += w.l_blk[n];
     std::fill(w.l_blk.begin(), w.l_blk.begin() + rows * W, 0.0f);
   };
-  for_each_chunk(a, b, h, i0, i1, 0, kt.chunks - 1, w.keep.data(), [&](const Chunk &c) {
+  for_each_chunk(a, b, h, i0, i1, 0, ops.chunks() - 1, w.keep.data(), [&](const Chunk &c) {
     const int64_t nr = c.r1 - c.r0;
-    simd::gemm<false>(w.s.data() + c.r0 * KC, KC, nr, KC, qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1,
-                      kt.chunk(a, b, hk, c.ci), KC, a.D, nullptr);
+    float *s = w.s.data() + c.r0 * KC;
+#if defined(ATTNKIT_BF16)
+    if (a.dtype == DT_BF16) {
+      const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
+      simd::gemm_bf16<false>(s, KC, nr, KC, q16 + (i0 + c.r0) * a.sq_t, a.sq_t,
+                             ops.kp.chunk(a, b, hk, c.ci), 2 * KC, a.D / 2, nullptr);
+      softmax(a, b, h, i0, c, w);
+      // P V over whole pairs of keys: the weights outside [lo, hi) are 0
+      const int64_t lo = c.lo & ~int64_t(1), hi = (c.hi + 1) & ~int64_t(1);
+      uint16_t *p16 = w.p16.data() + c.r0 * KC;
+      simd::to_bf16(p16, s, nr * KC);
+      simd::gemm_bf16<true>(w.o_blk.data() + c.r0 * a.DV, a.DV, nr, a.DV, p16 + lo, KC,
+                            ops.vp.chunk(a, b, hk, c.ci) + lo * a.DV, 2 * a.DV, (hi - lo) / 2,
+                            w.alpha.data() + c.r0);
+      if (++seen % SUPER == 0) gather();
+      return;
+    }
+#endif
+    simd::gemm<false>(s, KC, nr, KC, qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1,
+                      ops.kt.chunk(a, b, hk, c.ci), KC, a.D, nullptr);
     softmax(a, b, h, i0, c, w);
-    simd::gemm<true>(w.o_blk.data() + c.r0 * a.DV, a.DV, nr, a.DV,
-                     w.s.data() + c.r0 * KC + c.lo, KC, 1, vh + (c.c0 + c.lo) * a.sv_t, a.sv_t,
-                     c.hi - c.lo, w.alpha.data() + c.r0);
+    simd::gemm<true>(w.o_blk.data() + c.r0 * a.DV, a.DV, nr, a.DV, s + c.lo, KC, 1,
+                     vh + (c.c0 + c.lo) * a.sv_t, a.sv_t, c.hi - c.lo, w.alpha.data() + c.r0);
     if (++seen % SUPER == 0) gather();
   });
   gather();
@@ -585,6 +658,7 @@ Code check(const Args &a) {
       a.B <= 0 || a.T <= 0 || a.S <= 0 || a.threads <= 0)
     return BAD_SHAPE;
   if (a.bm_kind && a.bq != a.bm_qb) return BAD_BLOCK_ROWS;
+  if (a.dtype != DT_F32 && a.dtype != DT_BF16) return BAD_DTYPE;
   return OK;
 }
 
@@ -618,17 +692,38 @@ ATTNKIT_EXPORT int64_t attnkit_abi(int64_t *sizes) {
 // The instruction set the library was built for ("avx512-bf16", "avx512", "avx2", "neon").
 ATTNKIT_EXPORT const char *attnkit_isa() { return ATTNKIT_ISA; }
 
+// Whether the forward takes bf16 inputs (Args.dtype = DT_BF16): 1 on avx512-bf16 builds.
+ATTNKIT_EXPORT int attnkit_bf16() {
+#if defined(ATTNKIT_BF16)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 ATTNKIT_EXPORT int attnkit_forward(const Args *args) {
   const Args &a = *args;
   if (Code bad = check(a)) return bad;
   return guarded([&] {
-    Packed kt;
-    if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, kt)) return int(err);
+    Operands ops;
+    if (a.dtype == DT_BF16) {
+#if defined(ATTNKIT_BF16)
+      if (a.D % 2) return int(BAD_SHAPE);
+      if (Code err = pack_pairs(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, true, ops.kp))
+        return int(err);
+      if (Code err = pack_pairs(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, false, ops.vp))
+        return int(err);
+#else
+      return int(BAD_DTYPE);
+#endif
+    } else if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, ops.kt)) {
+      return int(err);
+    }
     const int64_t nq = (a.T + a.bq - 1) / a.bq;  // query blocks per (batch, head)
     return int(parallel<Scratch>(a, a.B * a.H * nq, [&](Scratch &w, int64_t it) {
       const int64_t qi = it % nq, bh = it / nq;
       const int64_t i0 = qi * a.bq, i1 = std::min(a.T, i0 + a.bq);
-      forward_block(a, kt, bh / a.H, bh % a.H, i0, i1, w);
+      forward_block(a, ops, bh / a.H, bh % a.H, i0, i1, w);
     }));
   });
 }
@@ -639,6 +734,7 @@ ATTNKIT_EXPORT int attnkit_backward(const Args *args, const Grads *grads) {
   const Grads &g = *grads;
   if (Code bad = check(a)) return bad;
   if (a.D % 16) return BAD_HEAD_DIM;
+  if (a.dtype != DT_F32) return BAD_DTYPE;  // the backward computes in float32
   return guarded([&] {
     Packed kt, vt;
     if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, kt)) return int(err);

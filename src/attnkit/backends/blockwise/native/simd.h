@@ -208,4 +208,75 @@ inline void gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float 
   }
 }
 
+#if defined(ATTNKIT_BF16)
+// bf16 products (AVX512_BF16's vdpbf16ps: each fp32 lane += a pair of bf16 products).
+//
+// C (rows x NC vectors) = alpha (.) C + A B, or = A B when !ACC, over kp pairs: A(r, pair p)
+// the two bf16 at a + r * ars + 2 p (broadcast as one 32-bit value), B(pair p, :) the NC
+// vectors of 16 (pair-interleaved) bf16 pairs at b + p * ldb. Rows past `nr` as in tile().
+template <int R, int NC, bool ACC>
+inline void tile_bf16(float *c, int64_t ldc, int nr, const uint16_t *a, int64_t ars,
+                      const uint16_t *b, int64_t ldb, int64_t kp, const float *alpha) {
+  __m512 acc[R][NC];
+  const uint16_t *ar[R];
+  for (int r = 0; r < R; ++r) {
+    const int rr = r < nr ? r : nr - 1;
+    ar[r] = a + rr * ars;
+    for (int v = 0; v < NC; ++v) {
+      if (ACC) {
+        const __m512 old = _mm512_loadu_ps(c + rr * ldc + W * v);
+        acc[r][v] = alpha ? _mm512_mul_ps(old, _mm512_set1_ps(alpha[rr])) : old;
+      } else {
+        acc[r][v] = _mm512_setzero_ps();
+      }
+    }
+  }
+  for (int64_t p = 0; p < kp; ++p) {
+    __m512bh bv[NC];
+#pragma GCC unroll 4
+    for (int v = 0; v < NC; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(b + p * ldb + 32 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, ar[r] + 2 * p, sizeof pair);
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+      for (int v = 0; v < NC; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, bv[v]);
+    }
+  }
+  for (int r = 0; r < nr; ++r)
+    for (int v = 0; v < NC; ++v) _mm512_storeu_ps(c + r * ldc + W * v, acc[r][v]);
+}
+
+// tile_bf16 over `rows` rows and `cols` columns (a multiple of W) in register tiles.
+template <bool ACC>
+inline void gemm_bf16(float *c, int64_t ldc, int64_t rows, int64_t cols, const uint16_t *a,
+                      int64_t ars, const uint16_t *b, int64_t ldb, int64_t kp,
+                      const float *alpha) {
+  for (int64_t c0 = 0; c0 < cols; c0 += TILE_C * W) {
+    const int64_t nv = (cols - c0) / W < TILE_C ? (cols - c0) / W : TILE_C;
+    for (int64_t r0 = 0; r0 < rows; r0 += TILE_R) {
+      const int nr = int(rows - r0 < TILE_R ? rows - r0 : TILE_R);
+      float *cc = c + r0 * ldc + c0;
+      const uint16_t *aa = a + r0 * ars, *bb = b + 2 * c0;
+      const float *al = alpha ? alpha + r0 : nullptr;
+      switch (nv) {
+        case 4: tile_bf16<TILE_R, 4, ACC>(cc, ldc, nr, aa, ars, bb, ldb, kp, al); break;
+        case 3: tile_bf16<TILE_R, 3, ACC>(cc, ldc, nr, aa, ars, bb, ldb, kp, al); break;
+        case 2: tile_bf16<TILE_R, 2, ACC>(cc, ldc, nr, aa, ars, bb, ldb, kp, al); break;
+        default: tile_bf16<TILE_R, 1, ACC>(cc, ldc, nr, aa, ars, bb, ldb, kp, al);
+      }
+    }
+  }
+}
+
+// n floats (a multiple of 32) rounded to bf16 (round to nearest even), in order.
+inline void to_bf16(uint16_t *dst, const float *src, int64_t n) {
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
+    _mm512_storeu_si512(dst + i, (__m512i)x);
+  }
+}
+#endif
+
 }  // namespace simd
