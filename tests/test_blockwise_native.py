@@ -736,6 +736,28 @@ def test_the_thread_pool_survives_fork(isa, tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
 
 
+def test_out_of_memory_inside_the_kernel_is_a_code_not_an_abort():
+    """An allocation the C++ cannot make (here: keys packed for 2^40 keys) returns
+    NO_MEMORY (it used to abort the process), and the binding raises MemoryError."""
+    import ctypes
+
+    from attnkit.backends.blockwise.native import abi
+
+    lib = build.library()
+    x = torch.zeros(64)
+    args = abi.Args()
+    args.q = args.k = args.v = args.out = args.lse = x.data_ptr()
+    args.B = args.H = args.HKV = args.T = 1
+    args.S, args.D, args.DV = 1 << 40, 16, 16
+    args.scale, args.band_lo, args.band_hi, args.bq, args.threads = 1.0, -1, 1, 128, 1
+    code = lib.attnkit_forward(ctypes.byref(args))
+    assert code == 4  # NO_MEMORY
+    with pytest.raises(MemoryError):
+        native._check_code(code)
+    args.dtype = 9
+    assert lib.attnkit_forward(ctypes.byref(args)) == 7  # BAD_DTYPE, checked first
+
+
 def test_kernel_errors_become_exceptions(monkeypatch):
     """A nonzero return of the C++ (out of memory, no thread, ...) is a Python error."""
     with pytest.raises(MemoryError):
