@@ -455,17 +455,50 @@ def test_where_the_native_kernel_is_slower_dense_calls_keep_torch(calls, monkeyp
     torch.testing.assert_close(dense, ref, atol=1e-5, rtol=1e-5)
     ref_w = attention(q, k, v, causal=True, window=40, backend="reference")
     torch.testing.assert_close(windowed, ref_w, atol=1e-5, rtol=1e-5)
-    plan_reason = native.why_not(_dense_plan(q, k, v), q, k, v)
-    assert plan_reason is not None and "slower than torch's kernel" in plan_reason
+    engines = _dense_plan(q, k, v).engines
+    assert (engines.forward, engines.backward) == ("flash_cpu", "flash_cpu")
+    assert "slower than torch's kernel" in engines.explain()
 
 
 def _dense_plan(q, k, v):
-    from attnkit.backends.blockwise.plan import NATIVE_CPU, build_plan
+    from attnkit.backends.blockwise.engines import plan_call
+    from attnkit.backends.blockwise.plan import NATIVE_CPU
 
-    return build_plan(
-        q, k, scale=q.shape[-1] ** -0.5, causal="bottom_right", window=None, mask=None,
-        mask_mod=None, score_mod=None, block_mask=None, engine=NATIVE_CPU,
+    return plan_call(
+        q, k, v, requested=NATIVE_CPU, extra=(), scale=q.shape[-1] ** -0.5,
+        causal="bottom_right", window=None, mask=None, mask_mod=None, score_mod=None,
+        block_mask=None,
     )  # fmt: skip
+
+
+def test_the_engines_are_chosen_once_per_call_with_their_reasons(monkeypatch):
+    """One plan per call, whatever asks (auto's first choice and the run), and one
+    question to the native kernel per direction; each refusal is kept on the plan."""
+    from attnkit.backends.blockwise import engines as engines_module
+
+    asked: list[str] = []
+    for name in ("why_not", "why_not_backward"):
+        original = getattr(native, name)
+        monkeypatch.setattr(
+            native, name, lambda *a, _o=original, _n=name: asked.append(_n) or _o(*a)
+        )
+    built = []
+    original_plan_call = engines_module.plan_call
+    monkeypatch.setattr(
+        "attnkit.backends.blockwise.plan_call",
+        lambda *a, **kw: built.append(1) or original_plan_call(*a, **kw),
+    )
+    q, k, v = _qkv(1, 2, 2, 300, 300, 32, 32, seed=40)
+    with torch.no_grad():
+        attention(q, k, v, causal=True, window=40)  # auto: blockwise first, then its run
+    assert len(built) == 1
+    assert asked.count("why_not_backward") == 1
+    q, k, v = _qkv(1, 2, 2, 300, 300, 24, 24, seed=41)  # 24 wide: native stands aside
+    plan = _dense_plan(q, k, v)
+    assert plan.engines.forward == "flash_cpu"
+    assert "forward: flash_cpu (native_cpu: the native kernel needs value heads" in (
+        plan.engines.explain()
+    )
 
 
 # -- the backward ------------------------------------------------------------------------

@@ -11,7 +11,7 @@ of a request: an explicitly named backend that cannot honour it raises, and
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -69,6 +69,9 @@ class AttentionCall:
     block_mask: BlockMask | None = None
     sinks: torch.Tensor | None = None
     return_lse: bool = False
+    #: What a backend worked out for this call and may need again (blockwise keeps its
+    #: plan here, so ``auto_first`` and the run build it once); not part of the request.
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def dense_mask(self) -> torch.Tensor | None:
         """Everything that masks this call (mask, causal, window, mask_mod, block_mask) as

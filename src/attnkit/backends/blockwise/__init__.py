@@ -34,16 +34,14 @@ import dataclasses
 import torch
 
 from attnkit.backends import AttentionCall, BackendResult, is_sparse, register_backend
-from attnkit.backends.blockwise import flash_cpu, native
 from attnkit.backends.blockwise.autograd import BlockwiseAttention
+from attnkit.backends.blockwise.engines import plan_call
 from attnkit.backends.blockwise.merge import merge_partials
 from attnkit.backends.blockwise.plan import (
     FLASH_CPU,
-    FUSED_ENGINES,
     NATIVE_CPU,
     TORCH_TILES,
     TilePlan,
-    build_plan,
 )
 from attnkit.backends.blockwise.segment import SegmentMask, segment_backward, segment_forward
 from attnkit.backends.blockwise.torch_tiles import attention_weights
@@ -101,9 +99,22 @@ def _supports(call: AttentionCall) -> str | None:
 
 
 def _plan(call: AttentionCall, engine: str) -> TilePlan:
-    return build_plan(
+    """The call's plan from ``engine`` down the priority list, built once per call (kept in
+    ``call.memo``: ``auto_first`` and the run read the same)."""
+    key = ("blockwise", engine)
+    if key not in call.memo:
+        extra = score_mod_tensors(call.score_mod, call.query.dtype, call.query.device)
+        call.memo[key] = _new_plan(call, engine, extra)
+    return call.memo[key]
+
+
+def _new_plan(call: AttentionCall, engine: str, extra: tuple) -> TilePlan:
+    return plan_call(
         call.query,
         call.key,
+        call.value,
+        requested=engine,
+        extra=extra,
         scale=call.scale,
         causal=call.causal,
         window=call.window,
@@ -111,16 +122,11 @@ def _plan(call: AttentionCall, engine: str) -> TilePlan:
         mask_mod=call.mask_mod,
         score_mod=call.score_mod,
         block_mask=call.block_mask,
-        engine=engine,
     )
 
 
 def _run(call: AttentionCall, engine: str) -> BackendResult:
     extra = score_mod_tensors(call.score_mod, call.query.dtype, call.query.device)
-    if engine in FUSED_ENGINES and flash_cpu.why_not(
-        call.query, call.key, call.value, call.score_mod, extra
-    ):
-        engine = TORCH_TILES
     plan = _plan(call, engine)
     out, lse = BlockwiseAttention.apply(plan, call.query, call.key, call.value, call.sinks, *extra)
     lead = call.query.shape[:-1]  # (..., h, t)
@@ -176,15 +182,10 @@ def _auto_first(call: AttentionCall) -> bool:
         or call.need_weights
     ):
         return False
-    extra = ()  # the score_mod's tensors wanting gradients: none for the native kernel
-    if flash_cpu.why_not(call.query, call.key, call.value, call.score_mod, extra) is not None:
+    engines = _plan(call, NATIVE_CPU).engines
+    if engines is None or engines.forward != NATIVE_CPU:
         return False
-    plan = _plan(call, NATIVE_CPU)
-    if _wants_grad(call):
-        if call.score_mod is not None:  # its tensors may want gradients: not native
-            return False
-        return native.why_not_backward(plan, call.query, call.key, call.value, extra) is None
-    return native.why_not(plan, call.query, call.key, call.value) is None
+    return engines.backward == NATIVE_CPU or not _wants_grad(call)
 
 
 register_backend("blockwise", blockwise_attention, supports=_supports, auto_first=_auto_first)

@@ -20,7 +20,7 @@ import torch
 
 from attnkit.backends.blockwise import flash_cpu, native, torch_tiles
 from attnkit.backends.blockwise.merge import merge_partials
-from attnkit.backends.blockwise.plan import NATIVE_CPU, TORCH_TILES, TilePlan
+from attnkit.backends.blockwise.plan import FLASH_CPU, NATIVE_CPU, TORCH_TILES, TilePlan
 
 
 def engine_forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,15 +48,13 @@ def engine_backward(
     zeroes the subnormal weights a score_mod's wide range produces, which the fused
     backward would multiply as they are, several times slower).
     """
-    if plan.engine == NATIVE_CPU:
+    chosen = plan.engines.backward if plan.engines is not None else TORCH_TILES
+    if chosen == NATIVE_CPU:
         q4, k4, v4 = flash_cpu.engine_views(plan, q, k, v)
-        if native.why_not_backward(plan, q4, k4, v4, extra) is None:
-            grads = native.backward(plan, q4, k4, v4, out, lse, grad_out, grad_lse)
-            dq, dk, dv = (
-                g.to(x.dtype).reshape(x.shape) for g, x in zip(grads, (q, k, v), strict=True)
-            )
-            return dq, dk, dv, []
-    if plan.fused and plan.score_mod is None and grad_lse is None:
+        grads = native.backward(plan, q4, k4, v4, out, lse, grad_out, grad_lse)
+        dq, dk, dv = (g.to(x.dtype).reshape(x.shape) for g, x in zip(grads, (q, k, v), strict=True))
+        return dq, dk, dv, []
+    if chosen == FLASH_CPU and grad_lse is None:  # (it takes no gradient through the LSE)
         dq, dk, dv = flash_cpu.backward(plan, q, k, v, out, lse, grad_out)
         return dq, dk, dv, []
     tiles_plan = dataclasses.replace(plan, engine=TORCH_TILES)

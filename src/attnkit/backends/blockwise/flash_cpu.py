@@ -259,16 +259,13 @@ def _gathered_backward(
 def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """Return ``(out (b, h, t, d_v) in q's dtype, lse (b, h, t))``, as the tile engine."""
     acc, out_dtype = acc_dtype(q.dtype), q.dtype
-    if plan.engine == NATIVE_CPU and q.dtype == torch.bfloat16 and native.bf16():
-        # bf16 products in the native kernel: the inputs are read as they are
-        qb, kb, vb = engine_views(plan, q, k, v, upcast=False)
-        if native.why_not(plan, qb, kb, vb) is None:
-            native_out, native_lse = native.forward(plan, qb, kb, vb)
-            return native_out.to(out_dtype), native_lse
-    q, k, v = engine_views(plan, q, k, v)
-    if plan.engine == NATIVE_CPU and native.why_not(plan, q, k, v) is None:
-        native_out, native_lse = native.forward(plan, q, k, v)
+    engines = plan.engines
+    if engines is not None and engines.forward == NATIVE_CPU:
+        # bf16 products read bf16 inputs as they are; anything else is upcast
+        views = engine_views(plan, q, k, v, upcast=not engines.bf16)
+        native_out, native_lse = native.forward(plan, *views)
         return native_out.to(out_dtype), native_lse
+    q, k, v = engine_views(plan, q, k, v)
     b, h, dv = plan.b, plan.h, v.shape[-1]
     layout = toeplitz.layout(plan)
     if layout == "band":  # writes every row: no need to clear them first

@@ -55,6 +55,36 @@ NATIVE_CPU = "native_cpu"
 FLASH_CPU = "flash_cpu"
 TORCH_TILES = "torch_tiles"
 FUSED_ENGINES = (NATIVE_CPU, FLASH_CPU)
+#: The one priority list: each direction of a call runs on the first engine of it that
+#: takes the call (see :mod:`.engines`).
+PRIORITY = (NATIVE_CPU, FLASH_CPU, TORCH_TILES)
+
+
+@dataclass(frozen=True)
+class Engines:
+    """The engines chosen for a plan, once (:func:`.engines.plan_call`).
+
+    Attributes:
+        forward: the engine of the forward (one of :data:`PRIORITY`).
+        backward: the engine of the backward (torch's fused backward takes no gradient
+            through the log-sum-exp: such a backward, known only then, runs on the tiles).
+        bf16: the native forward reads bf16 inputs as they are (bf16 products).
+        passed_over: ``(direction, engine, why)`` for every engine ahead of the chosen
+            one that refused, in priority order.
+    """
+
+    forward: str
+    backward: str
+    bf16: bool = False
+    passed_over: tuple[tuple[str, str, str], ...] = ()
+
+    def explain(self) -> str:
+        """One line per direction: its engine, and why the faster ones stood aside."""
+        lines = []
+        for direction, engine in (("forward", self.forward), ("backward", self.backward)):
+            why = [f"{e}: {w}" for d, e, w in self.passed_over if d == direction]
+            lines.append(f"{direction}: {engine}" + (f" ({'; '.join(why)})" if why else ""))
+        return "\n".join(lines)
 
 
 @dataclass
@@ -97,9 +127,10 @@ class TilePlan:
     block_mask: BlockMask | None
     block_q: int
     block_k: int
-    engine: str = TORCH_TILES
+    engine: str = TORCH_TILES  # the engine the tiles are planned for (fused or not)
     q_base: int = 0  # the mods see query i as q_base + i
     k_base: int = 0  # and key j as k_base + j
+    engines: Engines | None = None  # what runs it, each direction (None: the tiles)
 
     @property
     def groups(self) -> int:

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from attnkit._validate import check_int
-from attnkit.backends.blockwise import flash_cpu
 from attnkit.backends.blockwise.autograd import engine_backward, engine_forward
-from attnkit.backends.blockwise.plan import NATIVE_CPU, TORCH_TILES, TilePlan, build_plan
+from attnkit.backends.blockwise.engines import plan_call
+from attnkit.backends.blockwise.plan import NATIVE_CPU, TilePlan
 from attnkit.masks import MaskMod, ScoreMod
 
 __all__ = ["SegmentMask", "segment_backward", "segment_forward"]
@@ -59,10 +59,12 @@ def _plan(
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D (b, h, len, d) tensor")
-    engine = NATIVE_CPU if flash_cpu.why_not(q, k, v, seg.score_mod, ()) is None else TORCH_TILES
-    plan = build_plan(
+    plan = plan_call(
         q,
         k,
+        v,
+        requested=NATIVE_CPU,
+        extra=(),
         scale=float(scale),
         causal="top_left" if seg.causal else None,
         window=seg.window,
@@ -70,7 +72,6 @@ def _plan(
         mask_mod=seg.mask_mod,
         score_mod=seg.score_mod,
         block_mask=None,
-        engine=engine,
         mod_offsets=(seg.q_offset, seg.k_offset),
         # causal/window compare key position j + k_offset with query position i + q_offset
         position_offset=seg.q_offset - seg.k_offset,

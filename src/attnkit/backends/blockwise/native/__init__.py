@@ -83,22 +83,17 @@ def available() -> bool:
     return library() is not None
 
 
-def why_not(plan: TilePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """Why the kernel cannot run this fused plan on the engine's ``(b, heads, len, d)``
-    tensors (None when it can): it takes float32 CPU tensors (bf16 on an avx512-bf16
-    build, forward) with contiguous last dims,
-    value heads a multiple of 16 wide, causal/window bounds, a block mask, a ``mask``
-    tensor and a relative bias, but no other ``score_mod``, and not under
-    ``torch.compile``."""
-    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
-        return "the native kernel runs float32 (and bf16) CPU tensors"
-    if q.dtype == torch.bfloat16 and not bf16():
+def why_not(plan: TilePlan, dtype: torch.dtype, d: int, d_v: int) -> str | None:
+    """Why the kernel cannot run this fused plan (CPU tensors) on the engine's views of
+    ``dtype`` (None when it can): it takes float32 (bf16 on an avx512-bf16 build,
+    forward), value heads a multiple of 16 wide, causal/window bounds, a block mask, a
+    ``mask`` tensor and a relative bias, but no other ``score_mod``, and not under
+    ``torch.compile``. Asked once per call, by :mod:`..engines`."""
+    if dtype not in (torch.float32, torch.bfloat16):
+        return "the native kernel runs float32 (and bf16) tensors"
+    if dtype == torch.bfloat16 and not bf16():
         return "bf16 products need an avx512-bf16 build (bf16 is computed in float32)"
-    if any(x.dtype != q.dtype for x in (k, v)):
-        return "the native kernel needs query, key and value of one dtype"
-    if any(x.stride(-1) != 1 for x in (q, k, v)):
-        return "the native kernel reads contiguous last dims"
-    if v.shape[-1] % 16 or q.shape[-1] == 0:
+    if d_v % 16 or d == 0:
         return "the native kernel needs value heads a multiple of 16 wide"
     if plan.mask_mod is not None:
         return "a mask_mod not made a block mask"
@@ -231,14 +226,17 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def why_not_backward(plan: TilePlan, q, k, v, extra: tuple) -> str | None:
-    """Why :func:`backward` cannot run (None when it can): as :func:`why_not`, with head
-    sizes a multiple of 16 and no ``score_mod`` tensor wanting a gradient."""
+def why_not_backward(
+    plan: TilePlan, dtype: torch.dtype, d: int, d_v: int, extra: tuple
+) -> str | None:
+    """Why :func:`backward` cannot run (None when it can): as :func:`why_not` (float32
+    views: the backward upcasts), with head sizes a multiple of 16 and no ``score_mod``
+    tensor wanting a gradient."""
     if extra:
         return "a score_mod whose tensors want gradients (the tile engine finds them)"
-    if q.shape[-1] % 16:
+    if d % 16:
         return "the native backward needs query heads a multiple of 16 wide"
-    why = why_not(plan, q, k, v)
+    why = why_not(plan, dtype, d, d_v)
     dense = why is None and _dense(plan) and not calibrate.measuring()
     if dense and not calibrate.speed().backward_ok:
         return _slower("forward+backward", calibrate.speed().backward)
