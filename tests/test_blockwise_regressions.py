@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from attnkit import attention
-from attnkit import block_mask as block_mask_module
+from attnkit import attention, block_mask_cache
 from attnkit import masks as M
 from attnkit.backends.blockwise import plan as blockwise_plan
 from attnkit.backends.blockwise import torch_tiles
@@ -199,9 +198,9 @@ def test_repeated_plain_mask_mod_builds_its_plan_once(monkeypatch):
     """A plain mask_mod= evaluated the mod on every tile of every call; now its block plan
     is cached on the mod, shapes and captured state, and a mutation of that state is seen."""
     calls = []
-    original = block_mask_module.create_block_mask
+    original = block_mask_cache.create_block_mask
     monkeypatch.setattr(
-        block_mask_module,
+        block_mask_cache,
         "create_block_mask",
         lambda *a, **kw: calls.append(1) or original(*a, **kw),
     )

@@ -24,6 +24,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -62,14 +63,16 @@ def _env(**values: str | None) -> Iterator[None]:
 
 def _best(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
     """Median seconds of each closure, timed round-robin after one warm-up each; each round
-    starts one closure later, so none always runs right after the same neighbour (a dense
-    mask's large frees made the next call page-fault its fresh buffers)."""
+    runs them in another (seeded) order, so none always runs right after the same
+    neighbour (a large free before a call made it page-fault its fresh buffers: 1.3x)."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
     order = list(fns.items())
-    for r in range(reps):
-        for name, fn in order[r % len(order) :] + order[: r % len(order)]:
+    shuffle = random.Random(0).shuffle
+    for _ in range(reps):
+        shuffle(order)
+        for name, fn in order:
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attnkit.block_mask import EMPTY, FULL, BlockMask, cached_block_mask
+from attnkit.block_mask import EMPTY, FULL, BlockMask
+from attnkit.block_mask_cache import cached_block_mask
 from attnkit.masks import MaskMod, ScoreMod, position_keep
 from attnkit.mods import eval_mask_mod, eval_score_mod
 

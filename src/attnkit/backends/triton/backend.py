@@ -22,7 +22,8 @@ import torch
 
 from attnkit.backends import AttentionCall, BackendResult
 from attnkit.backends.triton import plan as P
-from attnkit.block_mask import BlockMask, cached_block_mask
+from attnkit.block_mask import BlockMask
+from attnkit.block_mask_cache import cached_block_mask
 
 #: (BLOCK_M, BLOCK_N) of the forward and backward kernels by head dim on a GPU (not tuned:
 #: no GPU was available when they were written).
