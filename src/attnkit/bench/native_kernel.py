@@ -203,19 +203,26 @@ def _pattern_call(pattern: str, t: int) -> tuple[dict, torch.Tensor | None]:
     raise ValueError(f"unknown pattern {pattern!r}")
 
 
-def auto_grid(sizes: tuple[int, ...], reps: int) -> list[dict]:
-    """``auto`` against the fastest backend, every pattern x size x direction."""
+def auto_grid(sizes: tuple[int, ...], reps: int, peak_gflops: float) -> list[dict]:
+    """``auto`` against the fastest backend, every pattern x size x direction, and the
+    blockwise row's useful FLOP rate as a share of ``peak_gflops`` (the kept (query, key)
+    pairs only: 4 d FLOPs each forward, 2.5x that more backward)."""
     rows = []
+    b, h, d = SHAPE
     for pattern in ("causal", "window256", "documents", "alibi"):
         for t in sizes:
             kwargs, sdpa_mask = _pattern_call(pattern, t)
+            keep = torch.ones(t, t).tril().bool() if sdpa_mask is None else sdpa_mask
+            pairs = int((keep if keep.dtype == torch.bool else ~keep.isneginf()).sum())
             for backward in (False, True):
                 fns = _grid_fns(*_inputs(t, backward, seed=t), kwargs, sdpa_mask, backward)
                 med = _best(fns, reps)
                 fastest = min((s, n) for n, s in med.items() if n != "auto")
+                flops = 4 * b * h * pairs * d * (3.5 if backward else 1.0)
                 rows.append({
                     "pattern": pattern, "t": t, "direction": "fwd+bwd" if backward else "fwd",
                     "seconds": med, "fastest": fastest[1], "auto/fastest": med["auto"] / fastest[0],
+                    "blockwise % of peak": 100 * flops / med["blockwise"] / 1e9 / peak_gflops,
                 })  # fmt: skip
     return rows
 
@@ -239,7 +246,7 @@ def run(quick: bool, reps: int) -> dict:
                 f"{threads} threads": machine_peak(threads),
             }
             rows = causal_rows(t, reps, peak[f"{threads} threads"]["fp32_gflops"])
-            grid = auto_grid(sizes, reps)
+            grid = auto_grid(sizes, reps, peak[f"{threads} threads"]["fp32_gflops"])
             result["builds"][isa] = {"status": status, "peak": peak, "causal": rows, "grid": grid}
     result["t"] = t
     return result
@@ -260,11 +267,12 @@ def markdown(result: dict) -> str:
         lines += ["", f"| causal, T={result['t']} | value |", "|---|---|"]
         for name, x in b["causal"].items():
             lines.append(f"| {name} | {x:.2f} |")
-        lines += ["", "| pattern | T | direction | fastest | auto / fastest |", "|---|---|---|---|---|"]  # fmt: skip
+        lines += ["", "| pattern | T | direction | fastest | auto / fastest | blockwise % of peak |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
         for r in b["grid"]:
             lines.append(
                 f"| {r['pattern']} | {r['t']} | {r['direction']} | {r['fastest']} "
-                f"| {r['auto/fastest']:.2f} |"
+                f"| {r['auto/fastest']:.2f} | {r.get('blockwise % of peak', float('nan')):.0f} |"
             )
         worst = max(r["auto/fastest"] for r in b["grid"])
         lines += ["", f"worst auto / fastest: {worst:.2f}", ""]
