@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnkit import attention, backends
 from attnkit import masks as M
@@ -353,3 +355,40 @@ def test_cuda_matches_reference():
     out = attention(q, k, v, causal=True, window=20, score_mod=M.alibi(4), backend="blockwise")
     ref = attention(q, k, v, causal=True, window=20, score_mod=M.alibi(4), backend="reference")
     torch.testing.assert_close(out, ref, **TOL[torch.float32])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    causal=st.booleans(),
+    window=st.one_of(st.none(), st.integers(1, 40)),
+    offset=st.integers(-30, 30),
+    q0=st.integers(0, 30),
+    rows=st.integers(1, 20),
+    s=st.integers(1, 60),
+)
+def test_band_is_the_causal_window_rule(causal, window, offset, q0, rows, s):
+    """plan.Band (the one derivation of causal + window + alignment as lo <= j - i <= hi)
+    keeps exactly the pairs masks.position_keep keeps, and its key range is the tightest
+    one covering them."""
+    from attnkit.backends.blockwise.plan import Band
+    from attnkit.masks import position_keep
+
+    band = Band.of(causal, window, offset)
+    i = torch.arange(q0, q0 + rows).view(-1, 1)
+    j = torch.arange(s).view(1, -1)
+    if causal or window is not None:
+        want = position_keep(i + offset, j, causal=causal, window=window)
+    else:
+        want = torch.ones(rows, s, dtype=torch.bool)
+    got = torch.ones(rows, s, dtype=torch.bool)
+    if band.lo is not None:
+        got &= j - i >= band.lo
+    if band.hi is not None:
+        got &= j - i <= band.hi
+    assert torch.equal(got, want)
+    lo, hi = band.keys(q0, q0 + rows, s)
+    cols = want.any(0).nonzero().flatten()
+    if cols.numel():
+        assert (lo, hi) == (int(cols[0]), int(cols[-1]) + 1)
+    else:
+        assert lo >= hi

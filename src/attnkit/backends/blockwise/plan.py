@@ -88,6 +88,41 @@ class Engines:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Band:
+    """Causal, window and alignment as one value: key ``j`` is kept for query ``i`` iff
+    ``lo <= j - i <= hi`` (None: no bound on that side). Derived in one place
+    (:meth:`of`, from the rule :func:`attnkit.masks.position_keep` writes) and read by the
+    tiles, the mask-free layouts and the native kernel."""
+
+    lo: int | None = None
+    hi: int | None = None
+
+    @staticmethod
+    def of(causal: bool, window: int | None, offset: int) -> Band:
+        """The band of causal/window with query ``i`` at key position ``i + offset``:
+        causal keeps ``j <= i + offset``, a window ``i + offset - window < j`` (and without
+        causal ``j < i + offset + window``)."""
+        lo = None if window is None else offset - window + 1
+        if causal:
+            hi: int | None = offset
+        else:
+            hi = None if window is None else offset + window - 1
+        return Band(lo, hi)
+
+    def __and__(self, other: Band) -> Band:
+        """The pairs both bands keep."""
+        los = [x for x in (self.lo, other.lo) if x is not None]
+        his = [x for x in (self.hi, other.hi) if x is not None]
+        return Band(max(los) if los else None, min(his) if his else None)
+
+    def keys(self, q0: int, q1: int, s: int) -> tuple[int, int]:
+        """The keys ``[lo, hi)`` of ``[0, s)`` that some query of ``[q0, q1)`` keeps."""
+        lo = 0 if self.lo is None else max(0, q0 + self.lo)
+        hi = s if self.hi is None else min(s, q1 - 1 + self.hi + 1)
+        return lo, max(lo, hi)
+
+
 @dataclass
 class Tile:
     """Keys ``[k0, k1)`` of one query block and what masks them.
@@ -158,17 +193,14 @@ class TilePlan:
             return bm.causal_runs(FUSED_BLOCK_Q, self.causal)
         return [(i, min(i + self.block_q, self.t)) for i in range(0, self.t, self.block_q)]
 
+    @property
+    def band(self) -> Band:
+        """Causal, window and the alignment offset as one :class:`Band`."""
+        return Band.of(self.causal, self.window, self.offset)
+
     def k_range(self, q0: int, q1: int) -> tuple[int, int]:
         """The keys ``[lo, hi)`` that any query in ``[q0, q1)`` may reach by causal/window."""
-        lo, hi = 0, self.s
-        first, last = q0 + self.offset, q1 - 1 + self.offset  # key positions
-        if self.causal:
-            hi = min(hi, last + 1)
-        elif self.window is not None:
-            hi = min(hi, last + self.window)
-        if self.window is not None:
-            lo = max(lo, first - self.window + 1)
-        return lo, max(lo, hi)
+        return self.band.keys(q0, q1, self.s)
 
     def materialises(self) -> bool:
         """Whether some tiles need an explicit mask or bias (beyond causal/window bounds)."""

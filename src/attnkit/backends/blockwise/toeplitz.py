@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.backends.blockwise import plan as _plan
-from attnkit.backends.blockwise.plan import TilePlan
+from attnkit.backends.blockwise.plan import Band, TilePlan
 
 #: torch's fused CPU flash kernel (``aten::_scaled_dot_product_flash_attention_for_cpu``),
 #: as :mod:`.flash_cpu` hands it in.
@@ -65,20 +65,14 @@ def layout(plan: TilePlan) -> str | None:
 def key_band(plan: TilePlan) -> tuple[int, int] | None:
     """``(a, b)``: query ``i`` can see keys ``i + a .. i + b`` only (causal/window with the
     plan's offset, a Toeplitz block mask's kept differences); None = unbounded."""
-    a, b = None, None
-    if plan.window is not None:
-        a = plan.offset - plan.window + 1
-        b = plan.offset if plan.causal else plan.offset + plan.window - 1
-    elif plan.causal:
-        b = plan.offset
+    band = plan.band
     if plan.block_mask is not None:
         lo, keep = plan.block_mask.toeplitz()  # type: ignore[misc]
         hi = lo + keep.numel() - 1  # kept differences q - kv in [lo, hi]
-        a = -hi if a is None else max(a, -hi)
-        b = -lo if b is None else min(b, -lo)
-    if a is None or b is None:
+        band = band & Band(-hi, -lo)
+    if band.lo is None or band.hi is None:
         return None
-    return a, max(a, b)
+    return band.lo, max(band.lo, band.hi)
 
 
 def forward(plan: TilePlan, layout: str, kernel: Kernel, q, k, v, out, lse) -> None:

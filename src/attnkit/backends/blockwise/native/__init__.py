@@ -28,7 +28,7 @@ import torch
 
 from attnkit.backends.blockwise.native import abi, calibrate
 from attnkit.backends.blockwise.native.build import library, status, warn_once
-from attnkit.backends.blockwise.plan import TilePlan
+from attnkit.backends.blockwise.plan import Band, TilePlan
 from attnkit.block_mask import PARTIAL
 
 __all__ = [
@@ -141,21 +141,18 @@ def _band(plan: TilePlan) -> tuple[int, int, bool]:
     ``lo <= j - i <= hi``. A block mask that is itself such a band (a sliding window or
     causal mask written as a mod: :meth:`BlockMask.toeplitz` with every difference in its
     range kept) joins the band and is not read at all."""
-    lo, hi = -_NONE, _NONE
-    if plan.causal:
-        hi = plan.offset
-    if plan.window is not None:
-        lo = plan.offset - plan.window + 1
-        if not plan.causal:
-            hi = plan.offset + plan.window - 1
+    band, read = plan.band, False
     bm = plan.block_mask
-    if bm is None:
-        return lo, hi, False
-    toeplitz = bm.toeplitz()
-    if toeplitz is None or not bool(toeplitz[1].all()):
-        return lo, hi, True
-    first, keep = toeplitz  # kept q - kv: first .. first + n - 1
-    return max(lo, -(first + keep.numel() - 1)), min(hi, -first), False
+    if bm is not None:
+        toeplitz = bm.toeplitz()
+        if toeplitz is None or not bool(toeplitz[1].all()):
+            read = True
+        else:
+            first, keep = toeplitz  # kept q - kv: first .. first + n - 1
+            band = band & Band(-(first + keep.numel() - 1), -first)
+    lo = -_NONE if band.lo is None else band.lo
+    hi = _NONE if band.hi is None else band.hi
+    return lo, hi, read
 
 
 def _args(plan: TilePlan, q, k, v, out, lse) -> tuple[abi.Args, list[torch.Tensor]]:
