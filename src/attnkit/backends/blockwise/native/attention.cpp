@@ -455,11 +455,23 @@ struct Operands {
   }
 };
 
-// Scores -> weights in place, the online softmax state updated (alpha: O's rescale).
+// Scores -> weights in place (bf16 calls: into w.p16, rounded to bf16), the online softmax
+// state updated (alpha: O's rescale).
 void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Scratch &w) {
   Masker masker(a, c, b, h);
   for (int64_t r = c.r0; r < c.r1; ++r) {
     float *s = w.s.data() + r * KC;
+#if defined(ATTNKIT_BF16)
+    uint16_t *p16 = a.dtype == DT_BF16 ? w.p16.data() + r * KC : nullptr;
+    auto put = [&](int vv, vf p) {
+      if (p16)
+        simd::store_bf16(p16 + W * vv, p);
+      else
+        simd::store(s + W * vv, p);
+    };
+#else
+    auto put = [&](int vv, vf p) { simd::store(s + W * vv, p); };
+#endif
     vf x[NV];
     masker.row(r, i0 + r, s, x);
     vf mx = x[0];
@@ -471,7 +483,7 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
       bool nan = false;
       for (int vv = 0; vv < NV; ++vv) nan |= simd::any_nan(x[vv]);
       if (!nan) {  // nothing kept yet: weights 0, O untouched
-        for (int vv = 0; vv < NV; ++vv) simd::store(s + W * vv, simd::splat(0.0f));
+        for (int vv = 0; vv < NV; ++vv) put(vv, simd::splat(0.0f));
         w.alpha[r] = 1.0f;
         continue;
       }
@@ -482,7 +494,7 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
 #pragma GCC unroll 16
     for (int vv = 0; vv < NV; ++vv) {
       const vf p = simd::exp(x[vv] - m);
-      simd::store(s + W * vv, p);
+      put(vv, p);
       sum += p;
     }
     float *l_blk = w.l_blk.data() + r * W;
@@ -533,8 +545,7 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       softmax(a, b, h, i0, c, w);
       // P V over whole pairs of keys: the weights outside [lo, hi) are 0
       const int64_t lo = c.lo & ~int64_t(1), hi = (c.hi + 1) & ~int64_t(1);
-      uint16_t *p16 = w.p16.data() + c.r0 * KC;
-      simd::to_bf16(p16, s, nr * KC);
+      const uint16_t *p16 = w.p16.data() + c.r0 * KC;  // the weights, as softmax left them
       simd::gemm_bf16<true>(w.o_blk.data() + c.r0 * a.DV, a.DV, nr, a.DV, p16 + lo, KC,
                             ops.vp.chunk(a, b, hk, c.ci) + lo * a.DV, 2 * a.DV, (hi - lo) / 2,
                             w.alpha.data() + c.r0);

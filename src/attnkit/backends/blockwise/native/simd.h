@@ -270,12 +270,9 @@ inline void gemm_bf16(float *c, int64_t ldc, int64_t rows, int64_t cols, const u
   }
 }
 
-// n floats (a multiple of 32) rounded to bf16 (round to nearest even), in order.
-inline void to_bf16(uint16_t *dst, const float *src, int64_t n) {
-  for (int64_t i = 0; i < n; i += 32) {
-    const __m512bh x = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + i + 16), _mm512_loadu_ps(src + i));
-    _mm512_storeu_si512(dst + i, (__m512i)x);
-  }
+// The W floats of x rounded to bf16 (round to nearest even), stored in order at dst.
+inline void store_bf16(uint16_t *dst, vf x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i *>(dst), (__m256i)_mm512_cvtneps_pbh((__m512)x));
 }
 #endif
 
