@@ -213,7 +213,8 @@ def auto_grid(sizes: tuple[int, ...], reps: int, peak_gflops: float) -> list[dic
         for t in sizes:
             kwargs, sdpa_mask = _pattern_call(pattern, t)
             keep = torch.ones(t, t).tril().bool() if sdpa_mask is None else sdpa_mask
-            pairs = int((keep if keep.dtype == torch.bool else ~keep.isneginf()).sum())
+            keep = keep if keep.dtype == torch.bool else ~keep.isneginf()
+            pairs = int(keep.reshape(-1, t, t)[0].sum())  # of one head (a bias has h)
             for backward in (False, True):
                 fns = _grid_fns(*_inputs(t, backward, seed=t), kwargs, sdpa_mask, backward)
                 med = _best(fns, reps)
