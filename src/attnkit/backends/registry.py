@@ -209,13 +209,25 @@ def get_backend(name: str) -> Backend:
 
 
 def select(name: str, call: AttentionCall) -> Backend:
-    """Return the backend that will run ``call`` for the requested ``name``."""
+    """Return the backend that will run ``call`` for the requested ``name``.
+
+    Raises:
+        ValueError: when the named backend cannot run ``call`` (with its reason), or when
+            ``"auto"`` finds none that can (naming every backend it tried and its reason).
+    """
     if name == "auto":
+        reasons = []
         for candidate in auto_order(call):
             backend = _REGISTRY.get(candidate)
-            if backend is not None and backend.auto_supports(call) is None:
+            if backend is None:
+                reasons.append(f"{candidate}: not registered")
+                continue
+            reason = backend.auto_supports(call)
+            if reason is None:
                 return backend
-        raise ValueError("no registered attention backend supports this call")  # pragma: no cover
+            reasons.append(f"{candidate}: {reason}")
+        tried = "; ".join(reasons) if reasons else "none"
+        raise ValueError(f"backend='auto' found no attention backend for this call; tried {tried}")
     backend = get_backend(name)
     reason = backend.supports(call)
     if reason is not None:
