@@ -1,6 +1,8 @@
 # Two commands, on a fresh machine with Python 3.10+:
-#   make demo   set up .venv (torch first, then attnkit and its dev tools) and run `attnkit demo`
-#   make test   run the test suite (sets up .venv first if needed)
+#   make demo   set up .venv with what the demo needs (torch first, then attnkit[viz]) and run
+#               `attnkit demo`
+#   make test   add the dev tools (pytest, ruff, mypy, triton, transformers, ...) and run the
+#               test suite (sets up .venv first if needed)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -8,24 +10,30 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: demo test lint setup clean
 
+# what `attnkit demo` needs: torch, attnkit's dependencies, matplotlib for the pictures
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[viz]"
+	touch $@
+
+# what the tests and the linters need on top
+$(VENV)/.dev-installed: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.dev-installed
 
 demo: $(VENV)/.installed
 	$(VENV)/bin/attnkit demo
 
-test: $(VENV)/.installed
+test: $(VENV)/.dev-installed
 	$(PY) -m ruff check src tests
 	$(PY) -m mypy
 	$(PY) -m pytest -n 2 -q -m "not slow"
 
-lint: $(VENV)/.installed
+lint: $(VENV)/.dev-installed
 	$(PY) -m ruff check src tests
 	$(PY) -m mypy
 	$(PY) -m ruff format --check src tests

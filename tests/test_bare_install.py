@@ -46,14 +46,18 @@ def _closure(specs: list[str]) -> dict[str, metadata.Distribution]:
     return found
 
 
-def _declared() -> list[str]:
+def _pyproject() -> dict:
     tomllib = pytest.importorskip("tomllib")
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
-@pytest.fixture(scope="module")
-def bare_python(tmp_path_factory) -> Path:
-    venv = tmp_path_factory.mktemp("bare") / "venv"
+def _declared() -> list[str]:
+    return _pyproject()["dependencies"]
+
+
+def _venv(root: Path, specs: list[str]) -> Path:
+    """A venv holding the requirement closure of ``specs`` (symlinked) and ``src/``."""
+    venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
     purelib = subprocess.run(
@@ -63,7 +67,7 @@ def bare_python(tmp_path_factory) -> Path:
         check=True,
     ).stdout.strip()
     site = Path(purelib)
-    for dist in _closure(_declared()).values():
+    for dist in _closure(specs).values():
         tops = {f.parts[0] for f in dist.files or [] if f.parts[0] != ".."}
         for top in tops:
             src = Path(dist.locate_file(top))
@@ -71,6 +75,18 @@ def bare_python(tmp_path_factory) -> Path:
                 (site / top).symlink_to(src)
     (site / "attnkit-src.pth").write_text(str(SRC) + "\n")
     return python
+
+
+@pytest.fixture(scope="module")
+def bare_python(tmp_path_factory) -> Path:
+    return _venv(tmp_path_factory.mktemp("bare"), _declared())
+
+
+@pytest.fixture(scope="module")
+def demo_python(tmp_path_factory) -> Path:
+    """What ``make demo`` installs: the declared dependencies and the ``[viz]`` extra."""
+    viz = _pyproject()["optional-dependencies"]["viz"]
+    return _venv(tmp_path_factory.mktemp("demo"), [*_declared(), *viz])
 
 
 def _run(python: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -126,6 +142,28 @@ def test_every_subcommand_works_bare_or_names_its_extra(bare_python, tmp_path):
     code = "from tqdm.auto import tqdm; import attnkit.bench.suite, attnkit.bench.report"
     r = _run(bare_python, "-c", code, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+
+
+_DEV_ONLY = ("pytest", "transformers", "triton", "hypothesis", "ruff", "mypy")
+
+
+def test_the_demo_runs_with_the_viz_extra_alone(demo_python, tmp_path):
+    """``make demo`` installs ``.[viz]`` only (not the dev set): the demo's stages, the
+    explain walkthrough and its pictures must need nothing more."""
+    code = f"import importlib.util as u; print([m for m in {_DEV_ONLY!r} if u.find_spec(m)])"
+    r = _run(demo_python, "-c", code, cwd=tmp_path)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
+    r = _run(demo_python, "-m", "attnkit", "demo", "--no-gpt", "--out", "tour", cwd=tmp_path)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert list((tmp_path / "tour" / "maps").glob("*.png")), r.stdout
+
+
+@pytest.mark.slow
+def test_the_whole_demo_runs_with_the_viz_extra_alone(demo_python, tmp_path):
+    r = _run(demo_python, "-m", "attnkit", "demo", "--out", "tour", cwd=tmp_path)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "pictures skipped" not in r.stdout
+    assert (tmp_path / "tour" / "gpt" / "loss.png").is_file()
 
 
 @pytest.mark.slow

@@ -294,6 +294,58 @@ def test_forward_and_length_errors():
         )
 
 
+def test_generate_checks_once_and_its_steps_trust_the_inputs(monkeypatch):
+    """generate validates idx, the mask and the context bound once; each token's step
+    (``GPT.step``) re-validates nothing (it used to run every forward check per token)."""
+    from attnkit.models import generate as gen
+    from attnkit.models import plan
+
+    calls: dict[str, int] = {}
+
+    def counting(module, name):
+        real = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls[f"{module.__name__}.{name}"] = calls.get(f"{module.__name__}.{name}", 0) + 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    for name in ("check_inputs", "check_context", "check_idx", "_check_input_pos", "_check_mask"):
+        counting(plan, name)
+    counting(gen, "_check_prompt")
+    counting(gen, "check_idx")
+    model = small(rope=True)
+    idx = torch.randint(0, 40, (2, 5))
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    for use_cache in (True, False):
+        calls.clear()
+        out = model.generate(idx, 12, attention_mask=mask, use_cache=use_cache)
+        assert out.shape == (2, 17)
+        assert calls == {
+            "attnkit.models.generate._check_prompt": 1,
+            "attnkit.models.generate.check_idx": 1,
+        }, calls
+    calls.clear()
+    model(idx, attention_mask=mask)  # the counters see a forward's checks
+    assert (
+        calls["attnkit.models.plan.check_inputs"] == 1
+        and calls["attnkit.models.plan._check_mask"] == 1
+    )
+
+
+def test_step_equals_forward_on_checked_inputs():
+    model = small(rope=True).eval()
+    idx = torch.randint(0, 40, (2, 6))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        full = model(idx, attention_mask=mask)
+        step = model.step(idx, torch.arange(6), mask.bool(), last_only=False)
+        last = model.step(idx, torch.arange(6), mask.bool())
+    torch.testing.assert_close(step, full)
+    torch.testing.assert_close(last, full[:, -1:])
+
+
 def test_feeding_past_a_short_cache_names_the_cache_not_context_length():
     model = GPT(GPTConfig(vocab_size=10, context_length=8, emb_dim=8, n_layers=1, n_heads=2))
     model.setup_cache(1, 4)

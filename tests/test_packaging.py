@@ -122,3 +122,30 @@ def test_wheel_ships_the_native_kernel_source(tmp_path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "attnkit/backends/blockwise/native/attention.cpp" in names
     assert "attnkit/py.typed" in names
+
+
+def _make_rules() -> dict[str, tuple[list[str], list[str]]]:
+    """The Makefile's rules: target -> (prerequisites, recipe lines), variables expanded."""
+    text = (ROOT / "Makefile").read_text().replace("$(VENV)", ".venv")
+    rules: dict[str, tuple[list[str], list[str]]] = {}
+    target = None
+    for line in text.splitlines():
+        if line.startswith("\t") and target is not None:
+            rules[target][1].append(line.strip())
+        elif ":" in line and not line.startswith(("#", ".PHONY")) and "=" not in line:
+            target, prereqs = line.split(":", 1)
+            rules[target] = (prereqs.split(), [])
+        else:
+            target = None
+    return rules
+
+
+def test_make_demo_installs_the_viz_extra_and_make_test_the_dev_set() -> None:
+    """``make demo`` must not wait for the dev tools (triton, transformers, ...)."""
+    rules = _make_rules()
+    (demo_stamp,) = rules["demo"][0]
+    (test_stamp,) = rules["test"][0]
+    demo_install = " ".join(rules[demo_stamp][1])
+    assert '-e ".[viz]"' in demo_install and "[dev]" not in demo_install
+    assert demo_install.index("TORCH_SPEC") < demo_install.index(".[viz]")  # torch first
+    assert demo_stamp in rules[test_stamp][0] and '-e ".[dev]"' in " ".join(rules[test_stamp][1])

@@ -5,6 +5,7 @@ import math
 import pytest
 
 from attnkit._validate import (
+    check_backend,
     check_bool,
     check_choice,
     check_float,
@@ -89,3 +90,19 @@ def test_check_window_is_an_int_of_at_least_one():
         check_window(True)
     with pytest.raises(TypeError, match="window must be an int.*None"):
         check_window(None, optional=False)
+
+
+def test_check_backend_accepts_auto_and_registered_names_and_lists_the_valid_ones():
+    assert check_backend("auto") == "auto"
+    assert check_backend("reference") == "reference"
+    with pytest.raises(ValueError, match=r"unknown attention backend 'nope'; valid: auto, .*sdpa"):
+        check_backend("nope")
+
+
+def test_modules_take_check_backend_from_validate():
+    """``check_backend`` moved out of the private ``modules._common``; the modules use it."""
+    from attnkit.modules import MultiHeadAttention, _common
+
+    assert not hasattr(_common, "check_backend")
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
+        MultiHeadAttention(4, 4, 8, 0.0, num_heads=2, backend="nope")

@@ -15,6 +15,7 @@ __all__ = [
     "ALIGNMENTS",
     "Alignment",
     "check_alignment",
+    "check_backend",
     "check_bool",
     "check_choice",
     "check_float",
@@ -91,6 +92,21 @@ def check_bool(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {type(value).__name__} ({value!r})")
     return value
+
+
+def check_backend(name: str) -> str:
+    """A backend name: ``"auto"`` or a registered backend, checked when a module is built
+    so that a typo surfaces before the first forward.
+
+    Raises:
+        ValueError: naming the valid backends, when ``name`` is not one of them.
+    """
+    if name != "auto":
+        # the registry sits above this module (its backends use these checks): import late
+        from attnkit.backends.registry import get_backend
+
+        get_backend(name)
+    return name
 
 
 def check_choice(value: T, name: str, choices: Iterable[T]) -> T:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkit import trace
-from attnkit.backends import AttentionCall, BackendResult, register_backend
+from attnkit.backends.registry import AttentionCall, BackendResult, register_backend
 from attnkit.masks import dead_rows
 from attnkit.mods import eval_score_mod
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attnkit.backends import AttentionCall, BackendResult, register_backend
+from attnkit.backends.registry import AttentionCall, BackendResult, register_backend
 from attnkit.masks import dead_rows
 
 __all__ = ["sdpa_attention"]

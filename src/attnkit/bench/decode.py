@@ -131,7 +131,7 @@ def profile_step(model: GPT, prompt: torch.Tensor, steps: int = 16, top: int = 8
 
             def decode() -> None:
                 for i in range(t0, t0 + steps):
-                    model._logits(token, None, times[i : i + 1], last_only=True)
+                    model.step(token, times[i : i + 1])
 
             decode()  # warm-up
             with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -1,7 +1,7 @@
 """Benchmarks of the kernel layer (issue 10): block masks, cached mod plans, documents,
 sinks, and compiled FlexAttention on CPU as a peer.
 
-Targets (ratios measured in one run, cases timed round-robin; see :mod:`attnkit.bench.suite`):
+Targets (ratios measured in one run, cases timed round-robin; see :mod:`attnkit.bench.timing`):
 
 * f: a sliding window (w=256) given as a ``mask_mod`` through a block mask, against
   SDPA with the dense mask (>= 8x) and against ``window=256`` (<= 1.25x), T = 8192, 16384;
@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 from attnkit import attention, create_block_mask
 from attnkit import masks as M
-from attnkit.bench.peers import Runner, Unsupported, _with_backward
-from attnkit.bench.suite import Case, time_cases
+from attnkit.bench.peers import Runner, _with_backward
+from attnkit.bench.timing import DTYPES, Case, Unsupported, time_cases
 
 WINDOW = 256
 DOC_LEN = 1024
@@ -83,6 +83,19 @@ def runner(
     else:
         raise ValueError(f"unknown implementation {impl!r}")
     return _with_backward(fn, backward)
+
+
+def build(case: Case) -> Runner:
+    """The runner of one of this module's cases (``case.shape`` holds ``group`` beside the sizes)."""
+    shape = {k: v for k, v in case.shape.items() if k != "group"}
+    return runner(
+        case.impl,
+        pattern=case.pattern,
+        t=case.t,
+        dtype=DTYPES[case.dtype],
+        backward=case.backward,
+        **shape,
+    )
 
 
 def _attnkit_pattern(q, k, v, pattern: str) -> Runner:
@@ -242,7 +255,7 @@ def time_targets(cases: dict[str, list[Case]], reps: int) -> list[dict]:
             for t in sorted({c.t for c in cases[group]}):
                 todo = [c for c in cases[group] if c.backward == bw and c.t == t]
                 if todo:
-                    time_cases(todo, reps)
+                    time_cases(todo, reps, build)
     return ratios(cases)
 
 

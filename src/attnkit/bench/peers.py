@@ -20,6 +20,7 @@ from torch import nn
 
 from attnkit import attention
 from attnkit import masks as M
+from attnkit.bench.timing import Unsupported
 from attnkit.modules import MultiHeadAttention
 
 Runner = Callable[[], object]
@@ -39,10 +40,6 @@ MODULES = [
     "sdpa-mha",
     "seed-mha",
 ]
-
-
-class Unsupported(Exception):
-    """The implementation cannot run this case (e.g. FlexAttention backward on CPU)."""
 
 
 def kernel_runner(

@@ -15,47 +15,24 @@ import argparse
 import json
 import platform
 import resource
-import statistics
 import subprocess
 import sys
-import time
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from attnkit.backends.blockwise import native
-from attnkit.bench import peers
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-@dataclass
-class Case:
-    """One measurement: what ran, and its median seconds (or why it did not run)."""
-
-    group: str
-    impl: str
-    pattern: str
-    t: int
-    dtype: str
-    backward: bool
-    shape: dict
-    seconds: float | None = None
-    peak_mb: float | None = None
-    note: str = ""
-    times: list[float] = field(default_factory=list)
+from attnkit.bench import kernel_layer, peers
+from attnkit.bench.timing import DTYPES, Case, time_case, time_cases
 
 
-def _build(case: Case):
+def _build(case: Case) -> Callable[[], object]:
+    """The runner of ``case``: a kernel, a module, or a kernel-layer case."""
     dt = DTYPES[case.dtype]
     if case.group == "layer":  # the kernel layer's targets (attnkit.bench.kernel_layer)
-        from attnkit.bench import kernel_layer
-
-        shape = {k: v for k, v in case.shape.items() if k != "group"}
-        return kernel_layer.runner(
-            case.impl, pattern=case.pattern, t=case.t, dtype=dt, backward=case.backward, **shape
-        )
+        return kernel_layer.build(case)
     if case.group == "module":
         return peers.module_runner(
             case.impl, t=case.t, dtype=dt, backward=case.backward, **case.shape
@@ -63,43 +40,6 @@ def _build(case: Case):
     return peers.kernel_runner(
         case.impl, t=case.t, dtype=dt, pattern=case.pattern, backward=case.backward, **case.shape
     )
-
-
-def _prepare(case: Case):
-    """Build and warm up ``case``'s runner; None (with ``case.note`` set) if it cannot run."""
-    try:
-        run = _build(case)
-        run()
-    except peers.Unsupported as err:
-        case.note = f"unsupported: {err}"
-        return None
-    except Exception as err:  # a peer failing is a result, not a crash of the suite
-        case.note = f"failed: {type(err).__name__}: {str(err).splitlines()[0][:120]}"
-        return None
-    return run
-
-
-def time_cases(cases: list[Case], reps: int) -> list[Case]:
-    """Fill ``seconds`` of each case with the median of ``reps`` runs after one warm-up.
-
-    The cases are timed round-robin (one run of each per round): when the load of a
-    shared machine changes, every case of a comparison sees the change alike, so
-    their ratio holds better than when each case's runs come in one stretch.
-    """
-    runs = [(case, run) for case in cases if (run := _prepare(case)) is not None]
-    for _ in range(reps):
-        for case, run in runs:
-            start = time.perf_counter()
-            run()
-            case.times.append(time.perf_counter() - start)
-    for case, _ in runs:
-        case.seconds = statistics.median(case.times)
-    return cases
-
-
-def time_case(case: Case, reps: int) -> Case:
-    """Fill ``case.seconds`` with the median of ``reps`` runs after one warm-up."""
-    return time_cases([case], reps)[0]
 
 
 def memory_case(case: Case) -> Case:
@@ -306,17 +246,15 @@ def run_suite(
         for backward in (False, True):
             cases = [c for c in targets[group] if c.backward == backward]
             bar.set_postfix_str(f"target {group}{' fwd+bwd' if backward else ' fwd'}")
-            time_cases(cases, reps)
+            time_cases(cases, reps, _build)
             bar.update(len(cases))
-    from attnkit.bench import kernel_layer
-
     layer = kernel_layer.target_cases(quick)
     bar.set_postfix_str("kernel layer targets f-j")
     layer_rows = kernel_layer.time_targets(layer, reps)
     bar.update(2)
     for case in grid_list:
         bar.set_postfix_str(f"{case.impl} t={case.t}{' bwd' if case.backward else ''}")
-        time_case(case, 1 if case.t >= 8192 else reps)
+        time_case(case, 1 if case.t >= 8192 else reps, _build)
         bar.update()
     bar.close()
     result = {

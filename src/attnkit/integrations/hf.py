@@ -71,7 +71,7 @@ try:  # transformers >= 5 records attentions with hooks and no longer tells ever
 except ImportError:  # pragma: no cover - older transformers pass output_attentions instead
     _active_collector = None  # type: ignore[assignment]
 
-from attnkit import backends
+from attnkit._validate import check_backend
 from attnkit.attention import attention
 
 __all__ = [
@@ -212,8 +212,7 @@ def make_attention_function(backend: str = "auto") -> Callable[..., tuple[torch.
         ``fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs)
         -> (attn_output (b, l_q, h_q, d), attn_weights (b, h_q, l_q, l_k) or None)``.
     """
-    if backend != "auto":
-        backends.get_backend(backend)  # ValueError listing the valid names
+    check_backend(backend)  # ValueError listing the valid names
 
     def attnkit_attention_forward(
         module: torch.nn.Module,

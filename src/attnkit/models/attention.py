@@ -23,11 +23,10 @@ import torch
 from torch import nn
 
 from attnkit import trace
-from attnkit._validate import check_int, check_probability, check_window
+from attnkit._validate import check_backend, check_int, check_probability, check_window
 from attnkit.attention import attention
 from attnkit.kv_cache import KVCache
 from attnkit.models.linear import Linear
-from attnkit.modules._common import check_backend
 from attnkit.rope import apply_rope
 
 __all__ = ["AttentionInputs", "CausalSelfAttention"]

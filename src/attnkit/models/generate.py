@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkit._validate import check_bool, check_float, check_int, check_optional_int
+from attnkit.models.plan import check_idx
 
 if TYPE_CHECKING:
     from attnkit.models.gpt import GPT
@@ -29,10 +30,12 @@ _FLOAT32_TINY = 2.0**-150
 
 
 def _check_prompt(model: GPT, idx: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    """Check the prompt and its mask once: the decoding steps trust them (``GPT.step``)."""
     if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.long, torch.int):
         raise TypeError("idx must be an integer (long) tensor of token ids")
     if idx.dim() != 2 or idx.shape[1] == 0 or idx.shape[0] == 0:
         raise ValueError(f"idx must be a non-empty (batch, tokens) tensor, got {tuple(idx.shape)}")
+    check_idx(model, idx)  # ids in the vocabulary
     if attention_mask is None:
         return
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.is_floating_point():
@@ -149,13 +152,15 @@ def generate(
             columns = [idx]
             done = torch.zeros(b, 1, dtype=torch.bool, device=idx.device)
             step_input, end = idx, t0
+            # Checked above, once: the prompt, its mask and the context bound; the new
+            # tokens are the model's own. The steps trust them (no checks per token).
             for _ in range(max_new_tokens):
                 if use_cache:
                     pos = times[end - step_input.shape[1] : end]
-                    logits = model._logits(step_input, mask, pos, last_only=True)
+                    logits = model.step(step_input, pos, mask)
                 else:
                     seq = torch.cat(columns, dim=1)
-                    logits = model._logits(seq, None if mask is None else mask[:, :end], None, True)
+                    logits = model.step(seq, times[:end], None if mask is None else mask[:, :end])
                 next_id = sample(logits[:, -1], temperature, top_k, top_p, generator)  # (b, 1)
                 if eos_id is not None:
                     next_id = next_id.masked_fill(done, eos_id)

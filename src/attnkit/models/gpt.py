@@ -28,7 +28,7 @@ from attnkit.models.attention import AttentionInputs, CausalSelfAttention
 from attnkit.models.config import GPTConfig
 from attnkit.models.linear import Linear, pack_linears, unpack_linears
 from attnkit.models.mla import MultiHeadLatentAttention
-from attnkit.models.plan import plan_forward
+from attnkit.models.plan import Plan, build_plan, plan_forward
 from attnkit.rope import RotaryEmbedding
 
 __all__ = ["GPT", "GPTConfig", "TransformerBlock"]
@@ -281,16 +281,38 @@ class GPT(nn.Module):
             TypeError / ValueError: non-integer ids, a wrong rank, ids out of the
                 vocabulary, more tokens than ``context_length``, a bad mask or input_pos.
         """
-        return self._logits(idx, attention_mask, input_pos, last_only=False)
+        return self._run(idx, plan_forward(self, idx, attention_mask, input_pos), last_only=False)
 
-    def _logits(
+    def step(
         self,
         idx: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        input_pos: torch.Tensor | None,
-        last_only: bool,
+        input_pos: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        last_only: bool = True,
     ) -> torch.Tensor:
-        plan = plan_forward(self, idx, attention_mask, input_pos)
+        """One decoding step that trusts its inputs: :meth:`forward` without the checks.
+
+        For a caller that checked ``idx``, the mask and the context bound once for many
+        steps, as :func:`attnkit.models.generate.generate` does (its new tokens come from
+        the model's own logits). Nothing is validated here: a bad input gives a wrong
+        result or an indexing error, not a message naming it; use :meth:`forward` for that.
+
+        Args:
+            idx: token ids ``(b, t)`` in ``[0, vocab_size)``; with a cache, the new tokens.
+            input_pos: ``(t,)`` consecutive time indices of ``idx``'s tokens, within
+                ``context_length`` and the cache.
+            attention_mask: bool ``(b, L)``, True = token, ``L > input_pos[-1]``, each row
+                left-padded; None = no padding.
+            last_only: return the logits of the last position only.
+
+        Returns:
+            Next-token logits ``(b, 1, vocab_size)`` (``(b, t, vocab_size)`` when not
+            ``last_only``).
+        """
+        return self._run(idx, build_plan(self, input_pos, attention_mask), last_only)
+
+    def _run(self, idx: torch.Tensor, plan: Plan, last_only: bool) -> torch.Tensor:
         x = self.tok_emb(idx)  # (b, t, d)
         if self.pos_emb is not None:
             x = x + self.pos_emb(plan.positions)  # (b|1, t, d)

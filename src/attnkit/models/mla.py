@@ -33,12 +33,11 @@ import torch
 from torch import nn
 
 from attnkit import trace
-from attnkit._validate import check_int, check_probability, check_window
+from attnkit._validate import check_backend, check_int, check_probability, check_window
 from attnkit.attention import attention
 from attnkit.kv_cache import KVCache
 from attnkit.models.attention import AttentionInputs, rotate
 from attnkit.models.linear import Linear
-from attnkit.modules._common import check_backend
 
 __all__ = ["MultiHeadLatentAttention"]
 

@@ -1,7 +1,8 @@
 """Once per forward: each row's positions, the RoPE values and the masks of the GPT's layers.
 
 :func:`plan_forward` is the model's half of "data flows down": it checks ``idx``,
-``attention_mask`` and ``input_pos``, computes every row's positions (a left-padded
+``attention_mask`` and ``input_pos`` (:func:`check_inputs`), then computes
+(:func:`build_plan`, which trusts its inputs) every row's positions (a left-padded
 row counts from its first real token), looks the RoPE values up in the model's one
 table, and builds one :class:`~attnkit.models.attention.AttentionInputs` per kind of
 layer (global; local with its window), each with its mask built from the time indices
@@ -27,7 +28,15 @@ from attnkit.rope import rope_values
 if TYPE_CHECKING:
     from attnkit.models.gpt import GPT
 
-__all__ = ["Plan", "keep_mask", "plan_forward"]
+__all__ = [
+    "Plan",
+    "build_plan",
+    "check_context",
+    "check_idx",
+    "check_inputs",
+    "keep_mask",
+    "plan_forward",
+]
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,13 @@ def keep_mask(
     return keep[None, None] & real[:, None, None, :]  # (b, 1, t, s)
 
 
-def _check_idx(model: GPT, idx: torch.Tensor) -> None:
+def check_idx(model: GPT, idx: torch.Tensor) -> None:
+    """Check that ``idx`` is a ``(batch, tokens)`` integer tensor of ids in the vocabulary.
+
+    Raises:
+        TypeError: not an integer tensor.
+        ValueError: a wrong rank, no tokens, or an id outside ``[0, vocab_size)``.
+    """
     if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.long, torch.int):
         raise TypeError("idx must be an integer (long) tensor of token ids")
     if idx.dim() != 2:
@@ -127,14 +142,24 @@ def _stream_positions(
     return torch.where(times < n, times, times - shift)
 
 
-def plan_forward(
+def check_inputs(
     model: GPT,
     idx: torch.Tensor,
     attention_mask: torch.Tensor | None,
     input_pos: torch.Tensor | None,
-) -> Plan:
-    """Check the inputs and compute the positions, RoPE values and masks of one forward."""
-    _check_idx(model, idx)
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Check one forward's inputs against the model and its caches.
+
+    Returns:
+        ``(input_pos, key_real)``: the time indices (``0 .. t - 1`` when None was given
+        without a cache) and ``attention_mask`` as bool ``(b, L)``, or None where no
+        padding matters (no mask, or no zero up to the last time index).
+
+    Raises:
+        TypeError / ValueError: non-integer or out-of-vocabulary ids, a bad ``input_pos``
+            or mask, more tokens than ``context_length`` or the cache holds.
+    """
+    check_idx(model, idx)
     b, t = idx.shape
     caches = model.caches
     eager = not torch.compiler.is_compiling()
@@ -148,20 +173,9 @@ def plan_forward(
     else:
         _check_input_pos(input_pos, t)
     stream = model.streaming
-    end = input_pos[-1] + 1  # (): a tensor, so a compiled step does not specialise on it
-    end_i = int(end) if eager else None
-    if eager and stream is None:
-        ctx = model.cfg.context_length
-        if end_i is not None and end_i > ctx:
-            raise ValueError(f"{end_i} tokens exceed context_length={ctx}")
-        if caches is not None:
-            first: KVCache = caches[0]  # type: ignore[assignment]
-            if end_i is not None and first.max_seq_len is not None and end_i > first.max_seq_len:
-                raise ValueError(
-                    f"{end_i} tokens exceed the KV cache's max_seq_len={first.max_seq_len} "
-                    "(set by setup_cache; context_length is "
-                    f"{ctx}): call setup_cache with a longer max_seq_len"
-                )
+    end_i = int(input_pos[-1]) + 1 if eager else None
+    if end_i is not None and stream is None:
+        check_context(model, end_i)
     key_real = None
     if attention_mask is not None:
         if stream is not None:
@@ -169,6 +183,45 @@ def plan_forward(
         key_real = _check_mask(attention_mask, b, end_i)
         if end_i is not None and bool(key_real[:, :end_i].all()):
             key_real = None  # no padding where it matters: the fast path
+    return input_pos, key_real
+
+
+def check_context(model: GPT, end: int) -> None:
+    """Check that ``end`` time indices fit ``context_length`` and the KV cache (if any).
+
+    Raises:
+        ValueError: naming the bound that ``end`` exceeds.
+    """
+    ctx = model.cfg.context_length
+    if end > ctx:
+        raise ValueError(f"{end} tokens exceed context_length={ctx}")
+    if model.caches is not None:
+        first: KVCache = model.caches[0]  # type: ignore[assignment]
+        if first.max_seq_len is not None and end > first.max_seq_len:
+            raise ValueError(
+                f"{end} tokens exceed the KV cache's max_seq_len={first.max_seq_len} "
+                "(set by setup_cache; context_length is "
+                f"{ctx}): call setup_cache with a longer max_seq_len"
+            )
+
+
+def build_plan(model: GPT, input_pos: torch.Tensor, key_real: torch.Tensor | None) -> Plan:
+    """The positions, RoPE values and masks of one forward, from inputs already checked.
+
+    Checks nothing: ``input_pos`` and ``key_real`` come from :func:`check_inputs`, or from
+    a caller that checked its inputs once for many forwards (:func:`attnkit.models.generate`
+    checks the prompt, its mask and the context bound once; its steps then trust them).
+
+    Args:
+        model: the GPT (its caches, streaming setting, RoPE table and layer windows).
+        input_pos: ``(t,)`` consecutive time indices of the forward's tokens.
+        key_real: bool ``(b, L)``, True = token, covering every time index up to
+            ``input_pos[-1]``, with padding among them; None = no padding.
+    """
+    caches = model.caches
+    eager = not torch.compiler.is_compiling()
+    stream = model.streaming
+    end = input_pos[-1] + 1  # (): a tensor, so a compiled step does not specialise on it
     if key_real is None:
         positions = input_pos[None]  # (1, t)
         if stream is not None:
@@ -192,6 +245,17 @@ def plan_forward(
             kinds[key] = _layer_inputs(model, w, cache, input_pos, end, key_real, rope, eager)
         inputs.append(kinds[key])
     return Plan(positions, inputs)
+
+
+def plan_forward(
+    model: GPT,
+    idx: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    input_pos: torch.Tensor | None,
+) -> Plan:
+    """Check the inputs and compute the positions, RoPE values and masks of one forward."""
+    input_pos, key_real = check_inputs(model, idx, attention_mask, input_pos)
+    return build_plan(model, input_pos, key_real)
 
 
 def _layer_inputs(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnkit import backends
 from attnkit._validate import check_int
 
 
@@ -47,13 +46,6 @@ def check_dims(**dims: int) -> None:
     """
     for name, value in dims.items():
         check_int(value, name)
-
-
-def check_backend(name: str) -> str:
-    """Validate a backend name at construction time, so mistakes surface early."""
-    if name != "auto":
-        backends.get_backend(name)
-    return name
 
 
 def active_dropout(dropout: nn.Dropout, training: bool) -> float:

@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnkit import trace
+from attnkit._validate import check_backend
 from attnkit.attention import attention, check_dropout
 from attnkit.masks import causal_mask
 from attnkit.modules._common import (
     active_dropout,
-    check_backend,
     check_dims,
     check_input,
 )

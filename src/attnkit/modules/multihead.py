@@ -6,10 +6,10 @@ import torch
 from torch import nn
 
 from attnkit import trace
+from attnkit._validate import check_backend
 from attnkit.attention import attention, check_dropout
 from attnkit.modules._common import (
     active_dropout,
-    check_backend,
     check_dims,
     check_input,
 )

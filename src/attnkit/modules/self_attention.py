@@ -6,8 +6,9 @@ import torch
 from torch import nn
 
 from attnkit import trace
+from attnkit._validate import check_backend
 from attnkit.attention import attention
-from attnkit.modules._common import check_backend, check_dims, check_input
+from attnkit.modules._common import check_dims, check_input
 
 __all__ = ["SelfAttentionV1", "SelfAttentionV2"]
 

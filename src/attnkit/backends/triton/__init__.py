@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from attnkit.backends import register_backend
+from attnkit.backends.registry import register_backend
 from attnkit.backends.triton.backend import supports, triton_attention
 
 __all__ = ["AVAILABLE", "supports", "triton_attention"]

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from attnkit.backends import AttentionCall, BackendResult
+from attnkit.backends.registry import AttentionCall, BackendResult
 from attnkit.backends.triton import plan as P
 from attnkit.block_mask import BlockMask
 from attnkit.block_mask_cache import cached_block_mask

@@ -1,0 +1,46 @@
+"""The shared timing pieces of the benches (``attnkit.bench.timing``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from attnkit.bench.timing import Case, Unsupported, time_case, time_cases
+
+
+def _case(impl: str) -> Case:
+    return Case("kernel", impl, "causal", 4, "fp32", False, {})
+
+
+def test_time_cases_runs_round_robin_after_a_warm_up():
+    order: list[str] = []
+
+    def build(case: Case):
+        return lambda: order.append(case.impl)
+
+    cases = time_cases([_case("a"), _case("b")], 3, build)
+    assert order == ["a", "b"] + ["a", "b"] * 3  # warm-ups, then one run of each per round
+    assert all(len(c.times) == 3 and c.seconds is not None for c in cases)
+
+
+def test_a_case_that_cannot_run_is_a_note_not_a_crash():
+    def build(case: Case):
+        if case.impl == "flex":
+            raise Unsupported("no backward on CPU")
+        if case.impl == "broken":
+            raise RuntimeError("boom\nmore")
+        return lambda: None
+
+    flex, broken, fine = time_cases([_case("flex"), _case("broken"), _case("ok")], 1, build)
+    assert flex.seconds is None and flex.note == "unsupported: no backward on CPU"
+    assert broken.seconds is None and broken.note == "failed: RuntimeError: boom"
+    assert fine.seconds is not None and fine.note == ""
+    assert time_case(_case("ok"), 2, build).seconds is not None
+
+
+def test_the_benches_do_not_import_each_other():
+    """Regression: kernel_layer imported Case and time_cases from suite, which imported
+    kernel_layer back."""
+    code = "import sys, attnkit.bench.kernel_layer; print('attnkit.bench.suite' in sys.modules)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "False"
