@@ -13,7 +13,7 @@ instruction-set build of :mod:`attnkit.backends.blockwise.native` the machine ca
 * ``auto`` against the fastest backend on a grid (causal, window 256, 8 documents, ALiBi
   x T x fwd / fwd+bwd), with the build's own calibration deciding what ``auto`` runs.
 
-Timings are interleaved round-robin (:func:`attnkit.bench.suite.time_cases`' rule) and
+Timings are interleaved round-robin (:func:`attnkit.bench.timing.time_cases`' rule, shuffled) and
 every row names its build and CPU. Run with ``python -m attnkit.bench.native_kernel``
 (``--quick``: toy sizes, seconds, not graded); ``attnkit bench --kernel`` runs the same.
 """

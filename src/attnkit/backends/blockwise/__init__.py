@@ -33,7 +33,6 @@ import dataclasses
 
 import torch
 
-from attnkit.backends import AttentionCall, BackendResult, is_sparse, register_backend
 from attnkit.backends.blockwise.autograd import BlockwiseAttention
 from attnkit.backends.blockwise.engines import plan_call
 from attnkit.backends.blockwise.merge import merge_partials
@@ -45,6 +44,7 @@ from attnkit.backends.blockwise.plan import (
 )
 from attnkit.backends.blockwise.segment import SegmentMask, segment_backward, segment_forward
 from attnkit.backends.blockwise.torch_tiles import attention_weights
+from attnkit.backends.registry import AttentionCall, BackendResult, is_sparse, register_backend
 from attnkit.masks import ScoreMod
 from attnkit.mods import grad_leaves
 
