@@ -71,6 +71,14 @@ def score_mod_tensors(
     return grad_leaves(score_mod, dtype, torch.device(device))
 
 
+def _extra(call: AttentionCall) -> tuple[torch.Tensor, ...]:
+    """:func:`score_mod_tensors` of the call, probed once per call (``call.memo``)."""
+    if "blockwise-extra" not in call.memo:
+        dtype, device = call.query.dtype, call.query.device
+        call.memo["blockwise-extra"] = score_mod_tensors(call.score_mod, dtype, device)
+    return call.memo["blockwise-extra"]
+
+
 def _wants_grad(call: AttentionCall) -> bool:
     if not torch.is_grad_enabled():
         return False
@@ -78,7 +86,7 @@ def _wants_grad(call: AttentionCall) -> bool:
         return True
     if call.sinks is not None and call.sinks.requires_grad:
         return True
-    return bool(score_mod_tensors(call.score_mod, call.query.dtype, call.query.device))
+    return bool(_extra(call))
 
 
 def _supports(call: AttentionCall) -> str | None:
@@ -87,7 +95,7 @@ def _supports(call: AttentionCall) -> str | None:
     if call.mask is not None and call.mask.is_floating_point() and call.mask.requires_grad:
         return "blockwise gives no gradient to a float mask (use backend='reference')"
     try:
-        score_mod_tensors(call.score_mod, call.query.dtype, call.query.device)
+        _extra(call)
     except (TypeError, ValueError) as err:
         return str(err)
     if call.need_weights and _wants_grad(call):
@@ -103,18 +111,17 @@ def _plan(call: AttentionCall, engine: str) -> TilePlan:
     ``call.memo``: ``auto_first`` and the run read the same)."""
     key = ("blockwise", engine)
     if key not in call.memo:
-        extra = score_mod_tensors(call.score_mod, call.query.dtype, call.query.device)
-        call.memo[key] = _new_plan(call, engine, extra)
+        call.memo[key] = _new_plan(call, engine)
     return call.memo[key]
 
 
-def _new_plan(call: AttentionCall, engine: str, extra: tuple) -> TilePlan:
+def _new_plan(call: AttentionCall, engine: str) -> TilePlan:
     return plan_call(
         call.query,
         call.key,
         call.value,
         requested=engine,
-        extra=extra,
+        extra=_extra(call),
         scale=call.scale,
         causal=call.causal,
         window=call.window,
@@ -126,9 +133,10 @@ def _new_plan(call: AttentionCall, engine: str, extra: tuple) -> TilePlan:
 
 
 def _run(call: AttentionCall, engine: str) -> BackendResult:
-    extra = score_mod_tensors(call.score_mod, call.query.dtype, call.query.device)
     plan = _plan(call, engine)
-    out, lse = BlockwiseAttention.apply(plan, call.query, call.key, call.value, call.sinks, *extra)
+    out, lse = BlockwiseAttention.apply(
+        plan, call.query, call.key, call.value, call.sinks, *_extra(call)
+    )
     lead = call.query.shape[:-1]  # (..., h, t)
     out = out.reshape(*lead, call.value.shape[-1])  # (..., h, t, d_v)
     weights = None
