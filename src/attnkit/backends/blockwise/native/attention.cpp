@@ -204,67 +204,43 @@ struct NoState {
 // Chunks and masks
 // ---------------------------------------------------------------------------------------
 
-// Keys (or values) transposed chunk by chunk: kt[b][hk][c][d][j] = k[b][hk][KC c + j][d],
-// zero past the last key. Packed once per call, read by every query block.
+// Keys or values laid out chunk by chunk for the products, zero past the last key, packed
+// once per call and read by every query block: float32 keys transposed, (D, KC) a chunk;
+// bf16 keys in pairs of dims (D / 2, KC, 2) and values in pairs of keys (KC / 2, DV, 2),
+// as simd::tile_bf16 reads them.
+template <class T>
 struct Packed {
   int64_t chunks = 0, depth = 0;
-  std::unique_ptr<float[]> t;  // (B, HKV, chunks, depth, KC), every element written
-  const float *chunk(const Args &a, int64_t b, int64_t hk, int64_t c) const {
+  std::unique_ptr<T[]> t;  // (B, HKV, chunks, depth * KC), every element written
+  const T *chunk(const Args &a, int64_t b, int64_t hk, int64_t c) const {
     return t.get() + ((b * a.HKV + hk) * chunks + c) * depth * KC;
   }
 };
 
-Code pack(const Args &a, const float *x, int64_t sb, int64_t sh, int64_t st, int64_t depth,
-          Packed &pk) {
+// Element (key j, dim d) of a chunk goes to dst[at(j, d)].
+inline int64_t transposed(int64_t j, int64_t d, int64_t) { return d * KC + j; }
+inline int64_t dim_pairs(int64_t j, int64_t d, int64_t) { return (d / 2) * KC * 2 + j * 2 + d % 2; }
+inline int64_t key_pairs(int64_t j, int64_t d, int64_t depth) {
+  return (j / 2) * depth * 2 + d * 2 + j % 2;
+}
+
+template <class T>
+Code pack(const Args &a, const void *x_, int64_t sb, int64_t sh, int64_t st, int64_t depth,
+          int64_t (*at)(int64_t, int64_t, int64_t), Packed<T> &pk) {
+  const T *x = static_cast<const T *>(x_);
   pk.chunks = (a.S + KC - 1) / KC;
   pk.depth = depth;
-  pk.t.reset(new float[a.B * a.HKV * pk.chunks * depth * KC]);
+  pk.t.reset(new T[a.B * a.HKV * pk.chunks * depth * KC]);
   return parallel<NoState>(a, a.B * a.HKV * pk.chunks, [&](NoState &, int64_t it) {
     const int64_t ci = it % pk.chunks, bh = it / pk.chunks;
-    const float *src = x + (bh / a.HKV) * sb + (bh % a.HKV) * sh;
-    float *dst = pk.t.get() + it * depth * KC;
+    const T *src = x + (bh / a.HKV) * sb + (bh % a.HKV) * sh;
+    T *dst = pk.t.get() + it * depth * KC;
     for (int64_t j = 0; j < KC; ++j) {
       const int64_t key = ci * KC + j;
-      for (int64_t d = 0; d < depth; ++d) dst[d * KC + j] = key < a.S ? src[key * st + d] : 0.0f;
+      for (int64_t d = 0; d < depth; ++d) dst[at(j, d, depth)] = key < a.S ? src[key * st + d] : T(0);
     }
   });
 }
-
-#if defined(ATTNKIT_BF16)
-// bf16 keys or values packed in pairs for simd::tile_bf16, chunk by chunk (zero past the
-// last key): keys as (D / 2 pairs of dims, KC keys, 2), values as (KC / 2 pairs of keys,
-// DV, 2). Packed once per call.
-struct PackedPairs {
-  int64_t chunks = 0, depth = 0;
-  std::unique_ptr<uint16_t[]> t;  // (B, HKV, chunks, KC * depth)
-  const uint16_t *chunk(const Args &a, int64_t b, int64_t hk, int64_t c) const {
-    return t.get() + ((b * a.HKV + hk) * chunks + c) * depth * KC;
-  }
-};
-
-Code pack_pairs(const Args &a, const void *x_, int64_t sb, int64_t sh, int64_t st,
-                int64_t depth, bool keys, PackedPairs &pk) {
-  const uint16_t *x = static_cast<const uint16_t *>(x_);
-  pk.chunks = (a.S + KC - 1) / KC;
-  pk.depth = depth;
-  pk.t.reset(new uint16_t[a.B * a.HKV * pk.chunks * depth * KC]);
-  return parallel<NoState>(a, a.B * a.HKV * pk.chunks, [&](NoState &, int64_t it) {
-    const int64_t ci = it % pk.chunks, bh = it / pk.chunks;
-    const uint16_t *src = x + (bh / a.HKV) * sb + (bh % a.HKV) * sh;
-    uint16_t *dst = pk.t.get() + it * depth * KC;
-    for (int64_t j = 0; j < KC; ++j) {
-      const int64_t key = ci * KC + j;
-      for (int64_t d = 0; d < depth; ++d) {
-        const uint16_t val = key < a.S ? src[key * st + d] : uint16_t(0);
-        if (keys)  // dims 2p, 2p + 1 of key j side by side
-          dst[(d / 2) * KC * 2 + j * 2 + d % 2] = val;
-        else  // keys 2p, 2p + 1 of dim d side by side
-          dst[(j / 2) * depth * 2 + d * 2 + j % 2] = val;
-      }
-    }
-  });
-}
-#endif
 
 // Chunk c of the keys (keys KC c .. KC c + KC) as one block of query rows sees it: the
 // columns [lo, hi) of it that are in range, the block's rows [r0, r1) that may keep one of
@@ -443,9 +419,9 @@ struct Scratch {
 // What the forward's two products read: keys transposed (float32), or keys and values
 // packed in bf16 pairs.
 struct Operands {
-  Packed kt;
+  Packed<float> kt;
 #if defined(ATTNKIT_BF16)
-  PackedPairs kp, vp;
+  Packed<uint16_t> kp, vp;
 #endif
   int64_t chunks() const {
 #if defined(ATTNKIT_BF16)
@@ -588,7 +564,7 @@ struct BackScratch {
 };
 
 // p = the chunk's weights, ds = scale * p * (dO V^T - delta), for rows [r0, r1).
-void weights_and_ds(const Args &a, const Grads &g, const Packed &kt, const Packed &vt,
+void weights_and_ds(const Args &a, const Grads &g, const Packed<float> &kt, const Packed<float> &vt,
                     int64_t b, int64_t h, int64_t i0, const Chunk &c, BackScratch &w) {
   const int64_t hk = h / (a.H / a.HKV), nr = c.r1 - c.r0;
   const float *qh = a.q + b * a.sq_b + h * a.sq_h;
@@ -624,7 +600,7 @@ int64_t key_groups(const Args &a, int64_t chunks) {
 }
 
 // dK, dV of the key chunks of group g of (b, hk), and group g's dQ partial of its heads.
-void backward_group(const Args &a, const Grads &g, const Packed &kt, const Packed &vt,
+void backward_group(const Args &a, const Grads &g, const Packed<float> &kt, const Packed<float> &vt,
                     int64_t b, int64_t hk, int64_t grp, int64_t groups, float *dq_part,
                     BackScratch &w) {
   const int64_t heads = a.H / a.HKV;
@@ -720,14 +696,14 @@ ATTNKIT_EXPORT int attnkit_forward(const Args *args) {
     if (a.dtype == DT_BF16) {
 #if defined(ATTNKIT_BF16)
       if (a.D % 2) return int(BAD_SHAPE);
-      if (Code err = pack_pairs(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, true, ops.kp))
+      if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, dim_pairs, ops.kp))
         return int(err);
-      if (Code err = pack_pairs(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, false, ops.vp))
+      if (Code err = pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, key_pairs, ops.vp))
         return int(err);
 #else
       return int(BAD_DTYPE);
 #endif
-    } else if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, ops.kt)) {
+    } else if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, transposed, ops.kt)) {
       return int(err);
     }
     const int64_t nq = (a.T + a.bq - 1) / a.bq;  // query blocks per (batch, head)
@@ -747,9 +723,9 @@ ATTNKIT_EXPORT int attnkit_backward(const Args *args, const Grads *grads) {
   if (a.D % 16) return BAD_HEAD_DIM;
   if (a.dtype != DT_F32) return BAD_DTYPE;  // the backward computes in float32
   return guarded([&] {
-    Packed kt, vt;
-    if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, kt)) return int(err);
-    if (Code err = pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, vt)) return int(err);
+    Packed<float> kt, vt;
+    if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, transposed, kt)) return int(err);
+    if (Code err = pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, transposed, vt)) return int(err);
     const int64_t groups = key_groups(a, kt.chunks);
     std::unique_ptr<float[]> dq_part(new float[groups * a.B * a.H * a.T * a.D]);
     Code err = parallel<BackScratch>(a, a.B * a.HKV * groups, [&](BackScratch &w, int64_t it) {

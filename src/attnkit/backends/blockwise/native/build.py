@@ -250,24 +250,26 @@ def _build(isa: str | None) -> tuple[ctypes.CDLL | None, str]:
     unsafe = _private_dir(where)
     if unsafe is None:
         target = where / name
-        lib, why = _load(target)
-        if lib is None:  # not built yet, or not intact: build it (again)
-            failed = _compile(command, isa, target)
-            if failed:
-                return None, failed
-            lib, why = _load(target)
+        lib, why = _load(target)  # built before and intact?
         if lib is None:
-            return None, str(why)
-        return lib, f"{isa} build, {version} ({target})"
+            lib, why = _compile_and_load(command, isa, target)
+        return (lib, f"{isa} build, {version} ({target})") if lib else (None, str(why))
     with tempfile.TemporaryDirectory(prefix="attnkit-") as private:  # removed after loading
-        target = Path(private) / name
-        failed = _compile(command, isa, target)
-        if failed:
-            return None, failed
-        lib, why = _load(target)
-    if lib is None:
-        return None, str(why)
-    return lib, f"{isa} build, {version} (in a temporary directory: {unsafe})"
+        lib, why = _compile_and_load(command, isa, Path(private) / name)
+    return (
+        (lib, f"{isa} build, {version} (in a temporary directory: {unsafe})")
+        if lib
+        else (None, why)
+    )
+
+
+def _compile_and_load(command: list[str], isa: str, target: Path) -> tuple[ctypes.CDLL | None, str]:
+    """Build ``target`` and load it: ``(library, "")``, or ``(None, why not)``."""
+    failed = _compile(command, isa, target)
+    if failed:
+        return None, failed
+    lib, why = _load(target)
+    return lib, str(why or "")
 
 
 def library(isa: str | None = None) -> ctypes.CDLL | None:
