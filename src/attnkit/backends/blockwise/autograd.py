@@ -48,9 +48,11 @@ def engine_backward(
     zeroes the subnormal weights a score_mod's wide range produces, which the fused
     backward would multiply as they are, several times slower).
     """
-    chosen = plan.engines.backward if plan.engines is not None else TORCH_TILES
-    if chosen == NATIVE_CPU:
-        q4, k4, v4 = flash_cpu.engine_views(plan, q, k, v)
+    engines = plan.engines
+    chosen = engines.backward if engines is not None else TORCH_TILES
+    if engines is not None and chosen == NATIVE_CPU:
+        # bf16 products read bf16 inputs as they are; anything else is upcast
+        q4, k4, v4 = flash_cpu.engine_views(plan, q, k, v, upcast=not engines.bf16)
         grads = native.backward(plan, q4, k4, v4, out, lse, grad_out, grad_lse)
         dq, dk, dv = (g.to(x.dtype).reshape(x.shape) for g, x in zip(grads, (q, k, v), strict=True))
         return dq, dk, dv, []

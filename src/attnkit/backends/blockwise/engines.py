@@ -75,10 +75,8 @@ def choose(
         if why is None:
             forward = NATIVE_CPU
         else:
-            bf16 = False
             passed.append(("forward", NATIVE_CPU, why))
-        up = dtype if dtype in (torch.float32, torch.float64) else torch.float32
-        why = native.why_not_backward(plan, up, d, d_v, extra)
+        why = native.why_not_backward(plan, view, d, d_v, extra)
         if why is None:
             backward = NATIVE_CPU
         else:

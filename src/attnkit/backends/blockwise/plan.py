@@ -69,7 +69,8 @@ class Engines:
         forward: the engine of the forward (one of :data:`PRIORITY`).
         backward: the engine of the backward (torch's fused backward takes no gradient
             through the log-sum-exp: such a backward, known only then, runs on the tiles).
-        bf16: the native forward reads bf16 inputs as they are (bf16 products).
+        bf16: where the native kernel runs a direction, it reads bf16 inputs as they are
+            (bf16 products: an avx512-bf16 build).
         passed_over: ``(direction, engine, why)`` for every engine ahead of the chosen
             one that refused, in priority order.
     """

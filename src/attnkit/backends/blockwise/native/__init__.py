@@ -253,6 +253,8 @@ def backward(
     out = out.reshape(b, h, t, dv_).to(torch.float32)
     grad_out = grad_out.reshape(b, h, t, dv_).to(torch.float32).contiguous()
     delta = (grad_out * out).sum(-1)  # (b, h, t)
+    if q.dtype == torch.bfloat16:  # bf16 products read dO in bf16 too
+        grad_out = grad_out.to(torch.bfloat16)
     if grad_lse is not None:
         delta = delta - grad_lse.reshape(b, h, t).to(torch.float32)
     lse = lse.reshape(b, h, t).to(torch.float32)

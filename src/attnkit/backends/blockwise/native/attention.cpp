@@ -556,25 +556,61 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
 // Backward
 // ---------------------------------------------------------------------------------------
 
+// bf16 rows (bq rows of KC), their transposes in pairs of rows (KC rows of bq rounded up
+// to even) and Q, dO of a block in pairs of rows: what a bf16 backward's products read.
+struct BackPairs {
+  int64_t np = 0;  // rows of a block rounded up to even
+  std::vector<uint16_t> p16, ds16, pt16, dst16, q2, do2;
+  BackPairs(const Args &a) {
+    if (a.dtype != DT_BF16) return;
+    np = (a.bq + 1) & ~int64_t(1);
+    p16.resize(a.bq * KC), ds16.resize(a.bq * KC), pt16.resize(KC * np);
+    dst16.resize(KC * np), q2.resize(np * a.D), do2.resize(np * a.DV);
+  }
+};
+
 struct BackScratch {
   std::vector<float> p, ds, dk, dv;
   std::vector<uint8_t> keep;  // a chunk's assembled block-mask rows
+  BackPairs pairs;
   BackScratch(const Args &a)
-      : p(a.bq * KC), ds(a.bq * KC), dk(KC * a.D), dv(KC * a.DV), keep(a.bq * KC) {}
+      : p(a.bq * KC), ds(a.bq * KC), dk(KC * a.D), dv(KC * a.DV), keep(a.bq * KC), pairs(a) {}
+};
+
+// What the backward's products read: float32 keys and values transposed; bf16 keys and
+// values in pairs of dims (for QK^T and dO V^T) and keys in pairs of keys (for dS K).
+struct BackOperands {
+  Packed<float> kt, vt;
+#if defined(ATTNKIT_BF16)
+  Packed<uint16_t> kp, vp, kj;
+#endif
+  int64_t chunks = 0;
 };
 
 // p = the chunk's weights, ds = scale * p * (dO V^T - delta), for rows [r0, r1).
-void weights_and_ds(const Args &a, const Grads &g, const Packed<float> &kt, const Packed<float> &vt,
-                    int64_t b, int64_t h, int64_t i0, const Chunk &c, BackScratch &w) {
+void weights_and_ds(const Args &a, const Grads &g, const BackOperands &ops, int64_t b,
+                    int64_t h, int64_t i0, const Chunk &c, BackScratch &w) {
   const int64_t hk = h / (a.H / a.HKV), nr = c.r1 - c.r0;
-  const float *qh = a.q + b * a.sq_b + h * a.sq_h;
-  const float *doh = g.dout + (b * a.H + h) * a.T * a.DV;
   const float *lse = a.lse + (b * a.H + h) * a.T;
   const float *delta = g.delta + (b * a.H + h) * a.T;
-  simd::gemm<false>(w.p.data() + c.r0 * KC, KC, nr, KC, qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1,
-                    kt.chunk(a, b, hk, c.ci), KC, a.D, nullptr);
-  simd::gemm<false>(w.ds.data() + c.r0 * KC, KC, nr, KC, doh + (i0 + c.r0) * a.DV, a.DV, 1,
-                    vt.chunk(a, b, hk, c.ci), KC, a.DV, nullptr);
+#if defined(ATTNKIT_BF16)
+  if (a.dtype == DT_BF16) {
+    const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
+    const uint16_t *do16 = reinterpret_cast<const uint16_t *>(g.dout) + (b * a.H + h) * a.T * a.DV;
+    simd::gemm_bf16<false>(w.p.data() + c.r0 * KC, KC, nr, KC, q16 + (i0 + c.r0) * a.sq_t,
+                           a.sq_t, ops.kp.chunk(a, b, hk, c.ci), 2 * KC, a.D / 2, nullptr);
+    simd::gemm_bf16<false>(w.ds.data() + c.r0 * KC, KC, nr, KC, do16 + (i0 + c.r0) * a.DV,
+                           a.DV, ops.vp.chunk(a, b, hk, c.ci), 2 * KC, a.DV / 2, nullptr);
+  } else
+#endif
+  {
+    const float *qh = a.q + b * a.sq_b + h * a.sq_h;
+    const float *doh = g.dout + (b * a.H + h) * a.T * a.DV;
+    simd::gemm<false>(w.p.data() + c.r0 * KC, KC, nr, KC, qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1,
+                      ops.kt.chunk(a, b, hk, c.ci), KC, a.D, nullptr);
+    simd::gemm<false>(w.ds.data() + c.r0 * KC, KC, nr, KC, doh + (i0 + c.r0) * a.DV, a.DV, 1,
+                      ops.vt.chunk(a, b, hk, c.ci), KC, a.DV, nullptr);
+  }
   Masker masker(a, c, b, h);
   const vf scale = simd::splat(float(a.scale));
   for (int64_t r = c.r0; r < c.r1; ++r) {
@@ -599,15 +635,55 @@ int64_t key_groups(const Args &a, int64_t chunks) {
   return std::max<int64_t>(1, std::min(groups, chunks));
 }
 
+#if defined(ATTNKIT_BF16)
+// dV, dK and dQ of one chunk from its weights and dS with bf16 products: P and dS rounded
+// to bf16 (as rows, and transposed in pairs of rows), Q and dO of the block in pairs of rows.
+void products_bf16(const Args &a, const Grads &g, const BackOperands &ops, int64_t b, int64_t h,
+                   int64_t hk, int64_t i0, const Chunk &c, float *dqh, BackScratch &w) {
+  BackPairs &x = w.pairs;
+  const int64_t nr = c.r1 - c.r0, np = (nr + 1) & ~int64_t(1);
+  const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
+  const uint16_t *do16 = reinterpret_cast<const uint16_t *>(g.dout) + (b * a.H + h) * a.T * a.DV;
+  for (int64_t r = 0; r < nr; ++r)
+    for (int vv = 0; vv < NV; ++vv) {
+      const int64_t at = (c.r0 + r) * KC + W * vv;
+      simd::store_bf16(x.p16.data() + r * KC + W * vv, simd::load(w.p.data() + at));
+      simd::store_bf16(x.ds16.data() + r * KC + W * vv, simd::load(w.ds.data() + at));
+    }
+  for (int64_t j = c.lo; j < c.hi; ++j)  // (key j, rows r, r + 1) side by side; 0 past nr
+    for (int64_t r = 0; r < np; ++r) {
+      x.pt16[j * np + r] = r < nr ? x.p16[r * KC + j] : uint16_t(0);
+      x.dst16[j * np + r] = r < nr ? x.ds16[r * KC + j] : uint16_t(0);
+    }
+  auto row_pairs = [&](uint16_t *dst, const uint16_t *src, int64_t stride, int64_t depth) {
+    for (int64_t r = 0; r < np; ++r)
+      for (int64_t d = 0; d < depth; ++d)
+        dst[((r / 2) * depth + d) * 2 + r % 2] = r < nr ? src[(i0 + c.r0 + r) * stride + d] : 0;
+  };
+  row_pairs(x.q2.data(), q16, a.sq_t, a.D);
+  row_pairs(x.do2.data(), do16, a.DV, a.DV);
+  const int64_t nk = c.hi - c.lo;
+  // dV[j] += sum_r P[r][j] dO[r], dK[j] += sum_r dS[r][j] Q[r]
+  simd::gemm_bf16<true>(w.dv.data() + c.lo * a.DV, a.DV, nk, a.DV, x.pt16.data() + c.lo * np,
+                        np, x.do2.data(), 2 * a.DV, np / 2, nullptr);
+  simd::gemm_bf16<true>(w.dk.data() + c.lo * a.D, a.D, nk, a.D, x.dst16.data() + c.lo * np,
+                        np, x.q2.data(), 2 * a.D, np / 2, nullptr);
+  // dQ[r] += sum_j dS[r][j] K[j], over whole pairs of keys (dS is 0 outside [lo, hi))
+  const int64_t lo = c.lo & ~int64_t(1), hi = (c.hi + 1) & ~int64_t(1);
+  simd::gemm_bf16<true>(dqh + (i0 + c.r0) * a.D, a.D, nr, a.D, x.ds16.data() + lo, KC,
+                        ops.kj.chunk(a, b, hk, c.ci) + lo * a.D, 2 * a.D, (hi - lo) / 2,
+                        nullptr);
+}
+#endif
+
 // dK, dV of the key chunks of group g of (b, hk), and group g's dQ partial of its heads.
-void backward_group(const Args &a, const Grads &g, const Packed<float> &kt, const Packed<float> &vt,
-                    int64_t b, int64_t hk, int64_t grp, int64_t groups, float *dq_part,
-                    BackScratch &w) {
+void backward_group(const Args &a, const Grads &g, const BackOperands &ops, int64_t b,
+                    int64_t hk, int64_t grp, int64_t groups, float *dq_part, BackScratch &w) {
   const int64_t heads = a.H / a.HKV;
   const float *kh = a.k + b * a.sk_b + hk * a.sk_h;
   float *dqs = dq_part + (grp * a.B + b) * a.H * a.T * a.D;  // (H, T, D) of this group
   std::fill(dqs + hk * heads * a.T * a.D, dqs + (hk + 1) * heads * a.T * a.D, 0.0f);
-  for (int64_t ci = grp; ci < kt.chunks; ci += groups) {
+  for (int64_t ci = grp; ci < ops.chunks; ci += groups) {
     const int64_t n = std::min<int64_t>(KC, a.S - ci * KC);  // keys of the chunk
     std::fill(w.dk.begin(), w.dk.end(), 0.0f);
     std::fill(w.dv.begin(), w.dv.end(), 0.0f);
@@ -618,7 +694,13 @@ void backward_group(const Args &a, const Grads &g, const Packed<float> &kt, cons
       for (int64_t i0 = 0; i0 < a.T; i0 += a.bq) {
         const int64_t i1 = std::min(a.T, i0 + a.bq);
         for_each_chunk(a, b, h, i0, i1, ci, ci, w.keep.data(), [&](const Chunk &c) {
-          weights_and_ds(a, g, kt, vt, b, h, i0, c, w);
+          weights_and_ds(a, g, ops, b, h, i0, c, w);
+#if defined(ATTNKIT_BF16)
+          if (a.dtype == DT_BF16) {
+            products_bf16(a, g, ops, b, h, hk, i0, c, dqh, w);
+            return;
+          }
+#endif
           const int64_t nr = c.r1 - c.r0, nk = c.hi - c.lo;
           // dV[j] += sum_r P[r][j] dO[r], dK[j] += sum_r dS[r][j] Q[r]
           simd::gemm<true>(w.dv.data() + c.lo * a.DV, a.DV, nk, a.DV,
@@ -721,16 +803,27 @@ ATTNKIT_EXPORT int attnkit_backward(const Args *args, const Grads *grads) {
   const Grads &g = *grads;
   if (Code bad = check(a)) return bad;
   if (a.D % 16) return BAD_HEAD_DIM;
-  if (a.dtype != DT_F32) return BAD_DTYPE;  // the backward computes in float32
   return guarded([&] {
-    Packed<float> kt, vt;
-    if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, transposed, kt)) return int(err);
-    if (Code err = pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, transposed, vt)) return int(err);
-    const int64_t groups = key_groups(a, kt.chunks);
+    BackOperands ops;
+    if (a.dtype == DT_BF16) {
+#if defined(ATTNKIT_BF16)
+      if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, dim_pairs, ops.kp)) return int(err);
+      if (Code err = pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, dim_pairs, ops.vp)) return int(err);
+      if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, key_pairs, ops.kj)) return int(err);
+      ops.chunks = ops.kp.chunks;
+#else
+      return int(BAD_DTYPE);
+#endif
+    } else {
+      if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, transposed, ops.kt)) return int(err);
+      if (Code err = pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, transposed, ops.vt)) return int(err);
+      ops.chunks = ops.kt.chunks;
+    }
+    const int64_t groups = key_groups(a, ops.chunks);
     std::unique_ptr<float[]> dq_part(new float[groups * a.B * a.H * a.T * a.D]);
     Code err = parallel<BackScratch>(a, a.B * a.HKV * groups, [&](BackScratch &w, int64_t it) {
       const int64_t grp = it % groups, bh = it / groups;
-      backward_group(a, g, kt, vt, bh / a.HKV, bh % a.HKV, grp, groups, dq_part.get(), w);
+      backward_group(a, g, ops, bh / a.HKV, bh % a.HKV, grp, groups, dq_part.get(), w);
     });
     if (err) return int(err);
     // dQ = the groups' partials summed in group order, rows in parallel
