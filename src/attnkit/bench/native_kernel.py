@@ -143,16 +143,17 @@ def causal_rows(t: int, reps: int, peak_all: float) -> dict[str, float]:
         key = "fwd+bwd" if backward else "fwd"
         out[f"native/sdpa {key}"] = med["native"] / med["sdpa"]
         seconds[key] = med["native"]
-    if native.bf16():  # bf16 products against the float32 forward
-        q, k, v = _inputs(t, False)
-        qb, kb, vb = (x.to(torch.bfloat16) for x in (q, k, v))
+    for backward in (False, True) if native.bf16() else ():  # bf16 products against fp32
+        q, k, v = _inputs(t, backward)
+        qb, kb, vb = (x.detach().to(torch.bfloat16).requires_grad_(backward) for x in (q, k, v))
         fns = {
-            "fp32": _step(lambda: attention(q, k, v, causal=True, backend="blockwise"), False),
-            "bf16": _step(lambda: attention(qb, kb, vb, causal=True, backend="blockwise"), False),
+            "fp32": _step(lambda: attention(q, k, v, causal=True, backend="blockwise"), backward),
+            "bf16": _step(lambda: attention(qb, kb, vb, causal=True, backend="blockwise"), backward),
         }  # fmt: skip
         with _env(ATTNKIT_NATIVE_SPEED="fast"):
             med = _best(fns, reps)
-        out["bf16 fwd / fp32 fwd"] = med["bf16"] / med["fp32"]
+        key = "fwd+bwd" if backward else "fwd"
+        out[f"bf16 {key} / fp32 {key}"] = med["bf16"] / med["fp32"]
     fwd_rate = fwd_flops / seconds["fwd"]
     bwd_rate = 2.5 * fwd_flops / max(seconds["fwd+bwd"] - seconds["fwd"], 1e-9)
     out["fwd GFLOP/s"] = fwd_rate / 1e9
