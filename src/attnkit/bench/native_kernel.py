@@ -146,10 +146,7 @@ def causal_rows(t: int, reps: int, peak_all: float) -> dict[str, float]:
     for backward in (False, True) if native.bf16() else ():  # bf16 products against fp32
         q, k, v = _inputs(t, backward)
         qb, kb, vb = (x.detach().to(torch.bfloat16).requires_grad_(backward) for x in (q, k, v))
-        fns = {
-            "fp32": _step(lambda: attention(q, k, v, causal=True, backend="blockwise"), backward),
-            "bf16": _step(lambda: attention(qb, kb, vb, causal=True, backend="blockwise"), backward),
-        }  # fmt: skip
+        fns = {"fp32": _native(q, k, v, backward), "bf16": _native(qb, kb, vb, backward)}
         with _env(ATTNKIT_NATIVE_SPEED="fast"):
             med = _best(fns, reps)
         key = "fwd+bwd" if backward else "fwd"
@@ -162,9 +159,14 @@ def causal_rows(t: int, reps: int, peak_all: float) -> dict[str, float]:
     return out
 
 
+def _native(q, k, v, backward: bool) -> Callable[[], object]:
+    """Causal attention on blockwise (the native kernel, whatever calibration says)."""
+    return _step(lambda: attention(q, k, v, causal=True, backend="blockwise"), backward)
+
+
 def _causal_fns(q, k, v, backward: bool) -> dict[str, Callable[[], object]]:
     return {
-        "native": _step(lambda: attention(q, k, v, causal=True, backend="blockwise"), backward),
+        "native": _native(q, k, v, backward),
         "sdpa": _step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), backward),
     }
 
