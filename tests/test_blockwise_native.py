@@ -527,6 +527,16 @@ def _check_grads(q, k, v, keep, bias=None, sinks=None, lse_weight=0.0, **kwargs)
         rsink = None if sinks is None else sinks.detach().to(dtype).requires_grad_(True)
         if dtype == torch.float64:
             o, lse_ = ref_attention_lse(*rs, keep=keep, bias=bias, sinks=rsink)
+        elif sinks is not None and dtype == torch.bfloat16:  # plain bf16 math, sinks a column
+            kk, vv = (x.repeat_interleave(rs[0].shape[1] // x.shape[1], 1) for x in rs[1:])
+            s = rs[0] @ kk.transpose(-1, -2) / math.sqrt(rs[0].shape[-1])
+            if bias is not None:
+                s = s + bias.to(dtype)
+            s = s.masked_fill(~keep, float("-inf"))
+            col = rsink.view(1, -1, 1, 1).expand(*s.shape[:-1], 1).to(dtype)
+            s = torch.cat((s, col), -1)
+            lse_ = s.logsumexp(-1)
+            o = torch.softmax(s, -1)[..., :-1] @ vv
         elif sinks is not None:
             return None
         else:
@@ -537,7 +547,9 @@ def _check_grads(q, k, v, keep, bias=None, sinks=None, lse_weight=0.0, **kwargs)
                 s = s + bias.to(dtype)
             lse_ = s.masked_fill(~keep, float("-inf")).logsumexp(-1)
         fin = torch.isfinite(lse_)
-        total = (o * g_out.to(dtype)).sum() + (lse_.where(fin, 0.0) * g_lse.to(dtype)).sum()
+        # the upstream gradient the kernel saw: rounded to the output's dtype (bf16)
+        g_seen = g_out.to(q.dtype).to(dtype)
+        total = (o * g_seen).sum() + (lse_.where(fin, 0.0) * g_lse.to(dtype)).sum()
         return torch.autograd.grad(total, [*rs, *([rsink] if rsink is not None else [])])
 
     want = reference(torch.float64)
@@ -545,11 +557,21 @@ def _check_grads(q, k, v, keep, bias=None, sinks=None, lse_weight=0.0, **kwargs)
     floor = 2e-2 if q.dtype == torch.bfloat16 else 1e-5
     for i, (a, w) in enumerate(zip(got, want, strict=True)):
         err = (a.double() - w).abs().max().item()
-        if plain is not None:
+        if i == 3 and q.dtype == torch.bfloat16 and native.bf16():
+            # bf16 products: the output is P V with P rounded to bf16, and d_sinks sums
+            # p_sink * dO.O over every row, so it carries that rounding (2^-8 relative per
+            # term) where plain autograd, self-consistent, does not: bounded by two bf16
+            # ulps of the summed terms' magnitudes instead
+            r = [x.detach().double() for x in (q, k, v)]
+            o64, lse64 = ref_attention_lse(*r, keep=keep, bias=bias, sinks=sinks.double())
+            p_sink = torch.exp(sinks.double().view(1, -1, 1) - lse64).nan_to_num(0.0)
+            terms = (p_sink.unsqueeze(-1) * (g_out.to(q.dtype).double() * o64).abs()).sum()
+            assert err <= 2**-7 * terms.item() + floor, f"d_sinks: {err:.3g} of {terms:.3g}"
+        elif plain is not None:
             plain_err = (plain[i].double() - w).abs().max().item()
             assert err <= 2 * plain_err + floor, f"grad {i}: {err:.3g} vs plain {plain_err:.3g}"
-        else:  # sinks: no plain yardstick
-            assert err <= (5e-2 if q.dtype == torch.bfloat16 else 1e-4), f"grad {i}: {err:.3g}"
+        else:  # float32 with sinks: no plain yardstick
+            assert err <= 1e-4, f"grad {i}: {err:.3g}"
 
 
 @pytest.mark.parametrize("case", BANDS, ids=lambda c: "-".join(map(str, c)))

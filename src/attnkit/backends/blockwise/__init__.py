@@ -138,7 +138,7 @@ def _run(call: AttentionCall, engine: str) -> BackendResult:
         plan, call.query, call.key, call.value, call.sinks, *_extra(call)
     )
     lead = call.query.shape[:-1]  # (..., h, t)
-    out = out.reshape(*lead, call.value.shape[-1])  # (..., h, t, d_v)
+    out = out.reshape(*lead, call.value.shape[-1]).to(call.query.dtype)  # (..., h, t, d_v)
     weights = None
     if call.need_weights:
         tiles_plan = dataclasses.replace(plan, engine=TORCH_TILES)

@@ -24,7 +24,9 @@ from attnkit.backends.blockwise.plan import FLASH_CPU, NATIVE_CPU, TORCH_TILES, 
 
 
 def engine_forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out (b, h, t, d_v), lse (b, h, t))`` over the keys, on the plan's engine."""
+    """``(out (b, h, t, d_v), lse (b, h, t))`` over the keys, on the plan's engine, both in
+    the accumulation dtype (float32 for half inputs: the backward and the sinks' gradient
+    read the unrounded output)."""
     return (flash_cpu.forward if plan.fused else torch_tiles.forward)(plan, q, k, v)
 
 

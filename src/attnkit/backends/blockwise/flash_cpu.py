@@ -257,22 +257,23 @@ def _gathered_backward(
 
 
 def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(out (b, h, t, d_v) in q's dtype, lse (b, h, t))``, as the tile engine."""
-    acc, out_dtype = acc_dtype(q.dtype), q.dtype
+    """Return ``(out (b, h, t, d_v), lse (b, h, t))`` in the accumulation dtype (float32
+    for half inputs), as the tile engine."""
+    acc = acc_dtype(q.dtype)
     engines = plan.engines
     if engines is not None and engines.forward == NATIVE_CPU:
         # bf16 products read bf16 inputs as they are; anything else is upcast
         views = engine_views(plan, q, k, v, upcast=not engines.bf16)
         native_out, native_lse = native.forward(plan, *views)
-        return native_out.to(out_dtype), native_lse
+        return native_out, native_lse
     q, k, v = engine_views(plan, q, k, v)
     b, h, dv = plan.b, plan.h, v.shape[-1]
     layout = toeplitz.layout(plan)
     if layout == "band":  # writes every row: no need to clear them first
-        out = torch.empty(b, h, plan.t, dv, dtype=out_dtype, device=q.device)
+        out = torch.empty(b, h, plan.t, dv, dtype=acc, device=q.device)
         lse = torch.empty((b, h, plan.t), dtype=acc, device=q.device)
     else:
-        out = torch.zeros(b, h, plan.t, dv, dtype=out_dtype, device=q.device)
+        out = torch.zeros(b, h, plan.t, dv, dtype=acc, device=q.device)
         lse = torch.full((b, h, plan.t), float("-inf"), dtype=acc, device=q.device)
     if layout is not None:
         toeplitz.forward(plan, layout, _FORWARD, q, k, v, out, lse)
@@ -305,7 +306,7 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
             else:
                 o, m = merge_partials(o, m, o_j, l_j)
         if o is not None and m is not None:
-            out[:, :, q0:q1] = o.to(out_dtype)
+            out[:, :, q0:q1] = o.to(acc)
             lse[:, :, q0:q1] = m
     return out, lse
 

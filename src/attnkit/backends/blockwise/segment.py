@@ -97,7 +97,8 @@ def segment_forward(
     """
     plan = _plan(q, k, v, seg, scale)
     with torch.no_grad():
-        return engine_forward(plan, q, k, v)
+        out, lse = engine_forward(plan, q, k, v)
+    return out.to(q.dtype), lse
 
 
 def segment_backward(

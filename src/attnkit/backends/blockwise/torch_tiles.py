@@ -68,13 +68,13 @@ def _flush_tiny(plan: TilePlan, p: torch.Tensor) -> torch.Tensor:
 
 
 def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return ``(out (b, h, t, d_v) in q's dtype, lse (b, h, t))``; ``lse = -inf`` and
-    zeros on rows that keep no key."""
-    acc, out_dtype = acc_dtype(q.dtype), q.dtype
+    """Return ``(out (b, h, t, d_v), lse (b, h, t))`` in the accumulation dtype (float32
+    for half inputs); ``lse = -inf`` and zeros on rows that keep no key."""
+    acc = acc_dtype(q.dtype)
     q, k, v = _upcast(q, k, v)
     q5, k5, v5 = _views(plan, q, k, v)
     b, h, hk, g, dv = plan.b, plan.h, plan.h_kv, plan.groups, v.shape[-1]
-    out = torch.zeros(b, h, plan.t, dv, dtype=out_dtype, device=q.device)
+    out = torch.zeros(b, h, plan.t, dv, dtype=acc, device=q.device)
     lse = torch.full((b, h, plan.t), float("-inf"), dtype=acc, device=q.device)
     for q0, q1 in plan.q_blocks():
         bq = q1 - q0
@@ -97,7 +97,7 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
             else:
                 o, m = merge_partials(o, m, pv, lse_t.squeeze(-1))
         if o is not None and m is not None:
-            out[:, :, q0:q1] = o.to(out_dtype)
+            out[:, :, q0:q1] = o.to(acc)
             lse[:, :, q0:q1] = m
     return out, lse
 
