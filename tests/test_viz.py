@@ -72,6 +72,42 @@ def test_png_and_svg_are_written_with_one_panel_per_head(tmp_path):
         viz.plot_attention(maps, tmp_path / "m.jpg")
 
 
+def test_small_causal_map_marks_exactly_the_masked_cells_and_prints_the_others(tmp_path):
+    from attnkit.viz.static import draw_attention
+
+    maps = viz.from_explanation(explain(YOUR_JOURNEY.tokens, YOUR_JOURNEY.tensor()))
+    causal = maps.names.index("causal")
+    png = viz.plot_attention(maps, tmp_path / "causal.png", layer=causal)
+    assert png.stat().st_size > 1000
+    fig = draw_attention(maps, layer=causal)
+    ax = fig.axes[0]
+    (image,) = ax.images
+    cells = image.get_array()  # what matplotlib colours: masked cells are left see-through
+    future = torch.ones(6, 6).triu(1).bool().numpy()  # a key after its query
+    assert np.array_equal(np.ma.getmaskarray(cells), future)
+    assert (ax.patches[0].get_hatch() or "") != ""  # the hatched patch shows through them
+    # one printed value per kept cell, each the weight rounded to 2 places
+    weights = maps.weights[causal][0].numpy()
+    want = {(q, k): f"{weights[q, k]:.2f}" for q in range(6) for k in range(q + 1)}
+    got = {(round(t.get_position()[1]), round(t.get_position()[0])): t.get_text() for t in ax.texts}
+    assert got == want
+    assert "masked" in fig.axes[-1].get_ylabel()  # the colour bar says what hatching means
+
+
+def test_unmasked_or_large_maps_print_no_legend_note_or_values():
+    from attnkit.viz.static import ANNOTATE_MAX, draw_attention
+
+    maps = viz.from_hf(_hf_attentions(heads=1), TOKENS)  # softmax of finite scores: no zeros
+    fig = draw_attention(maps)
+    assert not np.ma.count_masked(fig.axes[0].images[0].get_array())
+    assert fig.axes[-1].get_ylabel() == "attention weight"
+    n = ANNOTATE_MAX + 1
+    big = viz.AttentionMaps(
+        ["x"], [torch.softmax(torch.randn(1, n, n), -1)], [f"t{i}" for i in range(n)]
+    )
+    assert len(draw_attention(big).axes[0].texts) == 0
+
+
 def test_html_is_self_contained_and_views_are_independent():
     maps = viz.from_hf(_hf_attentions(), TOKENS)
     a, b = viz.AttentionView(maps), viz.AttentionView(maps)

@@ -11,6 +11,8 @@ import math
 from collections.abc import Iterable
 from typing import Any, Literal, TypeVar, cast, overload
 
+import torch
+
 __all__ = [
     "ALIGNMENTS",
     "Alignment",
@@ -19,8 +21,10 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_float",
+    "check_float_dtype",
     "check_int",
     "check_optional_int",
+    "check_positions",
     "check_probability",
     "check_window",
 ]
@@ -79,6 +83,34 @@ def check_float(
     if maximum is not None and (value > maximum or (not max_inclusive and value == maximum)):
         bound = "<=" if max_inclusive else "<"
         raise ValueError(f"{name} must be {bound} {maximum}, got {value}")
+    return value
+
+
+def check_float_dtype(value: Any, name: str = "dtype") -> torch.dtype:
+    """A floating ``torch.dtype`` (buffers that hold keys, values or weights).
+
+    Raises:
+        TypeError: not a ``torch.dtype``, or an integer/bool/complex one.
+    """
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise TypeError(f"{name} must be a floating torch.dtype, got {value!r}")
+    return value
+
+
+def check_positions(value: Any, name: str = "input_pos") -> torch.Tensor:
+    """Time indices: a non-empty 1-D integer tensor (its values are not read here, so the
+    check costs no device sync).
+
+    Raises:
+        TypeError: not a tensor, or not of an integer dtype.
+        ValueError: not 1-D, or empty.
+    """
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a 1-D integer torch.Tensor, got {type(value).__name__}")
+    if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer time indices, got dtype {value.dtype}")
+    if value.dim() != 1 or value.shape[0] == 0:
+        raise ValueError(f"{name} must be a non-empty 1-D tensor, got shape {tuple(value.shape)}")
     return value
 
 

@@ -26,7 +26,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from attnkit._validate import check_bool, check_int, check_optional_int, check_window
+from attnkit._validate import (
+    check_bool,
+    check_float_dtype,
+    check_int,
+    check_optional_int,
+    check_positions,
+    check_window,
+)
 
 __all__ = ["KVCache"]
 
@@ -75,6 +82,7 @@ class KVCache(nn.Module):
         window = check_window(window)
         self.sink_tokens = check_int(sink_tokens, "sink_tokens", minimum=0)
         self.static = check_bool(static, "static")
+        dtype = check_float_dtype(dtype, "dtype")
         if max_seq_len is None and window is None:
             raise ValueError("max_seq_len may be None only for a ring buffer (window set)")
         self.max_seq_len = check_optional_int(max_seq_len, "max_seq_len")
@@ -133,7 +141,7 @@ class KVCache(nn.Module):
     def key_positions(self, input_pos: torch.Tensor) -> torch.Tensor:
         """``(s,)``: the time index of every key :meth:`update` returns for ``input_pos``
         (-1 marks an empty slot)."""
-        t = input_pos.shape[0]
+        t = check_positions(input_pos, "input_pos").shape[0]
         if self.window is None:
             if self.static:  # the whole buffer; slots not written yet are empty (-1)
                 slots = torch.arange(self.size, device=input_pos.device)
@@ -160,9 +168,16 @@ class KVCache(nn.Module):
             for a keys-only cache).
 
         Raises:
-            ValueError: shapes that do not fit the buffers, or writing past ``max_seq_len``.
+            TypeError: ``input_pos`` not an integer tensor.
+            ValueError: shapes that do not fit the buffers, a negative time index, or
+                writing past ``max_seq_len``.
         """
         k_cache, v_cache = self.k_cache, self.v_cache
+        check_positions(input_pos, "input_pos")
+        for name, x in (("k", k), ("v", v)):
+            if x is not None and (not isinstance(x, torch.Tensor) or x.dim() != 4):
+                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"{name} must be (batch, kv heads, tokens, head_dim), got {shape}")
         b, h, t, d = k.shape
         if (b, h, d) != (k_cache.shape[0], k_cache.shape[1], k_cache.shape[3]) or (
             (v is None) != (v_cache is None)
@@ -179,6 +194,8 @@ class KVCache(nn.Module):
         v = None if v is None else v.to(k_cache.dtype)
         eager = not torch.compiler.is_compiling()
         start = int(input_pos[0]) if eager else 0  # input_pos is consecutive: one read
+        if start < 0:
+            raise ValueError(f"input_pos must hold time indices >= 0, got {input_pos.tolist()}")
         if eager and self.max_seq_len is not None and start + t > self.max_seq_len:
             raise ValueError(
                 f"KV cache overflow: writing time index {start + t - 1} exceeds max_seq_len="

@@ -60,6 +60,7 @@ import torch
 from attnkit._validate import (
     Alignment,
     check_alignment,
+    check_bool,
     check_float,
     check_int,
     check_window,
@@ -181,8 +182,12 @@ def causal_mask(
         device: where to build the mask.
 
     Raises:
-        ValueError: an ``alignment`` that is neither (a typo is not read as top-left).
+        TypeError: ``q_len`` or ``k_len`` not an int (``bool`` included).
+        ValueError: a negative length, or an ``alignment`` that is neither (a typo is not
+            read as top-left).
     """
+    q_len = check_int(q_len, "q_len", minimum=0)
+    k_len = check_int(k_len, "k_len", minimum=0)
     alignment = check_alignment(alignment)
     pos, kv = _aligned_positions(q_len, k_len, alignment, device)
     return position_keep(pos, kv, causal=True, window=None)  # (q, k)
@@ -205,10 +210,14 @@ def window_mask(
 
     Raises:
         TypeError / ValueError: a ``window`` that is not an int >= 1 (0 would keep no
-            key), or an ``alignment`` that is neither ``"top_left"`` nor ``"bottom_right"``.
+            key), lengths that are not ints >= 0, a ``causal`` that is not a bool, or an
+            ``alignment`` that is neither ``"top_left"`` nor ``"bottom_right"``.
     """
+    q_len = check_int(q_len, "q_len", minimum=0)
+    k_len = check_int(k_len, "k_len", minimum=0)
     window = check_window(window, optional=False)
     alignment = check_alignment(alignment)
+    causal = check_bool(causal, "causal")
     pos, kv = _aligned_positions(q_len, k_len, alignment, device)
     return position_keep(pos, kv, causal=causal, window=window)  # (q, k)
 
@@ -471,10 +480,18 @@ def _all_sizes(mods: tuple[MaskMod, ...]) -> Callable[[int, int, int, int], str 
     return sizes
 
 
+def _check_mods(mods: tuple[MaskMod, ...], name: str) -> None:
+    """Every part of a combination is callable (a mask mod), checked when it is built."""
+    for i, m in enumerate(mods):
+        if not callable(m):
+            raise TypeError(f"{name}: mod {i} must be a callable mask mod, got {m!r}")
+
+
 def and_masks(*mods: MaskMod) -> MaskMod:
     """A mask mod keeping what *every* one of ``mods`` keeps."""
     if not mods:
         raise ValueError("and_masks needs at least one mask mod")
+    _check_mods(mods, "and_masks")
 
     def fn(b, h, q, kv):
         keep = mods[0](b, h, q, kv)
@@ -491,6 +508,7 @@ def or_masks(*mods: MaskMod) -> MaskMod:
     """A mask mod keeping what *any* one of ``mods`` keeps."""
     if not mods:
         raise ValueError("or_masks needs at least one mask mod")
+    _check_mods(mods, "or_masks")
 
     def fn(b, h, q, kv):
         keep = mods[0](b, h, q, kv)

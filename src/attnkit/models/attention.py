@@ -23,7 +23,14 @@ import torch
 from torch import nn
 
 from attnkit import trace
-from attnkit._validate import check_backend, check_int, check_probability, check_window
+from attnkit._validate import (
+    check_backend,
+    check_bool,
+    check_int,
+    check_positions,
+    check_probability,
+    check_window,
+)
 from attnkit.attention import attention
 from attnkit.kv_cache import KVCache
 from attnkit.models.linear import Linear
@@ -61,6 +68,9 @@ class AttentionInputs:
     causal: bool = True
     window: int | None = None
     attend: Callable[..., torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        check_positions(self.input_pos, "input_pos")
 
 
 def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
@@ -121,12 +131,13 @@ class CausalSelfAttention(nn.Module):
         self.window = check_window(window)
         self.backend = check_backend(backend)
         kv_out = num_kv_heads * self.head_dim
+        qkv_bias = check_bool(qkv_bias, "qkv_bias")
         self.W_query = Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = Linear(d_in, kv_out, bias=qkv_bias)
         self.W_value = Linear(d_in, kv_out, bias=qkv_bias)
         self.out_proj = Linear(d_out, d_out)
         self.dropout_p = check_probability(dropout, "dropout")
-        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if check_bool(sinks, "sinks") else None
 
     def cache_shape(self) -> tuple[int, int, int]:
         """``(num_kv_heads, head_dim, value_dim)`` of this layer's KV cache."""
@@ -142,6 +153,11 @@ class CausalSelfAttention(nn.Module):
             inputs: positions, RoPE values and the mask from the model.
             cache: this layer's KV cache (the model owns it), or None.
         """
+        if not isinstance(inputs, AttentionInputs):
+            raise TypeError(f"inputs must be an AttentionInputs, got {type(inputs).__name__}")
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_in:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must be (batch, tokens, d_in={self.d_in}), got {shape}")
         b, t, _ = x.shape
         h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         # (b, t, h * d) -> (b, t, h, d) -> (b, h, t, d)

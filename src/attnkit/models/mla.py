@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from attnkit import trace
-from attnkit._validate import check_backend, check_int, check_probability, check_window
+from attnkit._validate import check_backend, check_bool, check_int, check_probability, check_window
 from attnkit.attention import attention
 from attnkit.kv_cache import KVCache
 from attnkit.models.attention import AttentionInputs, rotate
@@ -88,13 +88,14 @@ class MultiHeadLatentAttention(nn.Module):
         self.window = check_window(window)
         self.backend = check_backend(backend)
         h, d = num_heads, self.head_dim
+        qkv_bias = check_bool(qkv_bias, "qkv_bias")
         self.W_query = Linear(d_in, h * (d + rope_dim), bias=qkv_bias)
         self.W_dkv = Linear(d_in, kv_rank + rope_dim, bias=qkv_bias)
         self.kv_norm = nn.RMSNorm(kv_rank, eps=1e-6)
         self.W_ukv = Linear(kv_rank, h * 2 * d, bias=False)  # per head: (k_nope, v)
         self.out_proj = Linear(d_out, d_out)
         self.dropout_p = check_probability(dropout, "dropout")
-        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if check_bool(sinks, "sinks") else None
         self.scale = 1.0 / math.sqrt(d + rope_dim)
 
     def cache_shape(self) -> tuple[int, int, int]:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attnkit import trace
-from attnkit._validate import check_backend
+from attnkit._validate import check_backend, check_bool
 from attnkit.attention import attention, check_dropout
 from attnkit.masks import causal_mask
 from attnkit.modules._common import (
@@ -62,6 +62,7 @@ class CausalAttention(nn.Module):
         self.d_in, self.d_out, self.context_length = d_in, d_out, context_length
         self.masking = masking
         self.backend = check_backend(backend)
+        qkv_bias = check_bool(qkv_bias, "qkv_bias")
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)

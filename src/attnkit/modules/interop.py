@@ -155,6 +155,12 @@ def load_seed_state_dict(
     Example:
         >>> load_seed_state_dict(mha, notebook_mha.state_dict())  # doctest: +SKIP
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}"
+        )
     mapped: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
         parts = name.split(".")

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from attnkit import trace
-from attnkit._validate import check_backend
+from attnkit._validate import check_backend, check_bool
 from attnkit.attention import attention, check_dropout
 from attnkit.modules._common import (
     active_dropout,
@@ -127,6 +127,7 @@ class MultiHeadAttention(nn.Module):
         self.head_dim = d_out // num_heads
         self.backend = check_backend(backend)
         kv_out = num_kv_heads * self.head_dim
+        qkv_bias = check_bool(qkv_bias, "qkv_bias")
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, kv_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, kv_out, bias=qkv_bias)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from attnkit import trace
-from attnkit._validate import check_backend
+from attnkit._validate import check_backend, check_bool
 from attnkit.attention import attention
 from attnkit.modules._common import check_dims, check_input
 
@@ -62,6 +62,7 @@ class SelfAttentionV2(nn.Module):
         check_dims(d_in=d_in, d_out=d_out)
         self.d_in, self.d_out = d_in, d_out
         self.backend = check_backend(backend)
+        qkv_bias = check_bool(qkv_bias, "qkv_bias")
         self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
         self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
