@@ -56,3 +56,14 @@ def test_auto_error_reaches_the_caller_of_attention(monkeypatch):
     q = torch.randn(1, 2, 3, 4)
     with pytest.raises(ValueError, match=r"tried sdpa: not registered; blockwise: not registered"):
         attnkit.attention(q, q, q)
+
+
+@pytest.mark.parametrize("arg", ["fn", "supports", "auto_supports", "auto_first"])
+def test_register_backend_refuses_what_is_not_callable(arg):
+    from attnkit.backends import available_backends, register_backend
+
+    kwargs = {arg: 3} if arg != "fn" else {}
+    fn = 3 if arg == "fn" else (lambda call: None)
+    with pytest.raises(TypeError, match=f"register_backend's {arg} must be callable, got 3"):
+        register_backend("probe-backend", fn, **kwargs)
+    assert "probe-backend" not in available_backends()

@@ -187,6 +187,15 @@ def register_backend(
     """
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
+    hooks = {
+        "fn": fn,
+        "supports": supports,
+        "auto_supports": auto_supports,
+        "auto_first": auto_first,
+    }
+    for arg, value in hooks.items():
+        if value is not None and not callable(value):
+            raise TypeError(f"register_backend's {arg} must be callable, got {value!r}")
     _REGISTRY[name] = Backend(name, fn, supports, auto_supports or supports, auto_first)
 
 
