@@ -11,13 +11,14 @@ place through its broadcast strides), adds a relative bias (``masks.alibi``,
 running max and sum per row: a row is alive when one key survives every mask at once.
 
 :func:`forward` returns the output and the log-sum-exp; :func:`backward` recomputes the
-weights from them (FlashAttention-2's backward, two passes that write disjoint rows).
-A plan runs here when :func:`why_not` (:func:`why_not_backward`) finds nothing against
-it; otherwise the engine's torch-kernel paths run. The library is built on first use
-(:mod:`.build`); where it cannot be, nothing changes but speed. float32 arithmetic; bf16
-inputs on an avx512-bf16 build compute ``QK^T`` and ``PV`` with bf16 products (float32
-softmax and sums) in the forward, and are upcast elsewhere and for the backward; float16
-is upcast, float64 runs on torch's kernel.
+weights from them (FlashAttention-2's backward in one pass, dQ partials summed in a
+fixed order). A plan runs here when :func:`why_not` (:func:`why_not_backward`) finds
+nothing against it (asked once per call, by :mod:`..engines`); otherwise the engine's
+torch-kernel paths run. The library is built on first use (:mod:`.build`); where it
+cannot be, nothing changes but speed. float32 arithmetic; bf16 inputs on an avx512-bf16
+build compute every product with bf16 products (float32 softmax and sums), forward and
+backward, and are upcast on other builds; float16 is upcast, float64 runs on torch's
+kernel.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def isa() -> str | None:
 
 def bf16() -> bool:
     """Whether the loaded build computes bf16 inputs with bf16 products (AVX512_BF16):
-    ``QK^T`` and ``PV`` in bf16 with float32 softmax and accumulators, forward only."""
+    every product in bf16 with float32 softmax and accumulators, forward and backward."""
     lib = library()
     return lib is not None and bool(lib.attnkit_bf16())
 
@@ -85,8 +86,7 @@ def available() -> bool:
 
 def why_not(plan: TilePlan, dtype: torch.dtype, d: int, d_v: int) -> str | None:
     """Why the kernel cannot run this fused plan (CPU tensors) on the engine's views of
-    ``dtype`` (None when it can): it takes float32 (bf16 on an avx512-bf16 build,
-    forward), value heads a multiple of 16 wide, causal/window bounds, a block mask, a
+    ``dtype`` (None when it can): it takes float32 (bf16 on an avx512-bf16 build), value heads a multiple of 16 wide, causal/window bounds, a block mask, a
     ``mask`` tensor and a relative bias, but no other ``score_mod``, and not under
     ``torch.compile``. Asked once per call, by :mod:`..engines`."""
     if dtype not in (torch.float32, torch.bfloat16):

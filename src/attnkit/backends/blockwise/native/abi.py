@@ -27,7 +27,7 @@ CODES = {
     7: "bf16 inputs to a build without bf16 products",
 }
 
-#: ``Args.dtype``: what ``q``, ``k``, ``v`` point to (bf16: the forward only).
+#: ``Args.dtype``: what ``q``, ``k``, ``v`` (and the backward's ``dout``) point to.
 DT_F32, DT_BF16 = 0, 1
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64

@@ -23,7 +23,9 @@
 // group's own dQ partial; the partials are then summed in group order. Groups depend only
 // on the shapes, so every bit of the result is the same for any number of threads.
 //
-// Every product is simd::gemm, one register-tiled micro-kernel. Threads come from one
+// Every product is simd::gemm, one register-tiled micro-kernel (simd::gemm_bf16 for bf16
+// inputs on avx512-bf16 builds: operands packed in pairs, P and dS rounded to bf16,
+// float32 softmax and sums). Threads come from one
 // persistent pool (rebuilt in a forked child). Errors inside (out of memory, no thread)
 // become return codes, never an abort.
 
@@ -92,7 +94,7 @@ struct Args {
   int64_t mask_kind;         // MASK_BOOL (keep where nonzero) or MASK_FLOAT (added)
   int64_t sm_b, sm_h, sm_t, sm_s;
   int64_t threads;
-  int64_t dtype;             // DT_F32, or DT_BF16 (forward only; q, k, v are then bf16)
+  int64_t dtype;             // DT_F32, or DT_BF16 (q, k, v and Grads.dout are then bf16)
 };
 
 // The gradients' tensors (contiguous: (B, H, T, DV), (B, H, T), (B, H, T, D),
