@@ -67,3 +67,19 @@ def test_register_backend_refuses_what_is_not_callable(arg):
     with pytest.raises(TypeError, match=f"register_backend's {arg} must be callable, got 3"):
         register_backend("probe-backend", fn, **kwargs)
     assert "probe-backend" not in available_backends()
+
+
+def test_a_replaced_call_does_not_inherit_the_memo():
+    """AttentionCall.memo holds per-call work (blockwise's plan): a call derived with
+    dataclasses.replace (another mask, scale, ...) must start with an empty one, never
+    reuse a plan made for other arguments."""
+    import dataclasses
+
+    from attnkit.backends import AttentionCall
+
+    q = torch.zeros(1, 1, 2, 4)
+    call = AttentionCall(q, q, q, None, None, 1.0, 0.0, False)
+    call.memo["plan"] = object()
+    other = dataclasses.replace(call, scale=2.0)
+    assert other.memo == {} and "plan" in call.memo
+    assert call == dataclasses.replace(call)  # the memo is not part of the request

@@ -74,7 +74,7 @@ class AttentionCall:
     return_lse: bool = False
     #: What a backend worked out for this call and may need again (blockwise keeps its
     #: plan here, so ``auto_first`` and the run build it once); not part of the request.
-    memo: dict = field(default_factory=dict, compare=False, repr=False)
+    memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def dense_mask(self) -> torch.Tensor | None:
         """Everything that masks this call (mask, causal, window, mask_mod, block_mask) as
