@@ -1,14 +1,16 @@
 # Two commands, on a fresh machine with Python 3.10+:
 #   make demo   set up .venv with what the demo needs (torch first, then attnkit[viz]) and run
 #               `attnkit demo`
-#   make test   add the dev tools (pytest, ruff, mypy, triton, transformers, ...) and run the
-#               test suite (sets up .venv first if needed)
+#   make test   add the dev tools (pytest, ruff, mypy, mkdocs, triton, transformers, ...), build
+#               the docs and run the test suite (sets up .venv first if needed)
+#   make docs   build the documentation site into site/ (mkdocs --strict: warnings are errors;
+#               nothing is fetched from the network)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint setup clean
+.PHONY: demo test docs lint setup clean
 
 # what `attnkit demo` needs: torch, attnkit's dependencies, matplotlib for the pictures
 $(VENV)/.installed: pyproject.toml
@@ -31,7 +33,11 @@ demo: $(VENV)/.installed
 test: $(VENV)/.dev-installed
 	$(PY) -m ruff check src tests
 	$(PY) -m mypy
+	$(MAKE) --no-print-directory docs
 	$(PY) -m pytest -n 2 -q -m "not slow"
+
+docs: $(VENV)/.dev-installed
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d site
 
 lint: $(VENV)/.dev-installed
 	$(PY) -m ruff check src tests
@@ -39,4 +45,4 @@ lint: $(VENV)/.dev-installed
 	$(PY) -m ruff format --check src tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) build site *.egg-info src/*.egg-info
