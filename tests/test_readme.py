@@ -1,5 +1,6 @@
-"""Every ```python block of README.md runs as pasted: the blocks of one ``##`` section run
-in order in one namespace (a later block may use an earlier one's names). A block right
+"""Every ```python block of README.md and of the documentation pages (``docs/**/*.md``)
+runs as pasted: the blocks of one ``##`` section of a page run in order in one namespace
+(a later block may use an earlier one's names). A block right
 after ``<!-- not-run: reason -->`` is skipped (it needs a GPU, torchrun or the network);
 a block that needs a missing optional extra skips its section."""
 
@@ -11,7 +12,10 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+#: The pages whose blocks run: the README, then every documentation page.
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 NOT_RUN = re.compile(r"<!--\s*not-run:\s*(.+?)\s*-->")
 #: Optional extras a README block may import; without them its section is skipped.
 EXTRAS = {"transformers", "matplotlib", "triton"}
@@ -54,15 +58,43 @@ def readme_sections(text: str) -> dict[str, list[Block]]:
     return sections
 
 
-SECTIONS = readme_sections(README.read_text(encoding="utf-8"))
+def page_name(page: Path) -> str:
+    """``page`` relative to the repository root, with ``/`` separators."""
+    return page.relative_to(ROOT).as_posix()
+
+
+#: page name -> section -> its blocks
+PAGE_SECTIONS = {page_name(p): readme_sections(p.read_text(encoding="utf-8")) for p in PAGES}
+SECTIONS = PAGE_SECTIONS["README.md"]
 
 
 def test_the_readme_has_python_blocks_and_skips_only_with_a_reason():
     blocks = [b for bs in SECTIONS.values() for b in bs]
-    assert len(blocks) >= 8
+    assert len(blocks) >= 5  # the tutorial, attention() with a mod, the GPT, HF, context parallel
+    skipped = [b for b in blocks if b.not_run]
+    assert all(b.not_run and b.not_run.strip() for b in skipped)
+    assert len(skipped) <= 1  # context parallelism needs torchrun; everything else runs
+
+
+def test_the_docs_pages_have_python_blocks_and_skip_only_with_a_reason():
+    docs = {name: s for name, s in PAGE_SECTIONS.items() if name != "README.md"}
+    for page in ("docs/tutorial.md", "docs/attention.md", "docs/performance.md", "docs/llm.md"):
+        assert docs[page], f"{page} has no python block"
+    blocks = [b for sections in docs.values() for bs in sections.values() for b in bs]
+    assert len(blocks) >= 10
     skipped = [b for b in blocks if b.not_run]
     assert all(b.not_run and b.not_run.strip() for b in skipped)
     assert len(skipped) <= 3  # a GPU/torchrun/network block each; everything else runs
+
+
+def test_the_readme_quick_start_is_the_two_commands():
+    text = README.read_text(encoding="utf-8")
+    quick = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    commands = [
+        line.split("#")[0].strip()
+        for line in quick.split("```bash", 1)[1].split("```")[0].splitlines()
+    ]
+    assert [c for c in commands if c] == ["make demo", "make test"]
 
 
 def test_the_parser_groups_blocks_by_section_and_reads_not_run():
@@ -76,21 +108,25 @@ def test_the_parser_groups_blocks_by_section_and_reads_not_run():
     assert [(b.line, b.source) for b in got["B"]] == [(15, "z = 2")]  # its first line
 
 
-@pytest.mark.parametrize("section", list(SECTIONS))
-def test_readme_section_runs(section, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("page", "section"),
+    [(page, section) for page, sections in PAGE_SECTIONS.items() for section in sections],
+    ids=lambda value: value,
+)
+def test_readme_section_runs(page, section, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # blocks that write files write them here
     namespace: dict[str, object] = {"__name__": "readme"}
     ran = 0
-    for block in SECTIONS[section]:
+    for block in PAGE_SECTIONS[page][section]:
         if block.not_run:
             continue
-        code = compile(block.source, f"README.md:{block.line}", "exec")
+        code = compile(block.source, f"{page}:{block.line}", "exec")
         try:
             exec(code, namespace)
         except ModuleNotFoundError as err:
             if err.name in EXTRAS:
-                pytest.skip(f"README.md:{block.line} needs {err.name}")
+                pytest.skip(f"{page}:{block.line} needs {err.name}")
             raise
         ran += 1
     if not ran:
-        pytest.skip(f"every block of {section!r} is marked not-run")
+        pytest.skip(f"every block of {page} {section!r} is marked not-run")
