@@ -50,6 +50,7 @@ def test_the_docs_build_strict_and_document_the_api(tmp_path: Path) -> None:
     assert run.returncode == 0, run.stdout + run.stderr
     index = (site / "index.html").read_text(encoding="utf-8")
     assert "attnkit" in index
+    assert "fonts.googleapis.com" not in index  # theme.font: false, nothing fetched by readers
     api = (site / "api.html").read_text(encoding="utf-8")
     for name in ("attnkit.attention.attention", "attnkit.masks.document", "attnkit.models.GPT"):
         assert f'id="{name}"' in api, f"{name} is missing from the API reference"
