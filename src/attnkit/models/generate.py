@@ -35,7 +35,7 @@ def _check_prompt(model: GPT, idx: torch.Tensor, attention_mask: torch.Tensor | 
         raise TypeError("idx must be an integer (long) tensor of token ids")
     if idx.dim() != 2 or idx.shape[1] == 0 or idx.shape[0] == 0:
         raise ValueError(f"idx must be a non-empty (batch, tokens) tensor, got {tuple(idx.shape)}")
-    check_idx(model, idx)  # ids in the vocabulary
+    check_idx(model.layout(), idx)  # ids in the vocabulary
     if attention_mask is None:
         return
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.is_floating_point():

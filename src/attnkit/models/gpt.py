@@ -28,7 +28,7 @@ from attnkit.models.attention import AttentionInputs, CausalSelfAttention
 from attnkit.models.config import GPTConfig
 from attnkit.models.linear import Linear, pack_linears, unpack_linears
 from attnkit.models.mla import MultiHeadLatentAttention
-from attnkit.models.plan import Plan, build_plan, plan_forward
+from attnkit.models.plan import Layout, Plan, build_plan, plan_forward
 from attnkit.rope import RotaryEmbedding
 
 __all__ = ["GPT", "GPTConfig", "TransformerBlock"]
@@ -281,7 +281,8 @@ class GPT(nn.Module):
             TypeError / ValueError: non-integer ids, a wrong rank, ids out of the
                 vocabulary, more tokens than ``context_length``, a bad mask or input_pos.
         """
-        return self._run(idx, plan_forward(self, idx, attention_mask, input_pos), last_only=False)
+        plan = plan_forward(self.layout(), idx, attention_mask, input_pos)
+        return self._run(idx, plan, last_only=False)
 
     def step(
         self,
@@ -310,7 +311,21 @@ class GPT(nn.Module):
             Next-token logits ``(b, 1, vocab_size)`` (``(b, t, vocab_size)`` when not
             ``last_only``).
         """
-        return self._run(idx, build_plan(self, input_pos, attention_mask), last_only)
+        return self._run(idx, build_plan(self.layout(), input_pos, attention_mask), last_only)
+
+    def layout(self) -> Layout:
+        """What planning a forward reads of the model (handed down to
+        :mod:`attnkit.models.plan`): vocabulary and context bounds, caches, streaming,
+        RoPE table and layer windows."""
+        caches = None if self.caches is None else [c for c in self.caches]  # KVCache each
+        return Layout(
+            vocab_size=self.cfg.vocab_size,
+            context_length=self.cfg.context_length,
+            caches=caches,  # type: ignore[arg-type]
+            streaming=self.streaming,
+            rope=self.rope,
+            windows=self.windows,
+        )
 
     def _run(self, idx: torch.Tensor, plan: Plan, last_only: bool) -> torch.Tensor:
         x = self.tok_emb(idx)  # (b, t, d)

@@ -26,9 +26,12 @@ from attnkit.models.attention import AttentionInputs
 from attnkit.rope import rope_values
 
 if TYPE_CHECKING:
-    from attnkit.models.gpt import GPT
+    from collections.abc import Sequence
+
+    from attnkit.rope import RotaryEmbedding
 
 __all__ = [
+    "Layout",
     "Plan",
     "build_plan",
     "check_context",
@@ -37,6 +40,28 @@ __all__ = [
     "keep_mask",
     "plan_forward",
 ]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What planning a forward reads of the model, and nothing else (the model hands it
+    down: :meth:`attnkit.models.GPT.layout`).
+
+    Attributes:
+        vocab_size: token ids must be in ``[0, vocab_size)``.
+        context_length: the most time indices a forward may reach.
+        caches: one :class:`~attnkit.kv_cache.KVCache` per layer, or None.
+        streaming: StreamingLLM's ``(sink_tokens, window)``, or None.
+        rope: the model's one RoPE table, or None (learned positions).
+        windows: each layer's sliding window (None = global).
+    """
+
+    vocab_size: int
+    context_length: int
+    caches: Sequence[KVCache] | None
+    streaming: tuple[int, int] | None
+    rope: RotaryEmbedding | None
+    windows: Sequence[int | None]
 
 
 @dataclass(frozen=True)
@@ -71,7 +96,7 @@ def keep_mask(
     return keep[None, None] & real[:, None, None, :]  # (b, 1, t, s)
 
 
-def check_idx(model: GPT, idx: torch.Tensor) -> None:
+def check_idx(layout: Layout, idx: torch.Tensor) -> None:
     """Check that ``idx`` is a ``(batch, tokens)`` integer tensor of ids in the vocabulary.
 
     Raises:
@@ -85,7 +110,7 @@ def check_idx(model: GPT, idx: torch.Tensor) -> None:
     if idx.shape[1] == 0:
         raise ValueError("idx has no tokens")
     if not torch.compiler.is_compiling():
-        v = model.cfg.vocab_size
+        v = layout.vocab_size
         low, high = torch.aminmax(idx)
         if int(low) < 0 or int(high) >= v:
             raise ValueError(f"token ids must be in [0, {v})")
@@ -143,12 +168,12 @@ def _stream_positions(
 
 
 def check_inputs(
-    model: GPT,
+    layout: Layout,
     idx: torch.Tensor,
     attention_mask: torch.Tensor | None,
     input_pos: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Check one forward's inputs against the model and its caches.
+    """Check one forward's inputs against the model's layout and its caches.
 
     Returns:
         ``(input_pos, key_real)``: the time indices (``0 .. t - 1`` when None was given
@@ -159,9 +184,9 @@ def check_inputs(
         TypeError / ValueError: non-integer or out-of-vocabulary ids, a bad ``input_pos``
             or mask, more tokens than ``context_length`` or the cache holds.
     """
-    check_idx(model, idx)
+    check_idx(layout, idx)
     b, t = idx.shape
-    caches = model.caches
+    caches = layout.caches
     eager = not torch.compiler.is_compiling()
     if input_pos is None:
         if caches is not None:
@@ -172,10 +197,10 @@ def check_inputs(
         input_pos = torch.arange(t, device=idx.device)
     else:
         _check_input_pos(input_pos, t)
-    stream = model.streaming
+    stream = layout.streaming
     end_i = int(input_pos[-1]) + 1 if eager else None
     if end_i is not None and stream is None:
-        check_context(model, end_i)
+        check_context(layout, end_i)
     key_real = None
     if attention_mask is not None:
         if stream is not None:
@@ -186,17 +211,17 @@ def check_inputs(
     return input_pos, key_real
 
 
-def check_context(model: GPT, end: int) -> None:
+def check_context(layout: Layout, end: int) -> None:
     """Check that ``end`` time indices fit ``context_length`` and the KV cache (if any).
 
     Raises:
         ValueError: naming the bound that ``end`` exceeds.
     """
-    ctx = model.cfg.context_length
+    ctx = layout.context_length
     if end > ctx:
         raise ValueError(f"{end} tokens exceed context_length={ctx}")
-    if model.caches is not None:
-        first: KVCache = model.caches[0]  # type: ignore[assignment]
+    if layout.caches is not None:
+        first = layout.caches[0]
         if first.max_seq_len is not None and end > first.max_seq_len:
             raise ValueError(
                 f"{end} tokens exceed the KV cache's max_seq_len={first.max_seq_len} "
@@ -205,7 +230,7 @@ def check_context(model: GPT, end: int) -> None:
             )
 
 
-def build_plan(model: GPT, input_pos: torch.Tensor, key_real: torch.Tensor | None) -> Plan:
+def build_plan(layout: Layout, input_pos: torch.Tensor, key_real: torch.Tensor | None) -> Plan:
     """The positions, RoPE values and masks of one forward, from inputs already checked.
 
     Checks nothing: ``input_pos`` and ``key_real`` come from :func:`check_inputs`, or from
@@ -213,14 +238,14 @@ def build_plan(model: GPT, input_pos: torch.Tensor, key_real: torch.Tensor | Non
     checks the prompt, its mask and the context bound once; its steps then trust them).
 
     Args:
-        model: the GPT (its caches, streaming setting, RoPE table and layer windows).
+        layout: what the plan reads of the model (caches, streaming, RoPE, windows).
         input_pos: ``(t,)`` consecutive time indices of the forward's tokens.
         key_real: bool ``(b, L)``, True = token, covering every time index up to
             ``input_pos[-1]``, with padding among them; None = no padding.
     """
-    caches = model.caches
+    caches = layout.caches
     eager = not torch.compiler.is_compiling()
-    stream = model.streaming
+    stream = layout.streaming
     end = input_pos[-1] + 1  # (): a tensor, so a compiled step does not specialise on it
     if key_real is None:
         positions = input_pos[None]  # (1, t)
@@ -230,36 +255,37 @@ def build_plan(model: GPT, input_pos: torch.Tensor, key_real: torch.Tensor | Non
         real_pos = (key_real.long().cumsum(1) - 1).clamp(min=0)  # (b, L)
         positions = real_pos.index_select(1, input_pos)  # (b, t)
     rope = None
-    if model.rope is not None:
+    table = layout.rope
+    if table is not None:
         if stream is None:
-            cos, sin = model.rope.cos[positions], model.rope.sin[positions]  # (b|1, t, d)
+            cos, sin = table.cos[positions], table.sin[positions]  # (b|1, t, d)
         else:
-            cos, sin = rope_values(positions, model.rope.head_dim, model.rope.theta)
+            cos, sin = rope_values(positions, table.head_dim, table.theta)
         rope = (cos[:, None], sin[:, None])  # (b|1, 1, t, d)
     kinds: dict[tuple, AttentionInputs] = {}
     inputs = []
-    for i, w in enumerate(model.windows):
-        cache: KVCache | None = None if caches is None else caches[i]  # type: ignore[assignment]
+    for i, w in enumerate(layout.windows):
+        cache = None if caches is None else caches[i]
         key = (w,) if cache is None else (w, cache.window, cache.sink_tokens, cache.static)
         if key not in kinds:
-            kinds[key] = _layer_inputs(model, w, cache, input_pos, end, key_real, rope, eager)
+            kinds[key] = _layer_inputs(layout, w, cache, input_pos, end, key_real, rope, eager)
         inputs.append(kinds[key])
     return Plan(positions, inputs)
 
 
 def plan_forward(
-    model: GPT,
+    layout: Layout,
     idx: torch.Tensor,
     attention_mask: torch.Tensor | None,
     input_pos: torch.Tensor | None,
 ) -> Plan:
     """Check the inputs and compute the positions, RoPE values and masks of one forward."""
-    input_pos, key_real = check_inputs(model, idx, attention_mask, input_pos)
-    return build_plan(model, input_pos, key_real)
+    input_pos, key_real = check_inputs(layout, idx, attention_mask, input_pos)
+    return build_plan(layout, input_pos, key_real)
 
 
 def _layer_inputs(
-    model: GPT,
+    layout: Layout,
     window: int | None,
     cache: KVCache | None,
     input_pos: torch.Tensor,
@@ -281,8 +307,8 @@ def _layer_inputs(
     sinks = 0 if cache is None else cache.sink_tokens
     mask = keep_mask(input_pos, k_time, window=window, sink_tokens=sinks, key_real=key_real)
     key_rope = None
-    if model.streaming is not None and model.rope is not None:
-        k_pos = _stream_positions(k_time.clamp(min=0), end, model.streaming)
-        cos, sin = rope_values(k_pos, model.rope.head_dim, model.rope.theta)  # (s, d)
+    if layout.streaming is not None and layout.rope is not None:
+        k_pos = _stream_positions(k_time.clamp(min=0), end, layout.streaming)
+        cos, sin = rope_values(k_pos, layout.rope.head_dim, layout.rope.theta)  # (s, d)
         key_rope = (cos[None, None], sin[None, None])  # (1, 1, s, d)
     return AttentionInputs(input_pos, rope, key_rope, mask, causal=False)
