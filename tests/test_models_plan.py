@@ -24,7 +24,9 @@ def test_a_layout_alone_plans_a_forward():
     assert plan.positions.tolist() == [list(range(6))]
     assert len(plan.inputs) == 2 and plan.inputs[1].window == 4 and plan.inputs[0].causal
     cos, sin = plan.inputs[0].rope
-    assert torch.equal(cos[0, 0], layout.rope.cos[:6])  # the table's rows, looked up once
+    assert torch.equal(cos[0, 0], layout.rope.cos[:6]) and torch.equal(
+        sin[0, 0], layout.rope.sin[:6]
+    )  # the table's rows, looked up once
     with pytest.raises(ValueError, match="17 tokens exceed context_length=16"):
         check_inputs(layout, torch.zeros(1, 17, dtype=torch.long), None, None)
     with pytest.raises(ValueError, match=r"token ids must be in \[0, 50\)"):
