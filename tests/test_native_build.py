@@ -119,6 +119,7 @@ def test_builds_into_a_fresh_private_cache(fresh):
     names = sorted(p.suffix for p in fresh.iterdir())
     assert names == [".sha256", ".so"]  # no temporary left behind
     assert str(fresh) in build.status() and build.selected_isa() in build.status()
+    assert build.library_file() == _library_file(fresh)  # where calibration keeps its speed
     assert fresh.stat().st_mode & 0o777 == 0o700
 
 
@@ -163,6 +164,7 @@ def test_a_shared_or_unwritable_cache_builds_privately(fresh, monkeypatch, tmp_p
     assert build.library() is not None, build.status()
     assert "writable by other users" in build.status()
     assert not list(fresh.iterdir())  # nothing written into the shared directory
+    assert build.library_file() is None  # a private build: nothing is kept beside it
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("")
     monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(not_a_dir / "cache"))

@@ -263,9 +263,7 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     engines = plan.engines
     if engines is not None and engines.forward == NATIVE_CPU:
         # bf16 products read bf16 inputs as they are; anything else is upcast
-        views = engine_views(plan, q, k, v, upcast=not engines.bf16)
-        native_out, native_lse = native.forward(plan, *views)
-        return native_out, native_lse
+        return native.forward(plan, *engine_views(plan, q, k, v, upcast=not engines.bf16))
     q, k, v = engine_views(plan, q, k, v)
     b, h, dv = plan.b, plan.h, v.shape[-1]
     layout = toeplitz.layout(plan)

@@ -50,8 +50,6 @@ BLOCK_Q = 128
 #: Keys per chunk inside the kernel (``KC`` in attention.cpp); the relative bias vector
 #: is padded to whole chunks.
 KEY_CHUNK = 64
-#: Band bounds meaning "no bound".
-_NONE = 1 << 62
 #: ``mask_kind`` of attention.cpp.
 _MASK_BOOL, _MASK_FLOAT = 1, 2
 
@@ -86,9 +84,10 @@ def available() -> bool:
 
 def why_not(plan: TilePlan, dtype: torch.dtype, d: int, d_v: int) -> str | None:
     """Why the kernel cannot run this fused plan (CPU tensors) on the engine's views of
-    ``dtype`` (None when it can): it takes float32 (bf16 on an avx512-bf16 build), value heads a multiple of 16 wide, causal/window bounds, a block mask, a
-    ``mask`` tensor and a relative bias, but no other ``score_mod``, and not under
-    ``torch.compile``. Asked once per call, by :mod:`..engines`."""
+    ``dtype`` (None when it can): it takes float32 (bf16 on an avx512-bf16 build), value
+    heads a multiple of 16 wide, causal/window bounds, a block mask, a ``mask`` tensor and
+    a relative bias, but no other ``score_mod``, and not under ``torch.compile``. Asked
+    once per call, by :mod:`..engines`."""
     if dtype not in (torch.float32, torch.bfloat16):
         return "the native kernel runs float32 (and bf16) tensors"
     if dtype == torch.bfloat16 and not bf16():
@@ -150,8 +149,10 @@ def _band(plan: TilePlan) -> tuple[int, int, bool]:
         else:
             first, keep = toeplitz  # kept q - kv: first .. first + n - 1
             band = band & Band(-(first + keep.numel() - 1), -first)
-    lo = -_NONE if band.lo is None else band.lo
-    hi = _NONE if band.hi is None else band.hi
+    # no bound, or one wider than both sequences, is the same clamped bound: int64-safe
+    reach = plan.t + plan.s + 1
+    lo = -reach if band.lo is None else max(band.lo, -reach)
+    hi = reach if band.hi is None else min(band.hi, reach)
     return lo, hi, read
 
 
@@ -162,9 +163,6 @@ def _args(plan: TilePlan, q, k, v, out, lse) -> tuple[abi.Args, list[torch.Tenso
     b, h, t, s = plan.b, plan.h, plan.t, plan.s
     band_lo, band_hi, read_block_mask = _band(plan)
     out_strides = out.stride()[:3] if out is not None else (0, 0, 0)
-    # a band wider than both sequences is no bound: clamped, it cannot overflow int64
-    reach = t + s + 1
-    band_lo, band_hi = max(band_lo, -reach), min(band_hi, reach)
     args = abi.Args(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), 0 if out is None else out.data_ptr(),
         lse.data_ptr(), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out_strides,
@@ -272,9 +270,9 @@ def backward(
 
 def _check_code(code: int) -> None:
     """A nonzero return of the kernel as a Python exception."""
-    if code == 4:
+    if code == abi.NO_MEMORY:
         raise MemoryError("attnkit's native kernel ran out of memory")
-    if code != 0:
+    if code != abi.OK:
         why = abi.CODES.get(code, f"code {code}")
         raise RuntimeError(f"attnkit's native kernel failed: {why}")
 

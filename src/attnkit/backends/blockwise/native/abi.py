@@ -16,7 +16,10 @@ __all__ = ["ABI_VERSION", "CODES", "DT_BF16", "DT_F32", "Args", "Grads", "check"
 #: ``ABI_VERSION`` of attention.cpp: bumped whenever ``Args`` or ``Grads`` change.
 ABI_VERSION = 3
 
-#: attention.cpp's return codes (``enum Code``).
+#: attention.cpp's return codes (``enum Code``) that the binding treats apart.
+OK, NO_MEMORY = 0, 4
+
+#: attention.cpp's return codes (``enum Code``), described.
 CODES = {
     1: "head sizes, heads or block rows the kernel cannot take",
     2: "a block mask whose rows differ from the kernel's blocks",

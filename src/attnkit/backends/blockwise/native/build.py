@@ -67,6 +67,7 @@ _NEEDS = {
 
 _lock = threading.Lock()
 _state: dict[str, tuple[ctypes.CDLL | None, str]] = {}  # isa -> (library, status line)
+_files: dict[str, Path] = {}  # isa -> the cached library file loaded (not a private build)
 _warned: set[str] = set()
 _held_fds: list[int] = []  # descriptors of loaded libraries (see _load)
 
@@ -253,7 +254,10 @@ def _build(isa: str | None) -> tuple[ctypes.CDLL | None, str]:
         lib, why = _load(target)  # built before and intact?
         if lib is None:
             lib, why = _compile_and_load(command, isa, target)
-        return (lib, f"{isa} build, {version} ({target})") if lib else (None, str(why))
+        if lib is None:
+            return None, str(why)
+        _files[isa] = target
+        return lib, f"{isa} build, {version} ({target})"
     with tempfile.TemporaryDirectory(prefix="attnkit-") as private:  # removed after loading
         lib, why = _compile_and_load(command, isa, Path(private) / name)
     return (
@@ -279,8 +283,16 @@ def library(isa: str | None = None) -> ctypes.CDLL | None:
     key = isa or ""
     with _lock:
         if key not in _state:
+            _files.pop(key, None)
             _state[key] = _build(isa)
     return _state[key][0]
+
+
+def library_file(isa: str | None = None) -> Path | None:
+    """The file of the loaded library for ``isa`` in the cache directory, or None (none
+    loaded, or built in a private temporary directory that is gone)."""
+    isa = isa or selected_isa()
+    return _files.get(isa or "") if library(isa) is not None else None
 
 
 def status(isa: str | None = None) -> str:

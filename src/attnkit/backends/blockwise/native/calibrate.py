@@ -79,11 +79,11 @@ def speed() -> Speed:
 
 
 def _cache_file(key: tuple) -> Path | None:
-    status, version, threads = key
-    if build._private_dir(build.cache_dir()) is not None or "(" not in status:
-        return None
-    library = Path(status.rsplit("(", 1)[1].rstrip(")"))
-    if library.parent != build.cache_dir():
+    """Beside the loaded library in the (private) cache directory; None for a private
+    temporary build, whose measurement is kept for this process only."""
+    _, version, threads = key
+    library = build.library_file()
+    if library is None or build._private_dir(library.parent) is not None:
         return None
     return library.with_name(f"{library.stem}.speed-torch{version}-{threads}t.json")
 
