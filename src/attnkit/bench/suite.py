@@ -193,8 +193,9 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
     return rows
 
 
-def machine() -> dict:
-    """The machine the numbers come from."""
+def machine(peaks: bool = True) -> dict:
+    """The machine the numbers come from; ``peaks``: with its measured fp32 FMA peak and
+    copy bandwidth (the kernel bench measures them per build instead)."""
     model = platform.processor()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -211,7 +212,7 @@ def machine() -> dict:
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "native_kernel": native.status(),
         "native_isa": native.isa(),
-        "peak": _peaks(),
+        "peak": _peaks() if peaks else None,
     }
 
 
