@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attnkit._validate import check_int
+from attnkit._validate import check_int, check_window
 from attnkit.backends.blockwise.autograd import engine_backward, engine_forward
 from attnkit.backends.blockwise.engines import plan_call
 from attnkit.backends.blockwise.plan import NATIVE_CPU, TilePlan
@@ -54,8 +54,7 @@ def _plan(
         raise TypeError(f"seg must be a SegmentMask, got {type(seg).__name__}")
     check_int(seg.q_offset, "q_offset", minimum=None)
     check_int(seg.k_offset, "k_offset", minimum=None)
-    if seg.window is not None:
-        check_int(seg.window, "window")
+    check_window(seg.window)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D (b, h, len, d) tensor")
