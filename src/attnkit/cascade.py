@@ -159,9 +159,11 @@ def cascade_attention(
     if not parts:  # no key at all: zeros and -inf, as attention() gives a keyless row
         d_v = prefix_value.shape[-1]
         lse_dtype = torch.promote_types(query.dtype, torch.float32)
+        # Constant results, but a backward through them must still run (zero gradients).
+        grad = torch.is_grad_enabled() and query.requires_grad
         parts.append(
             (
-                query.new_zeros(n, h_q, t, d_v),
+                query.new_zeros(n, h_q, t, d_v).requires_grad_(grad),
                 torch.full((n, h_q, t), -math.inf, dtype=lse_dtype, device=query.device),
             )
         )
