@@ -210,7 +210,9 @@ def test_flash_attn_error_rule(dtype):
     ref = run(plain, xs64)
     ours = run(cascade_attention, xs)
     base = run(plain, xs)
-    for name, o, b, r in zip(["out", "dq", "dpk", "dpv", "dsk", "dsv"], ours, base, ref, strict=True):
+    for name, o, b, r in zip(
+        ["out", "dq", "dpk", "dpv", "dsk", "dsv"], ours, base, ref, strict=True
+    ):
         err, allowed = (o - r).abs().max().item(), (b - r).abs().max().item()
         assert err <= 2 * allowed + 1e-5, f"{name}: {err} > 2 * {allowed}"
 
@@ -251,7 +253,11 @@ def test_no_keys_at_all_gives_zeros_and_minus_inf():
         (dict(suffix_key=torch.randn(3, 2, 3, 8)), ValueError, "suffix_key"),
         (dict(suffix_value=torch.randn(2, 2, 4, 8)), ValueError, "suffix_value"),
         (dict(prefix_value=torch.randn(2, 5, 8, dtype=torch.float64)), TypeError, "prefix_value"),
-        (dict(prefix_key=torch.randn(3, 5, 8), prefix_value=torch.randn(3, 5, 8)), ValueError, "heads"),
+        (
+            dict(prefix_key=torch.randn(3, 5, 8), prefix_value=torch.randn(3, 5, 8)),
+            ValueError,
+            "heads",
+        ),
         (dict(suffix_lengths=torch.tensor([1, 4])), ValueError, "suffix_lengths"),
         (dict(suffix_lengths=torch.tensor([1.0, 2.0])), TypeError, "suffix_lengths"),
         (dict(suffix_lengths=torch.tensor([1])), ValueError, "suffix_lengths"),

@@ -4,6 +4,7 @@ cache plus its ancestors and itself (walked up the parent array) and attends to 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -65,7 +66,7 @@ def test_mask_and_depth_follow_the_parents(parents):
             assert bool(tree.mask[i, j]) == (j in anc), (parents, i, j)
     for branch in tree.branches():
         assert parents[branch[0]] == -1
-        assert all(parents[b] == a for a, b in zip(branch, branch[1:], strict=False))
+        assert all(parents[b] == a for a, b in itertools.pairwise(branch))
         assert branch[-1] not in parents
     # the packed-bit form (FlashInfer's layout) round-trips, and so does the mask
     full = torch.cat((torch.ones(n, 3, dtype=torch.bool), tree.mask), 1)  # 3 cached keys
@@ -105,7 +106,9 @@ def test_packed_bits_follow_flashinfer_little_bit_order():
     mask = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0]]).bool()
     packed = pack_tree_mask(mask)
     flat = mask.reshape(-1).tolist()
-    want = [sum(int(flat[8 * j + b]) << b for b in range(8) if 8 * j + b < len(flat)) for j in range(3)]
+    want = [
+        sum(int(flat[8 * j + b]) << b for b in range(8) if 8 * j + b < len(flat)) for j in range(3)
+    ]
     assert packed.dtype == torch.uint8 and packed.tolist() == want == [0b11000001, 0b01010000, 0]
     assert torch.equal(unpack_tree_mask(packed, 3, 6), mask)
 
@@ -172,7 +175,14 @@ def test_tree_attention_equals_each_branch_alone_float64(case):
     def r(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
-    xs = [r(b, hq, n, d), r(b, hkv, L, d), r(b, hkv, L, dv), r(b, hkv, n, d), r(b, hkv, n, dv), r(hq)]
+    xs = [
+        r(b, hq, n, d),
+        r(b, hkv, L, d),
+        r(b, hkv, L, dv),
+        r(b, hkv, n, d),
+        r(b, hkv, n, dv),
+        r(hq),
+    ]
     g_out, g_lse = r(b, hq, n, dv), r(b, hq, n)
     use_sinks = case["sinks"]
     tree = build_tree(parents)
@@ -180,19 +190,32 @@ def test_tree_attention_equals_each_branch_alone_float64(case):
     def run(fn):
         ins = [x.clone().requires_grad_(True) for x in xs]
         out, lse = fn(*ins)
-        grads = torch.autograd.grad((out * g_out).sum() + (lse * g_lse).sum(), ins, allow_unused=True)
+        grads = torch.autograd.grad(
+            (out * g_out).sum() + (lse * g_lse).sum(), ins, allow_unused=True
+        )
         return out, lse, grads
 
     got = run(
         lambda q, k, v, tk, tv, s: tree_attention(
-            q, k, v, tk, tv, tree, sinks=s if use_sinks else None, return_lse=True,
+            q,
+            k,
+            v,
+            tk,
+            tv,
+            tree,
+            sinks=s if use_sinks else None,
+            return_lse=True,
             backend=case["backend"],
         )
     )
-    want = run(lambda q, k, v, tk, tv, s: _reference(q, k, v, tk, tv, parents, s if use_sinks else None))
+    want = run(
+        lambda q, k, v, tk, tv, s: _reference(q, k, v, tk, tv, parents, s if use_sinks else None)
+    )
     torch.testing.assert_close(got[0], want[0], **TOL[torch.float64])
     torch.testing.assert_close(got[1], want[1], **TOL[torch.float64])
-    for name, a, w, x in zip(["dq", "dk", "dv", "dtk", "dtv", "dsinks"], got[2], want[2], xs, strict=True):
+    for name, a, w, x in zip(
+        ["dq", "dk", "dv", "dtk", "dtv", "dsinks"], got[2], want[2], xs, strict=True
+    ):
         if name == "dsinks" and not use_sinks:
             continue
         a = torch.zeros_like(x) if a is None else a
@@ -228,7 +251,9 @@ def test_tree_attention_flash_attn_error_rule(dtype):
     xs = [x.to(dtype) for x in xs64]
     ref, base = run(plain, xs64), run(plain, xs)
     ours = run(lambda *a: tree_attention(*a, tree), xs)
-    for name, o, bb, r in zip(["out", "dq", "dk", "dv", "dtk", "dtv"], ours, base, ref, strict=True):
+    for name, o, bb, r in zip(
+        ["out", "dq", "dk", "dv", "dtk", "dtv"], ours, base, ref, strict=True
+    ):
         err, allowed = (o - r).abs().max().item(), (bb - r).abs().max().item()
         assert err <= 2 * allowed + 1e-5, f"{name}: {err} > 2 * {allowed}"
 

@@ -137,9 +137,18 @@ def cascade_attention(
         # Every request's rows (and each GQA group's heads) stacked against the prefix:
         # (n, h_kv, g, t, d) -> (h_kv, n, g, t, d) -> (1, h_kv, n*g*t, d); one call.
         g = h_q // h_kv
-        rows = query.reshape(n, h_kv, g, t, -1).permute(1, 0, 2, 3, 4).reshape(1, h_kv, -1, query.shape[-1])
+        rows = (
+            query.reshape(n, h_kv, g, t, -1)
+            .permute(1, 0, 2, 3, 4)
+            .reshape(1, h_kv, -1, query.shape[-1])
+        )
         out, lse = attention(
-            rows, prefix_key[None], prefix_value[None], scale=scale, return_lse=True, backend=backend
+            rows,
+            prefix_key[None],
+            prefix_value[None],
+            scale=scale,
+            return_lse=True,
+            backend=backend,
         )  # (1, h_kv, n*g*t, d_v), (1, h_kv, n*g*t)
         out = out.reshape(h_kv, n, g, t, -1).permute(1, 0, 2, 3, 4).reshape(n, h_q, t, -1)
         lse = lse.reshape(h_kv, n, g, t).permute(1, 0, 2, 3).reshape(n, h_q, t)
@@ -182,14 +191,20 @@ def _suffix_mask(
     """``(n, 1, t, s)`` bool, True = may attend, for padded suffixes; None without lengths."""
     if lengths is None:
         return None
-    if not isinstance(lengths, torch.Tensor) or lengths.is_floating_point() or lengths.dtype == torch.bool:
+    if (
+        not isinstance(lengths, torch.Tensor)
+        or lengths.is_floating_point()
+        or lengths.dtype == torch.bool
+    ):
         raise TypeError(f"suffix_lengths must be an integer tensor, got {lengths!r}")
     if lengths.shape != (n,):
         raise ValueError(f"suffix_lengths must have shape ({n},), got {tuple(lengths.shape)}")
     if lengths.device != device:
         raise ValueError(f"suffix_lengths is on {lengths.device} but query is on {device}")
     if bool(((lengths < 0) | (lengths > s)).any()):
-        raise ValueError(f"suffix_lengths must be in [0, {s}] (the suffix slots), got {lengths.tolist()}")
+        raise ValueError(
+            f"suffix_lengths must be in [0, {s}] (the suffix slots), got {lengths.tolist()}"
+        )
     lengths = lengths.view(n, 1, 1)
     q_pos = lengths - t + torch.arange(t, device=device).view(1, t, 1)  # (n, t, 1)
     k_pos = torch.arange(s, device=device).view(1, 1, s)
@@ -226,7 +241,9 @@ def _check(
         if x.dim() == 4 and x.shape[0] == 1:
             x = x[0]
         if x.dim() != 3:
-            raise ValueError(f"{name} must be (h_kv, p, d) or (1, h_kv, p, d), got {tuple(x.shape)}")
+            raise ValueError(
+                f"{name} must be (h_kv, p, d) or (1, h_kv, p, d), got {tuple(x.shape)}"
+            )
         prefix.append(x)
     pk, pv = prefix
     for name, x in (("suffix_key", suffix_key), ("suffix_value", suffix_value)):
@@ -236,7 +253,9 @@ def _check(
             )
     n, h_q, t, d = query.shape
     if n == 0 or t == 0:
-        raise ValueError(f"query needs at least one request and one token, got {tuple(query.shape)}")
+        raise ValueError(
+            f"query needs at least one request and one token, got {tuple(query.shape)}"
+        )
     h_kv = pk.shape[0]
     if h_kv == 0 or h_q % h_kv:
         raise ValueError(f"query heads ({h_q}) must be a multiple of prefix_key heads ({h_kv})")
@@ -246,7 +265,9 @@ def _check(
             f"{suffix_key.shape[-1]}"
         )
     if pv.shape[:-1] != pk.shape[:-1]:
-        raise ValueError(f"prefix_value {tuple(pv.shape)} does not match prefix_key {tuple(pk.shape)}")
+        raise ValueError(
+            f"prefix_value {tuple(pv.shape)} does not match prefix_key {tuple(pk.shape)}"
+        )
     if suffix_key.shape[1] != h_kv or suffix_value.shape[:-1] != suffix_key.shape[:-1]:
         raise ValueError(
             f"suffix_key {tuple(suffix_key.shape)} / suffix_value {tuple(suffix_value.shape)} must "

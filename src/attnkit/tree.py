@@ -153,7 +153,9 @@ def tree_from_mask(mask: torch.Tensor, *, cache_len: int = 0) -> DraftTree:
     mask = mask.cpu()
     if cache_len and not bool(mask[:, :cache_len].all()):
         row = int((~mask[:, :cache_len]).any(1).nonzero()[0])
-        raise ValueError(f"mask row {row} hides a cached key: every node attends to the whole cache")
+        raise ValueError(
+            f"mask row {row} hides a cached key: every node attends to the whole cache"
+        )
     tree = mask[:, cache_len:]  # (n, n)
     n = tree.shape[0]
     idx = torch.arange(n)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from attnkit._validate import check_int
+from attnkit.kv_cache import KVCache
 from attnkit.models.attention import AttentionInputs
 from attnkit.models.plan import Plan, check_context, check_idx
 from attnkit.tree import DraftTree, build_tree, tree_attention
@@ -74,7 +75,9 @@ def tree_inputs(model: GPT, tokens: torch.Tensor, tree: Any, start: int) -> Plan
     start = check_int(start, "start", minimum=0)
     caches = layout.caches
     if caches is None:
-        raise ValueError("verify_tree needs KV caches: call model.setup_cache(batch, max_len) first")
+        raise ValueError(
+            "verify_tree needs KV caches: call model.setup_cache(batch, max_len) first"
+        )
     if layout.streaming is not None or any(c.window is not None for c in caches):
         raise ValueError("verify_tree needs full caches: no ring (sliding window) or streaming")
     if any(w is not None for w in layout.windows):
@@ -152,17 +155,16 @@ def accept_path(model: GPT, tree: Any, start: int, path: list[int]) -> None:
     if model.caches is None:
         raise ValueError("accept_path needs the KV caches verify_tree wrote to")
     m = len(path)
+    caches: list[KVCache] = list(model.caches)  # type: ignore[arg-type]
     with torch.no_grad():
-        for cache in model.caches:
-            slots = torch.tensor(path, device=cache.k_cache.device) + start  # type: ignore[union-attr]
+        for cache in caches:
+            slots = torch.tensor(path, device=cache.k_cache.device) + start  # (m,)
             for buf in (cache.k_cache, cache.v_cache):
                 if buf is not None:
-                    buf.narrow(2, start, m).copy_(buf.index_select(2, slots))  # type: ignore[union-attr]
+                    buf.narrow(2, start, m).copy_(buf.index_select(2, slots))
 
 
-def greedy_accept(
-    tokens: torch.Tensor, tree: Any, logits: torch.Tensor
-) -> tuple[list[int], int]:
+def greedy_accept(tokens: torch.Tensor, tree: Any, logits: torch.Tensor) -> tuple[list[int], int]:
     """The longest branch the target model agrees with, greedily (one row).
 
     Starting at the root (node 0, the last accepted token), move to the child whose token
