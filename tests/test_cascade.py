@@ -235,7 +235,7 @@ def test_prefix_is_read_in_one_call(monkeypatch):
     (q_rows, k_shape, k_ptr), (q_suffix, k_suffix, _) = calls
     assert q_rows == (1, hkv, n * (hq // hkv) * t, d) and k_shape == (1, hkv, p, d)
     assert k_ptr == pk.data_ptr()  # the prefix tensor itself: no per-request copy
-    assert q_suffix == (n, hq, t, d) and k_suffix == (n, hkv, s, d)
+    assert q_suffix == (n, hkv, hq // hkv, d) and k_suffix == (n, hkv, s, d)  # GQA rows
 
 
 def test_no_keys_at_all_gives_zeros_and_minus_inf():
@@ -277,3 +277,23 @@ def test_bad_arguments_name_the_argument(change, error, words):
     args.update(change)
     with pytest.raises(error, match=words):
         cascade_attention(*args.values(), **kwargs)
+
+
+def test_bench_runners_compute_the_same_attention():
+    """The benchmark's two sides of each ratio compute the same thing (small sizes)."""
+    from attnkit.bench import cascade_tree
+
+    shape = {"h": 4, "h_kv": 2, "d": 8}
+    for pattern in ("decode", "prefill"):
+        kw = dict(pattern=pattern, t=40, dtype=torch.float64, n=3, own=5, **shape)
+        ours = cascade_tree.runner("cascade", **kw)()
+        theirs = torch.cat(cascade_tree.runner("independent", **kw)())  # type: ignore[arg-type]
+        torch.testing.assert_close(ours, theirs, **TOL[torch.float64])
+    # the sequential side costs what decoding 7 tokens costs (step i: the cache and the
+    # i keys before it); nodes 0 and 1 (the root and its first child) see exactly those
+    kw = dict(pattern="tree", t=40, dtype=torch.float64, nodes=7, **shape)
+    tree = cascade_tree.runner("tree", **kw)()
+    steps = cascade_tree.runner("sequential", **kw)()
+    assert tree.shape == (1, 4, 7, 8) and len(steps) == 7  # type: ignore[union-attr, arg-type]
+    for node in (0, 1):
+        torch.testing.assert_close(tree[:, :, node : node + 1], steps[node], **TOL[torch.float64])  # type: ignore[index]

@@ -153,7 +153,20 @@ def cascade_attention(
         out = out.reshape(h_kv, n, g, t, -1).permute(1, 0, 2, 3, 4).reshape(n, h_q, t, -1)
         lse = lse.reshape(h_kv, n, g, t).permute(1, 0, 2, 3).reshape(n, h_q, t)
         parts.append((out, lse))
-    if s > 0:
+    if s > 0 and t == 1:
+        # Decoding: every row sits at the last position and sees all its own keys, so a
+        # GQA group's heads stack as rows (a view): (n, h_kv, g, d) against (n, h_kv, s, d).
+        out, lse = attention(
+            query.reshape(n, h_kv, h_q // h_kv, -1),
+            suffix_key,
+            suffix_value,
+            mask=mask,  # (n, 1, 1, s): the padding, the same for every row
+            scale=scale,
+            return_lse=True,
+            backend=backend,
+        )
+        parts.append((out.reshape(n, h_q, 1, -1), lse.reshape(n, h_q, 1)))
+    elif s > 0:
         out, lse = attention(
             query,
             suffix_key,
