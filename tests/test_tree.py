@@ -127,6 +127,11 @@ def test_bad_masks_are_refused():
         unpack_tree_mask(torch.zeros(3, dtype=torch.uint8), 4, 4)
     with pytest.raises(TypeError, match="uint8"):
         unpack_tree_mask(torch.zeros(2, dtype=torch.int32), 4, 4)
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="tree_key"):
+        tree_attention(q, q, q, torch.randn(1, 2, 4, 4), q, tree)
+    with pytest.raises(ValueError, match="3 nodes but query has 2"):
+        tree_attention(q[:, :, :2], q, q, q[:, :, :2], q[:, :, :2], tree)
     with pytest.raises(TypeError, match="DraftTree"):
         tree_attention(*[torch.randn(1, 1, 3, 4)] * 5, [-1, 0, 1])  # type: ignore[arg-type]
 

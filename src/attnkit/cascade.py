@@ -15,10 +15,10 @@ splits into two partial results merged by their log-sum-exps
     └──────────────────────────┘           merge_partials(out_p, lse_p, out_s, lse_s)
 
 The prefix pass stacks every request's query rows (and a GQA group's heads) against the
-shared prefix keys in one :func:`attnkit.attention` call, so the prefix K/V is read once
-for all requests instead of once per request; it is also the only place where the
-prefix is stored once. The result equals attention over each request's whole sequence
-(prefix fully visible, causal inside the suffix), forward and backward.
+shared prefix keys in one :func:`attnkit.attention` call, so the prefix K/V is stored
+once and read once for all requests instead of once per request. The result equals
+attention over each request's whole sequence (prefix fully visible, causal inside the
+suffix), forward and backward.
 
 Shapes: n requests, h_q query heads, h_kv key/value heads (g = h_q / h_kv), t queries
 per request, p prefix keys, s suffix keys (padded to the longest when

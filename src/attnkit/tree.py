@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DraftTree:
     """A draft tree, planned once: parents, depths and the ancestor mask.
 
@@ -297,6 +297,10 @@ def tree_attention(
     n = query.shape[2]
     if mask.shape[-1] != n or mask.shape[-2] != n:
         raise ValueError(f"the tree has {mask.shape[-1]} nodes but query has {n} rows")
+    for name, x in (("tree_key", tree_key), ("tree_value", tree_value)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[2] != n:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be (b, h_kv, n={n}, dim): one key per node, got {shape}")
     check_sinks(sinks, query)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
