@@ -1,6 +1,7 @@
 """Benchmarks of shared-prefix cascades and draft-tree verification (issue 20, items 4-5).
 
-Targets (ratios of cases timed round-robin in one run, fp32; see :mod:`attnkit.bench.timing`):
+Targets (ratios of cases timed round-robin in one run, fp32 and bf16; see
+:mod:`attnkit.bench.timing`):
 
 * cascade: 8 requests decoding one token each over 2048 shared + 128 own keys, through
   :func:`attnkit.cascade_attention` (the prefix read once) / 8 independent
@@ -91,60 +92,73 @@ def target_cases(quick: bool) -> dict[str, list[Case]]:
     cascade = {**SHAPE, "group": "cascade", "n": REQUESTS, "own": 16 if quick else OWN}
     tree = {**SHAPE, "group": "tree", "nodes": 8 if quick else NODES}
     cases: dict[str, list[Case]] = {"cascade": [], "tree": []}
-    for pattern in ("decode", "prefill"):
-        for impl in ("cascade", "independent"):
-            cases["cascade"].append(Case("serving", impl, pattern, prefix, "fp32", False, cascade))
-    for impl in ("tree", "sequential"):
-        cases["tree"].append(Case("serving", impl, "tree", prefix, "fp32", False, tree))
+    for dtype in ("fp32", "bf16"):
+        for pattern in ("decode", "prefill") if dtype == "fp32" else ("decode",):
+            for impl in ("cascade", "independent"):
+                cases["cascade"].append(
+                    Case("serving", impl, pattern, prefix, dtype, False, cascade)
+                )
+        for impl in ("tree", "sequential"):
+            cases["tree"].append(Case("serving", impl, "tree", prefix, dtype, False, tree))
     return cases
 
 
 def ratios(cases: dict[str, list[Case]]) -> list[dict]:
     """The targets as ratios of cases measured in this run."""
 
-    def sec(group: str, impl: str, pattern: str) -> float | None:
+    def sec(group: str, impl: str, pattern: str, dtype: str) -> float | None:
         return next(
-            (c.seconds for c in cases[group] if c.impl == impl and c.pattern == pattern), None
+            (
+                c.seconds
+                for c in cases[group]
+                if c.impl == impl and c.pattern == pattern and c.dtype == dtype
+            ),
+            None,
         )
 
     def ratio(x: float | None, y: float | None) -> float | None:
         return None if x is None or not y else x / y
 
     rows = []
-    c = next(iter(cases["cascade"]), None)
-    if c is not None:
-        n, own, p = c.shape["n"], c.shape["own"], c.t
-        rows.append(
-            {
-                "target": "cascade",
-                "what": f"cascade / {n} independent calls, {n} x ({p} shared + {own} own), "
-                "decode, fwd",
-                "ratio": ratio(
-                    sec("cascade", "cascade", "decode"), sec("cascade", "independent", "decode")
-                ),
-                "goal": "<= 0.35",
-            }
-        )
-    tr = next(iter(cases["tree"]), None)
-    if tr is not None:
-        nodes = tr.shape["nodes"]
-        rows.append(
-            {
-                "target": "tree",
-                "what": f"{nodes}-node tree verification / {nodes} sequential decode steps, "
-                f"L={tr.t}, fwd",
-                "ratio": ratio(sec("tree", "tree", "tree"), sec("tree", "sequential", "tree")),
-                "goal": "<= 0.25",
-            }
-        )
+    for dtype in ("fp32", "bf16"):
+        c = next((c for c in cases["cascade"] if c.dtype == dtype), None)
+        if c is not None:
+            n, own, p = c.shape["n"], c.shape["own"], c.t
+            rows.append(
+                {
+                    "target": "cascade",
+                    "what": f"cascade / {n} independent calls, {n} x ({p} shared + {own} own), "
+                    f"decode, {dtype}, fwd",
+                    "ratio": ratio(
+                        sec("cascade", "cascade", "decode", dtype),
+                        sec("cascade", "independent", "decode", dtype),
+                    ),
+                    "goal": "<= 0.35",
+                }
+            )
+        tr = next((c for c in cases["tree"] if c.dtype == dtype), None)
+        if tr is not None:
+            nodes = tr.shape["nodes"]
+            rows.append(
+                {
+                    "target": "tree",
+                    "what": f"{nodes}-node tree verification / {nodes} sequential decode "
+                    f"steps, L={tr.t}, {dtype}, fwd",
+                    "ratio": ratio(
+                        sec("tree", "tree", "tree", dtype), sec("tree", "sequential", "tree", dtype)
+                    ),
+                    "goal": "<= 0.25",
+                }
+            )
     return rows
 
 
 def time_targets(cases: dict[str, list[Case]], reps: int) -> list[dict]:
     """Time the cases (those of one ratio round-robin); return the ratios."""
     for group in ("cascade", "tree"):
-        for pattern in sorted({c.pattern for c in cases[group]}):
-            time_cases([c for c in cases[group] if c.pattern == pattern], reps, build)
+        for key in sorted({(c.pattern, c.dtype) for c in cases[group]}):
+            todo = [c for c in cases[group] if (c.pattern, c.dtype) == key]
+            time_cases(todo, reps, build)
     return ratios(cases)
 
 
@@ -162,7 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     for cs in cases.values():
         for c in cs:
             secs = "-" if c.seconds is None else f"{c.seconds * 1e3:.3f} ms"
-            print(f"  {c.shape['group']:8s} {c.impl:12s} {c.pattern:8s} t={c.t} {secs} {c.note}")
+            print(
+                f"  {c.shape['group']:8s} {c.impl:12s} {c.pattern:8s} {c.dtype} t={c.t} "
+                f"{secs} {c.note}"
+            )
     for row in rows:
         r = "-" if row["ratio"] is None else f"{row['ratio']:.3f}"
         print(f"{row['target']}: {row['what']}: {r} (goal {row['goal']})")
