@@ -46,7 +46,8 @@ def verify_tree(model: GPT, tokens: torch.Tensor, tree: Any, start: int) -> torc
 
     Args:
         model: a :class:`~attnkit.models.GPT` with caches and global attention layers.
-        tokens: ``(b, n)`` token ids of the nodes (one tree shape for every row).
+        tokens: ``(b, n)`` token ids of the nodes (one tree shape for every row; rows
+            of equal length: no padding mask).
         tree: a :class:`~attnkit.tree.DraftTree` or its parent array (``-1`` = root).
         start: the tokens already cached (time index of the tree's first slot).
 
