@@ -97,6 +97,12 @@ class Explanation:
             out["embeddings_source"] = str(self.options["embeddings"])
         return out
 
+    def _repr_html_(self) -> str:
+        """In a notebook: the tutorial page of these numbers (see :mod:`attnkit.explain.page`)."""
+        from attnkit.explain.page import TutorialPage
+
+        return TutorialPage(self)._repr_html_()
+
     def attention_maps(self) -> dict[str, torch.Tensor]:
         """``stage -> weights (heads, t, t)`` for the pictures (one head but in multihead)."""
         maps = {}

@@ -12,9 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from attnkit.explain.core import BOOK_SEEDS, Explanation
+from attnkit.explain.core import BOOK_SEEDS, Explanation, _lists
 
 __all__ = ["STEP_IDS", "Step", "Table", "build_steps", "format_number", "matrices"]
 
@@ -84,18 +82,6 @@ def format_number(v: float | None, style: str = "value") -> str:
     if float(s) == 0.0:
         s = s.lstrip("-")
     return s.replace("-", "\u2212")
-
-
-def _lists(t: torch.Tensor) -> Any:
-    """Nested lists of float32 values in their shortest round-tripping form; -inf -> None."""
-    arr = t.detach().to(torch.float32).cpu().numpy()
-
-    def clean(v: Any) -> Any:
-        if getattr(v, "ndim", 0):
-            return [clean(x) for x in v]
-        return None if not math.isfinite(float(v)) else float(str(v))
-
-    return clean(arr)
 
 
 def matrices(expl: Explanation) -> dict[str, Any]:

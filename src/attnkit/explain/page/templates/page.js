@@ -116,7 +116,7 @@
       var total = sum(ex), h;
       var lhs = "\u03b1(" + tok(i) + ", " + tok(j) + ")";
       if (s[j] === null) {
-        h = F(lhs + " = exp(\u2212\u221e) / \u03a3 = 0") + P(fill(U.masked_weight, { key: tok(j), query: tok(i) }), "note");
+        h = F(lhs + " = exp(\u2212\u221e) / \u03a3 = " + fmt(w[j])) + P(fill(U.masked_weight, { key: tok(j), query: tok(i) }), "note");
       } else {
         h = F(lhs + " = exp(" + fmt(s[j]) + ") / \u03a3\u2096 exp(" + name + "(" + tok(i) + ", k)) = " + fmt(ex[j]) + " / " + fmt(total) + " = " + fmt(w[j]));
       }
@@ -144,8 +144,8 @@
     drop: function (tb, i, j) {
       var before = M[tb.args.w][i][j], after = M[tb.matrix][i][j], p = tb.args.p;
       var keep = 1 / (1 - p), lhs = "dropout(\u03b1(" + tok(i) + ", " + tok(j) + "))";
-      if (j > i) { return F(lhs + " = 0") + P(fill(U.masked_weight, { key: tok(j), query: tok(i) }), "note"); }
-      if (after === 0) { return F(lhs + " = dropout(" + fmt(before) + ") = 0") + P(fill(U.dropped, { p: String(p) }), "note"); }
+      if (j > i) { return F(lhs + " = " + fmt(after)) + P(fill(U.masked_weight, { key: tok(j), query: tok(i) }), "note"); }
+      if (after === 0) { return F(lhs + " = dropout(" + fmt(before) + ") = " + fmt(after)) + P(fill(U.dropped, { p: String(p) }), "note"); }
       return F(lhs + " = " + fmt(before) + " \u00b7 1/(1\u2212" + p + ") = " + fmt(before) + " \u00b7 " + fmt(keep) + " = " + fmt(after))
         + P(fill(U.kept, { keep: fmt(keep) }));
     },
@@ -182,8 +182,10 @@
   // ---- the explanation panel ---------------------------------------------------------------
   var selected = null;
   function explainCell(btn) {
-    var tb = TABLES[btn.getAttribute("data-t")];
-    var i = +btn.getAttribute("data-i"), j = +btn.getAttribute("data-j");
+    // the cell's table, row and column come from where it sits (no per-cell attributes)
+    var td = btn.parentNode, tr = td.parentNode;
+    var tb = TABLES[tr.parentNode.parentNode.getAttribute("data-table")];
+    var i = +tr.getAttribute("data-i"), j = td.cellIndex - 1;
     if (selected) { selected.classList.remove("sel"); }
     selected = btn.parentNode;
     selected.classList.add("sel");
