@@ -182,10 +182,10 @@ def explain(
                     pass
             elif stage == "trainable":
                 seeded(stage)
-                module = SelfAttentionV2(d_in, d_out)
-                rec = _record(module, x)
+                sa_v2 = SelfAttentionV2(d_in, d_out)
+                rec = _record(sa_v2, x)
                 rec["scale"] = torch.tensor(1.0 / math.sqrt(d_out))
-                rec.update(_projections(module))
+                rec.update(_projections(sa_v2))
             elif stage in ("causal", "dropout"):
                 seeded(stage)
                 p = dropout if stage == "dropout" else 0.0
@@ -212,12 +212,12 @@ def explain(
                 wrapper = MultiHeadAttentionWrapper(d_in, d_out, t, 0.0, num_heads=heads).eval()
                 wrapped = _record(wrapper, x)
                 seeded(stage)
-                module = MultiHeadAttention(d_in, d_out, t, 0.0, num_heads=heads).eval()
-                rec = _record(module, x)
+                mha = MultiHeadAttention(d_in, d_out, t, 0.0, num_heads=heads).eval()
+                rec = _record(mha, x)
                 rec["scale"] = torch.tensor(1.0 / math.sqrt(d_out // heads))
-                rec.update(_projections(module))
-                rec["out_proj_weight"] = module.out_proj.weight.detach().clone()  # (d_out, d_out)
-                rec["out_proj_bias"] = module.out_proj.bias.detach().clone()  # (d_out,)
+                rec.update(_projections(mha))
+                rec["out_proj_weight"] = mha.out_proj.weight.detach().clone()  # (d_out, d_out)
+                rec["out_proj_bias"] = mha.out_proj.bias.detach().clone()  # (d_out,)
                 for name in ("queries", "keys", "values", "masked_scores", "weights", "context"):
                     rec[f"wrapper_{name}"] = torch.stack(  # (h, t, ...)
                         [wrapped[f"heads.{i}.{name}"] for i in range(heads)]
