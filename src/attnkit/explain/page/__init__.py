@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import html
 import json
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -191,9 +192,7 @@ class TutorialPage:
                     "tables": tables,
                 }
             )
-        source = str(self.expl.options.get("embeddings", "the seeds' embeddings"))
-        if source == "the seeds' embeddings":
-            source = self.text["source"]["seeds"]
+        source = self._source()
         return _template().render(
             lang=self.lang,
             t=self.text,
@@ -206,6 +205,18 @@ class TutorialPage:
             css=Markup(_resource("templates", "page.css")),
             js=Markup(_resource("templates", "page.js")),
         )
+
+    def _source(self) -> str:
+        """Where the embeddings came from, in the page's language."""
+        source = str(self.expl.options.get("embeddings", "the seeds' embeddings"))
+        if source == "the seeds' embeddings":
+            return str(self.text["source"]["seeds"])
+        random = re.match(r"random \(seed (-?\d+), width (\d+)\)", source)
+        if random:
+            return str(self.text["source"]["random"]).format(
+                seed=random.group(1), width=random.group(2)
+            )
+        return source
 
     def _cells(
         self, kind: str, values: list[list[float | None]], style: str, args: dict[str, Any]

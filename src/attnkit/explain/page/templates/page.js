@@ -118,7 +118,7 @@
       if (s[j] === null) {
         h = F(lhs + " = exp(\u2212\u221e) / \u03a3 = " + fmt(w[j])) + P(fill(U.masked_weight, { key: tok(j), query: tok(i) }), "note");
       } else {
-        h = F(lhs + " = exp(" + fmt(s[j]) + ") / \u03a3\u2096 exp(" + name + "(" + tok(i) + ", k)) = " + fmt(ex[j]) + " / " + fmt(total) + " = " + fmt(w[j]));
+        h = F(lhs + " = exp(" + fmt(s[j]) + ") / \u03a3\u2096 exp(\u03c9(" + tok(i) + ", k)" + (tb.args.scaled ? "/\u221ad_k" : "") + ") = " + fmt(ex[j]) + " / " + fmt(total) + " = " + fmt(w[j]));
       }
       var rows = s.map(function (v, k) {
         return { off: v === null, cells: [tok(k), v === null ? "\u2212\u221e" : fmt(v), v === null ? "0" : fmt(ex[k]), fmt(w[k])] };
@@ -179,6 +179,30 @@
     }
   };
 
+  // ---- the cells a number came from, outlined where the step shows them ----------------------
+  function sources(tb, i, j) {
+    var a = tb.args;
+    switch (tb.kind) {
+      case "dot": case "scaled": case "masked": return [[a.a, i], [a.b, j]];
+      case "proj": return [[a.x, i]];
+      case "naive": case "softmax": return [[a.s, i]];
+      case "zero": case "renorm": case "drop": return [[a.w, i]];
+      case "context": return [[a.w, i]].concat(TOK.map(function (t, k) { return [a.v, k]; }));
+      case "concat": return [[a.ctx + "." + Math.floor(j / a.head_dim), i]];
+      case "out": return [[a.c, i]];
+      default: return [];
+    }
+  }
+  function outline(tb, i, j) {
+    Array.prototype.forEach.call(document.querySelectorAll("td.src"), function (td) { td.classList.remove("src"); });
+    var step = sections[cur];
+    sources(tb, i, j).forEach(function (src) {
+      Array.prototype.forEach.call(step.querySelectorAll('table[data-matrix="' + src[0] + '"] tr[data-i="' + src[1] + '"] td'), function (td) {
+        td.classList.add("src");
+      });
+    });
+  }
+
   // ---- the explanation panel ---------------------------------------------------------------
   var selected = null;
   function explainCell(btn) {
@@ -191,6 +215,7 @@
     selected.classList.add("sel");
     body.innerHTML = '<p class="why-cap">' + esc(tb.caption) + "</p>" + KINDS[tb.kind](tb, i, j);
     body.setAttribute("data-cell", tb.id + ":" + i + ":" + j);
+    outline(tb, i, j);
   }
   document.addEventListener("click", function (e) {
     var btn = e.target.closest ? e.target.closest("button.cell") : null;
