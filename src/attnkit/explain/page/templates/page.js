@@ -45,6 +45,7 @@
   function P(text, cls) { return '<p' + (cls ? ' class="' + cls + '"' : "") + ">" + esc(text) + "</p>"; }
   function tok(i) { return TOK[i]; }
   function sum(a) { return a.reduce(function (s, v) { return s + v; }, 0); }
+  function sub(n) { return String(n).replace(/\d/g, function (c) { return String.fromCharCode(0x2080 + +c); }); }
   function dims(n) { var out = []; for (var d = 0; d < n; d++) { out.push(d); } return out; }
 
   // ---- how each kind of cell was computed --------------------------------------------------
@@ -168,8 +169,8 @@
     concat: function (tb, i, j) {
       var hd = tb.args.head_dim, h = Math.floor(j / hd), d = j % hd;
       var z = M[tb.args.ctx + "." + h][i];
-      return F("concat(" + tok(i) + ")[" + (j + 1) + "] = z\u208d" + (h + 1) + "\u208e(" + tok(i) + ")[" + (d + 1) + "] = " + fmt(M[tb.matrix][i][j]))
-        + P(fill(U.concat, { d: d + 1, h: h + 1, tok: tok(i) })) + F("z\u208d" + (h + 1) + "\u208e(" + tok(i) + ") = " + vec(z));
+      return F("concat(" + tok(i) + ")[" + (j + 1) + "] = z" + sub(h + 1) + "(" + tok(i) + ")[" + (d + 1) + "] = " + fmt(M[tb.matrix][i][j]))
+        + P(fill(U.concat, { d: d + 1, h: h + 1, tok: tok(i) })) + F("z" + sub(h + 1) + "(" + tok(i) + ") = " + vec(z));
     },
     out: function (tb, i, j) {
       var c = M[tb.args.c][i], W = M[tb.args.W], b = M[tb.args.b];
