@@ -90,7 +90,8 @@ def _parse(page_html: str) -> _Tables:
 
 @pytest.mark.parametrize("lang", LANGS)
 def test_every_number_is_the_books_in_every_language(lang):
-    parsed = _parse(tutorial_page(lang=lang).to_html())
+    html_text = tutorial_page(lang=lang).to_html()
+    parsed = _parse(html_text)
     t = parsed.tables
     assert t["scores-omega"][1] == _book(JOURNEY_SCORES)
     assert t["normalize-naive"][1] == _book(JOURNEY_NAIVE)
@@ -119,12 +120,14 @@ def test_every_number_is_the_books_in_every_language(lang):
             shown += sum(len(r) for r in want)
     assert shown > 500
     assert [s["id"] for s in data["steps"]] == list(STEP_IDS)
+    assert html_text.count("MultiHeadAttentionWrapper") >= 1  # "the book prints these" notes
 
 
 def test_hello_shiny_sun_page_and_query():
     page = tutorial_page(sentence="Hello shiny sun!", lang="pt", query="shiny")
     parsed = _parse(page.to_html())
     assert parsed.tables["context-z"][1] == _book(SHINY_CONTEXT)
+    assert "MultiHeadAttentionWrapper" not in page.to_html()  # not the book's numbers there
     assert json.loads(parsed.data_json)["query"] == 1
     with pytest.raises(ValueError, match="token 'moon' is not in the sentence"):
         tutorial_page(sentence="Hello shiny sun!", query="moon")
@@ -143,6 +146,18 @@ def test_page_is_self_contained_and_notebook_shows_it():
     assert match is not None and 'sandbox="allow-scripts"' in shown
     assert html.unescape(match.group(1)) == tutorial_page().to_html()
     assert page._repr_html_().startswith("<iframe srcdoc=")
+
+
+def test_tokens_are_escaped_and_any_head_count_works():
+    x = torch.rand(4, 5)
+    expl = explain(["</script>", "a&b", "<i>", "x"], x, d_out=6, heads=3, dropout=0.25, seed=3)
+    text = tutorial_page(expl, lang="ja", query="x").to_html()
+    assert text.count("<script") == 2 and "<i>" not in text  # only the page's own two
+    parsed = _parse(text)
+    assert parsed.tables["scores-x"][0] == [format_number(v, "input") for v in x[0].tolist()]
+    data = json.loads(parsed.data_json)
+    assert data["tokens"][0] == "</script>" and data["query"] == 3
+    assert sum(t["id"].startswith("multihead-h") for s in data["steps"] for t in s["tables"]) == 6
 
 
 def test_some_stages_only_and_bad_language():

@@ -27,18 +27,34 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import torch
 from markupsafe import Markup, escape
 
 from attnkit._validate import check_choice
+from attnkit.examples import YOUR_JOURNEY
 from attnkit.explain.core import Explanation, explain
 from attnkit.explain.inputs import resolve_sentence_source
-from attnkit.explain.page.steps import STEP_IDS, build_steps, format_number, matrices
+from attnkit.explain.page.steps import (
+    STEP_IDS,
+    build_steps,
+    format_number,
+    matrices,
+    stage_seed,
+)
 from attnkit.explain.render import find_token
 
 __all__ = ["LANGS", "STEP_IDS", "TutorialPage", "tutorial_page"]
 
 #: The page's languages (the seeds exist in English, Japanese and Portuguese).
 LANGS = ("en", "ja", "pt")
+
+#: The steps whose context vectors the book prints, and the class that prints them.
+_BOOK_CLASSES = {
+    "scaled": "SelfAttention_v2",
+    "causal": "CausalAttention",
+    "wrapper": "MultiHeadAttentionWrapper",
+    "multihead": "MultiHeadAttention",
+}
 
 #: Cell kinds whose numbers are attention weights (shaded by value).
 _WEIGHT_KINDS = {"softmax", "naive", "zero", "renorm", "drop"}
@@ -109,9 +125,7 @@ class TutorialPage:
             "hd": "",
         }
         if "trainable" in st:
-            from attnkit.explain.page.steps import _seed
-
-            params["seed"] = str(_seed(e, "trainable"))
+            params["seed"] = str(stage_seed(e, "trainable"))
             params["dk"] = str(st["trainable"]["keys"].shape[-1])
         if "multihead" in st:
             h, _, hd = st["multihead"]["context"].shape
@@ -125,7 +139,21 @@ class TutorialPage:
         for key, value in params.items():
             text = text.replace("{" + key + "}", escape(value))
         qname = Markup('<span class="qname">{}</span>').format(self.expl.tokens[self.query])
-        return Markup(text.replace("{query}", qname))
+        text = Markup(text.replace("{query}", qname))
+        if step_id in _BOOK_CLASSES and self._is_book():
+            sep = "" if self.lang == "ja" else " "
+            text += sep + escape(self.text["ui"]["book"].format(cls=_BOOK_CLASSES[step_id]))
+        return text
+
+    def _is_book(self) -> bool:
+        """The book's sentence, embeddings, seeds and sizes: its printed numbers apply."""
+        e, o = self.expl, self.expl.options
+        return (
+            tuple(e.tokens) == YOUR_JOURNEY.tokens
+            and torch.equal(e.embeddings, YOUR_JOURNEY.tensor())
+            and o.get("seed") is None
+            and (o.get("d_out"), o.get("heads")) == (2, 2)
+        )
 
     def data(self) -> dict[str, Any]:
         """What the page embeds: tokens, every matrix, the steps' tables and the UI strings."""

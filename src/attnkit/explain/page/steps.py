@@ -14,7 +14,7 @@ from typing import Any
 
 from attnkit.explain.core import BOOK_SEEDS, Explanation, _lists
 
-__all__ = ["STEP_IDS", "Step", "Table", "build_steps", "format_number", "matrices"]
+__all__ = ["STEP_IDS", "Step", "Table", "build_steps", "format_number", "matrices", "stage_seed"]
 
 #: The steps, in the book's order, and the stage each needs.
 STEP_IDS: dict[str, str] = {
@@ -196,7 +196,7 @@ def build_steps(expl: Explanation) -> list[Step]:
     if "trainable" in st:
         s = "trainable"
         d_out = st[s]["queries"].shape[-1]
-        seed = _seed(expl, s)
+        seed = stage_seed(expl, s)
         proj = [
             _t(f"qkv-{w}", w, f"{s}.{w}", "param", dims_in, _dims(d_out), seed=seed, name=w)
             for w in ("W_query", "W_key", "W_value")
@@ -311,7 +311,8 @@ def build_steps(expl: Explanation) -> list[Step]:
     return steps
 
 
-def _seed(expl: Explanation, stage: str) -> int:
+def stage_seed(expl: Explanation, stage: str) -> int:
+    """The seed a stage's modules were built with (the book's unless ``seed`` was given)."""
     seed = expl.options.get("seed")
     return BOOK_SEEDS[stage] if seed is None else int(seed)
 
@@ -420,7 +421,7 @@ def _multihead_steps(expl: Explanation, tok: list[str]) -> list[Step]:
             "param",
             dims,
             dims,
-            seed=_seed(expl, s),
+            seed=stage_seed(expl, s),
             name="W_out",
         ),
         _t(
