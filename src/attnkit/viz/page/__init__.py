@@ -74,7 +74,7 @@ def encode_weights(w: torch.Tensor, n_tokens: int) -> dict[str, Any]:
 def _tree(node: NextTokenNode) -> dict[str, Any]:
     out: dict[str, Any] = {
         "ids": node.top_ids,
-        "logits": [round(x, 5) for x in node.top_logits],
+        "logits": node.top_logits,  # as recorded: the page's probabilities are exact
         "label": node.label,
         "rows": _b64(_fixed16(node.rows).ravel()),  # (l, h, t)
     }

@@ -226,7 +226,7 @@
     function drawModel() {
       if (thumbs.length) return;
       const table = el("table", { cls: "akp-model" });
-      const head = el("tr", {}, [el("th", { scope: "col", text: "" })]);
+      const head = el("tr", {}, [el("th", { scope: "col", text: "layer \\ head" })]);
       for (let h = 0; h < H; h++) head.appendChild(el("th", { scope: "col", text: "head " + h }));
       table.appendChild(el("thead", {}, [head]));
       const body = el("tbody");
@@ -368,7 +368,7 @@
       const l = +nt.layer.value, rows = node.rows[l], n = rows[0].length;
       const toks = [...D.tokens, ...path.map(p => p.label)].slice(0, n);
       const table = el("table", { cls: "akp-rowmap" });
-      const hr = el("tr", {}, [el("th", { scope: "col", text: "" })]);
+      const hr = el("tr", {}, [el("th", { scope: "col", text: "head \\ key" })]);
       toks.forEach(t => hr.appendChild(el("th", { scope: "col", cls: "akp-k", text: t })));
       table.appendChild(hr);
       rows.forEach((r, h) => {
