@@ -23,7 +23,7 @@ from tests.browser import needs_browser, open_page
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-TOKENS = "the cat sat on the mat because it was warm".split()
+TOKENS = ["the", "cat", "sat", "on", "the", "mat", "because", "it", "was", "warm"]
 IDS = [5, 17, 3, 44, 9, 71, 23, 8, 60, 2]
 
 
@@ -76,7 +76,10 @@ def test_head_view_draws_weighted_lines(page_path, rec):
         w = rec.maps.weights[0]  # (h, t, t)
         lines = p.locator(".akp-head-out line.akp-line")
         assert lines.count() == int((w >= 0.005).sum())
-        opacities = sorted(float(x) for x in lines.evaluate_all("ls => ls.map(l => l.getAttribute('stroke-opacity'))"))
+        opacities = sorted(
+            float(x)
+            for x in lines.evaluate_all("ls => ls.map(l => l.getAttribute('stroke-opacity'))")
+        )
         assert opacities[-1] == pytest.approx(float(w.max()) * 0.85, abs=2e-3)  # several heads
         p.select_option(".akp-head-query", "4")
         assert lines.count() == int((w[:, 4] >= 0.005).sum())
@@ -186,7 +189,9 @@ def test_export_buttons_download_svg_and_png(page_path, tmp_path):
             svg = tmp_path / f"{view}.svg"
             d.value.save_as(svg)
             text = svg.read_text()
-            assert text.startswith("<svg") and ("<line" in text or "<image" in text or "<rect" in text)
+            assert text.startswith("<svg") and (
+                "<line" in text or "<image" in text or "<rect" in text
+            )
             with p.expect_download() as d:
                 p.click(f"button.akp-export[data-view='{view}'][data-format='png']")
             png = tmp_path / f"{view}.png"
@@ -250,10 +255,14 @@ def _synthetic(layers: int = 12, heads: int = 12, t: int = 64) -> ModelRecording
     g = torch.Generator().manual_seed(0)
     causal = torch.ones(t, t, dtype=torch.bool).tril()
     weights = [
-        torch.softmax((torch.randn(heads, t, t, generator=g) * 3).masked_fill(~causal, -torch.inf), -1)
+        torch.softmax(
+            (torch.randn(heads, t, t, generator=g) * 3).masked_fill(~causal, -torch.inf), -1
+        )
         for _ in range(layers)
     ]
-    maps = viz.AttentionMaps([f"layer {i}" for i in range(layers)], weights, [f"tok{i}" for i in range(t)])
+    maps = viz.AttentionMaps(
+        [f"layer {i}" for i in range(layers)], weights, [f"tok{i}" for i in range(t)]
+    )
     return ModelRecording(maps, model="synthetic")
 
 
@@ -271,8 +280,10 @@ def test_budget_12_layers_12_heads_64_tokens(tmp_path):
         wall = time.perf_counter() - start
         render_ms = float(p.locator(".akp").get_attribute("data-render-ms"))
         assert p.locator("button.akp-thumb").count() == 144
-        print(f"\nbudget page: {size / 1e6:.2f} MB, rendered {render_ms:.0f} ms after navigation "
-              f"start, reload-to-rendered {wall * 1000:.0f} ms (noisy machine)")
+        print(
+            f"\nbudget page: {size / 1e6:.2f} MB, rendered {render_ms:.0f} ms after navigation "
+            f"start, reload-to-rendered {wall * 1000:.0f} ms (noisy machine)"
+        )
         assert render_ms < 1000, render_ms
         p.click("button.akp-tab[data-view='head']")  # every head of layer 0: the busiest view
         assert p.locator(".akp-head-out line").count() > 1000

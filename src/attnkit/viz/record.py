@@ -33,8 +33,8 @@ from attnkit.viz.maps import AttentionMaps
 __all__ = [
     "MAX_NODES",
     "ModelRecording",
-    "NextTokenNode",
     "Neuron",
+    "NextTokenNode",
     "neuron",
     "record_gpt",
     "record_hf",
@@ -260,7 +260,17 @@ def _node(
         for child in top_ids[:branch]:
             longer = [*ids, child]
             node.children.append(
-                _node(forward, longer, child, forward(longer, False), depth - 1, branch, top, decode, vocab)
+                _node(
+                    forward,
+                    longer,
+                    child,
+                    forward(longer, False),
+                    depth - 1,
+                    branch,
+                    top,
+                    decode,
+                    vocab,
+                )
             )
     return node
 
@@ -357,7 +367,9 @@ def record_hf(
         logits = getattr(out, "logits", None)
         if logits is None:
             if steps:
-                raise ValueError(f"{type(model).__name__} returns no logits: steps needs a causal LM")
+                raise ValueError(
+                    f"{type(model).__name__} returns no logits: steps needs a causal LM"
+                )
             logits = torch.zeros(1, 1, 1)
         return _read(rec, logits[0, -1], want_qk, head_dim_scale=False)  # (v,)
 
@@ -393,7 +405,9 @@ def _hf_decoder(tokenizer: Any) -> Callable[[int], str]:
     return lambda i: str(tokenizer.convert_ids_to_tokens(int(i)))
 
 
-def _labels(tokens: Sequence[str] | None, ids: list[int], decode: Callable[[int], str]) -> list[str]:
+def _labels(
+    tokens: Sequence[str] | None, ids: list[int], decode: Callable[[int], str]
+) -> list[str]:
     if tokens is None:
         return [decode(i) for i in ids]
     labels = [str(t) for t in tokens]

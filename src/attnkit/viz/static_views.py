@@ -99,11 +99,15 @@ def draw_view(
         return _model(rec, Figure)
     if view == "neuron":
         t = len(rec.maps.tokens)
-        return _neuron(rec, Figure, layer, picked[0] if heads else 0, t - 1 if query is None else query, key)
+        return _neuron(
+            rec, Figure, layer, picked[0] if heads else 0, t - 1 if query is None else query, key
+        )
     return _head(rec, Figure, layer, picked, query)
 
 
-def _head(rec: ModelRecording, Figure: type, layer: int, heads: list[int], query: int | None) -> Figure:
+def _head(
+    rec: ModelRecording, Figure: type, layer: int, heads: list[int], query: int | None
+) -> Figure:
     tokens = rec.maps.tokens
     t = len(tokens)
     w = rec.maps.weights[layer].numpy()  # (h, q, t)
@@ -155,7 +159,9 @@ def _model(rec: ModelRecording, Figure: type) -> Figure:
     return fig
 
 
-def _neuron(rec: ModelRecording, Figure: type, layer: int, head: int, query: int, key: int) -> Figure:
+def _neuron(
+    rec: ModelRecording, Figure: type, layer: int, head: int, query: int, key: int
+) -> Figure:
     n = neuron(rec, layer, head, query, key)
     d = n.q.shape[0]
     fig = Figure(figsize=(7.5, max(2.5, 0.16 * d + 1.4)), layout="constrained")

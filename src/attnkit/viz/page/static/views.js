@@ -371,9 +371,9 @@
       const hr = el("tr", {}, [el("th", { scope: "col", text: "head \\ key" })]);
       toks.forEach(t => hr.appendChild(el("th", { scope: "col", cls: "akp-k", text: t })));
       table.appendChild(hr);
+      const vmax = Math.max(...rows.map(r => Math.max(...r))) || 1; // one scale for the table
       rows.forEach((r, h) => {
         const tr = el("tr", {}, [el("th", { scope: "row", text: "head " + h })]);
-        const vmax = Math.max(...r) || 1;
         r.forEach((v, j) => {
           const td = el("td", { title: toks[j] + ": " + v.toFixed(4) });
           td.style.background = css(viridis(v / vmax));
