@@ -174,7 +174,7 @@
       const lw = Math.min(170, 14 + 7 * longest), gap = 220, row = 18, top = 46;
       const W = 2 * lw + gap + 20, Hgt = top + T * row + 12;
       const xl = 10 + lw, xr = xl + gap, items = [];
-      items.push({ k: "text", x: 10, y: 14, s: "layer " + l + " \u00b7 " + (chosen.length ? "heads " + chosen.join(", ") : "no head chosen"), size: 13, bold: true });
+      items.push({ k: "text", x: 10, y: 14, s: "layer " + l + " \u00b7 " + (chosen.length ? (chosen.length > 1 ? "heads " : "head ") + chosen.join(", ") : "no head chosen"), size: 13, bold: true });
       items.push({ k: "text", x: xl - 4, y: 34, s: "query", anchor: "end", size: 11, fill: "#555" });
       items.push({ k: "text", x: xr + 4, y: 34, s: "key", size: 11, fill: "#555" });
       let lines = 0;
@@ -186,7 +186,7 @@
           const v = w(l, h, i, j);
           if (v < MIN_LINE) continue;
           items.push({ k: "line", x1: xl, y1: top + (i + off) * row + row / 2, x2: xr, y2: top + j * row + row / 2,
-            stroke: colour, opacity: Math.min(1, v) * alpha, width: 2, cls: "akp-line" });
+            stroke: colour, opacity: Math.min(1, v) * alpha, width: 1 + 3 * v, cls: "akp-line" });
           lines++;
         }
       }
@@ -201,7 +201,7 @@
     function drawHead() {
       const scene = headScene();
       hv.out.innerHTML = ""; hv.out.appendChild(sceneToSvg(scene));
-      hv.note.textContent = scene.lines + " lines (weight \u2265 " + MIN_LINE + "; opacity = weight)";
+      hv.note.textContent = scene.lines + " lines (weight \u2265 " + MIN_LINE + "; opacity and width grow with the weight)";
     }
     [hv.layer, hv.query].forEach(s => s.addEventListener("change", drawHead));
     headBoxes.forEach(b => b.addEventListener("change", drawHead));
