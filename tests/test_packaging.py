@@ -122,6 +122,8 @@ def test_wheel_ships_the_native_kernel_source(tmp_path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "attnkit/backends/blockwise/native/attention.cpp" in names
     assert "attnkit/py.typed" in names
+    for asset in ("templates/page.html.j2", "static/views.js", "static/views.css"):
+        assert f"attnkit/viz/page/{asset}" in names  # the views page, inlined when written
 
 
 def _make_rules() -> dict[str, tuple[list[str], list[str]]]:
