@@ -43,7 +43,12 @@ def folder(tmp_path_factory):
 def test_cli_neuron_svg_prints_the_score(folder, tmp_path, capsys):
     out = tmp_path / "n.svg"
     args = ["viz", "--hf", str(folder), "--text", "the cat sat on the mat"]
-    assert main([*args, "--view", "neuron", "--layer", "1", "--head", "2", "--key", "1", "-o", str(out)]) == 0
+    assert (
+        main(
+            [*args, "--view", "neuron", "--layer", "1", "--head", "2", "--key", "1", "-o", str(out)]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.strip() == f"wrote {out}"
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
     rec = viz.record_hf(model, [1, 2, 3, 4, 1, 5], qk=True)
@@ -57,7 +62,9 @@ def test_cli_head_and_model_png(folder, tmp_path, view):
     from PIL import Image
 
     out = tmp_path / f"{view}.png"
-    assert main(["viz", "--hf", str(folder), "--ids", "1 2 3 4", "--view", view, "-o", str(out)]) == 0
+    assert (
+        main(["viz", "--hf", str(folder), "--ids", "1 2 3 4", "--view", view, "-o", str(out)]) == 0
+    )
     img = Image.open(out).convert("L")
     assert img.size[0] > 300 and img.getextrema()[0] < 100  # something dark was drawn
 

@@ -57,6 +57,7 @@ Minimum version: transformers 4.56, the first release with everything used here
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -259,10 +260,13 @@ def make_attention_function(backend: str = "auto") -> Callable[..., tuple[torch.
             )
         if softcap is not None and softcap <= 0:
             raise ValueError(f"softcap must be positive, got {softcap}")
-        layer = getattr(module, "layer_idx", None)
         # inside a trace.record() block only (attnkit.viz): this layer's q, k, scale and
-        # the reference backend's steps, named layers.<layer_idx>.*
-        with trace.scope(f"layers.{layer}" if isinstance(layer, int) else "layers"):
+        # the reference backend's steps, named layers.<layer_idx>.*; else nothing at all
+        named: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if trace.is_recording():
+            layer = getattr(module, "layer_idx", None)
+            named = trace.scope(f"layers.{layer}" if isinstance(layer, int) else "layers")
+        with named:
             if trace.is_recording():
                 _emit_inputs(query, key, scaling)
             result = attention(

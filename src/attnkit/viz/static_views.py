@@ -126,7 +126,9 @@ def _head(
             for j in range(t):
                 v = float(w[h, i, j])
                 if v >= MIN_LINE:
-                    ax.plot([0, 1], [i + off, j], color=colour, alpha=min(1.0, v), linewidth=1 + 3 * v)
+                    ax.plot(
+                        [0, 1], [i + off, j], color=colour, alpha=min(1.0, v), linewidth=1 + 3 * v
+                    )
     for i, tok in enumerate(tokens):
         ax.text(-0.03, i, tok, ha="right", va="center", fontsize=9)
         ax.text(1.03, i, tok, ha="left", va="center", fontsize=9)
