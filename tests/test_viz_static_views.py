@@ -105,3 +105,27 @@ def test_cli_errors_are_one_line(folder, tmp_path, capsys, monkeypatch):
     assert main(["viz", "--hf", str(folder), "--ids", "1 2", "-o", str(tmp_path / "h.svg")]) == 2
     err = capsys.readouterr().err
     assert re.fullmatch(r"attnkit: error: .*pip install 'attnkit\[viz\]'\n", err), err
+
+
+def test_cli_records_an_attnkit_gpt_checkpoint(tmp_path, capsys):
+    """`--checkpoint` (attnkit train's GPT, with its tokenizer): the page's next-token tree
+    is the model's own top tokens, labelled by the tokenizer."""
+    from attnkit.models import GPT, GPTConfig
+    from attnkit.train import save_checkpoint
+    from attnkit.train.data import CharTokenizer
+
+    tok = CharTokenizer("0123456789+=")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=tok.vocab_size, emb_dim=16, n_heads=2, rope=True)).eval()
+    save_checkpoint(tmp_path / "run", model, tok)
+    out = tmp_path / "gpt.html"
+    args = ["viz", "--checkpoint", str(tmp_path / "run"), "--text", "12+3="]
+    assert main([*args, "--qk", "--steps", "1", "--branch", "2", "-o", str(out)]) == 0
+    page = viz.ModelView(viz.record_gpt(model, tok.encode("12+3="), decode=str, steps=1, branch=2))
+    with torch.no_grad():
+        top = torch.topk(model(torch.tensor([tok.encode("12+3=")]))[0, -1], 2).indices.tolist()
+    text = out.read_text()
+    assert 'data-view="next"' in text and 'data-view="neuron"' in text
+    assert f'"ids": [{top[0]}, {top[1]}' in text and page.data()["next"]["tree"]["ids"][:2] == top
+    assert main([*args, "--hf", "x", "-o", str(out)]) == 2
+    assert "not both" in capsys.readouterr().err

@@ -24,6 +24,7 @@ examples:
   attnkit viz --hf ./my-gpt2 --text "The cat sat" --qk --steps 3 -o views.html
   attnkit viz --hf ./my-llama --ids "1 5 9 2" --view neuron --layer 1 --head 0 --key 2 -o n.svg
   attnkit viz attn.pt --tokens "The cat sat" --view model -o model.png
+  attnkit viz --checkpoint run/ --text "12+3=" --qk --steps 3 -o gpt.html   # attnkit train's GPT
 
 Saving inputs:
   Hugging Face: out = model(**enc, output_attentions=True)   (or model.generate(...,
@@ -71,14 +72,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="draw only these heads, repeatable (default: every head)",
     )
     p.add_argument("--batch-index", type=int, default=0, help="which sequence of a batch")
-    hf = p.add_argument_group("recording a Hugging Face model (the [hf] extra)")
+    hf = p.add_argument_group("recording a model: Hugging Face (the [hf] extra) or attnkit's GPT")
     hf.add_argument(
         "--hf",
         metavar="DIR",
         help="a local transformers model folder (save_pretrained); recorded through attnkit's "
         "attention, never downloaded",
     )
-    hf.add_argument("--text", help="the input text (needs the folder's tokenizer)")
+    hf.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="instead of --hf: an attnkit GPT checkpoint (`attnkit train`), with its tokenizer",
+    )
+    hf.add_argument("--text", help="the input text (needs the model's tokenizer)")
     hf.add_argument("--ids", help="the input token ids, separated by spaces")
     hf.add_argument("--qk", action="store_true", help="record queries and keys for the neuron view")
     hf.add_argument(
@@ -122,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"output {str(out)!r}: suffix must be one of {', '.join(_SUFFIXES)}")
     try:
         tokens = _tokens(args)
-        if args.hf is not None or args.view is not None:
+        if args.hf is not None or args.checkpoint is not None or args.view is not None:
             return _views(args, outs, tokens)
         if args.input is None:
             from attnkit.examples import YOUR_JOURNEY
@@ -159,11 +165,18 @@ def _views(args: argparse.Namespace, outs: list[Path], tokens: list[str] | None)
     from attnkit import viz
 
     view = args.view
-    if args.hf is not None:
-        rec = _record_hf(args, tokens, qk=args.qk or view == "neuron")
+    qk = args.qk or view == "neuron"
+    if args.hf is not None and args.checkpoint is not None:
+        raise ValueError("give --hf or --checkpoint, not both")
+    if args.hf is not None or args.checkpoint is not None:
+        if args.input is not None:
+            raise ValueError("an INPUT of attention maps and a model to record: give one")
+        if (args.text is None) == (args.ids is None):
+            raise ValueError("recording a model needs --text or --ids (one of them)")
+        rec = _record_hf(args, tokens, qk=qk) if args.hf else _record_gpt(args, tokens, qk=qk)
     else:
         if view in ("neuron", "next"):
-            raise ValueError(f"--view {view} needs --hf (a recording of the model)")
+            raise ValueError(f"--view {view} needs --hf or --checkpoint (a recording of the model)")
         if args.input is None:
             raise ValueError("--view without --hf needs an INPUT of attention maps")
         rec = viz.ModelRecording(
@@ -195,8 +208,6 @@ def _record_hf(args: argparse.Namespace, tokens: list[str] | None, *, qk: bool) 
     folder = Path(args.hf)
     if not (folder / "config.json").is_file():
         raise ValueError(f"--hf {args.hf!r}: no config.json there (a save_pretrained folder)")
-    if (args.text is None) == (args.ids is None):
-        raise ValueError("--hf needs --text or --ids (one of them)")
     tokenizer = None
     if args.text is not None:
         try:
@@ -207,12 +218,7 @@ def _record_hf(args: argparse.Namespace, tokens: list[str] | None, *, qk: bool) 
             ) from None
         ids = tokenizer(args.text)["input_ids"]
     else:
-        try:
-            ids = [int(x) for x in args.ids.split()]
-        except ValueError:
-            raise ValueError(
-                f"--ids must be integers separated by spaces, got {args.ids!r}"
-            ) from None
+        ids = _ids(args.ids)
     transformers.logging.disable_progress_bar()  # stderr keeps to errors
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
@@ -246,3 +252,31 @@ def _tokens(args: argparse.Namespace) -> list[str] | None:
     if not tokens:
         raise ValueError("the token list is empty")
     return tokens
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split()]
+    except ValueError:
+        raise ValueError(f"--ids must be integers separated by spaces, got {text!r}") from None
+
+
+def _record_gpt(args: argparse.Namespace, tokens: list[str] | None, *, qk: bool) -> ModelRecording:
+    from attnkit import viz
+    from attnkit.train import CheckpointError, load_checkpoint
+
+    try:
+        model, tokenizer, _, _ = load_checkpoint(args.checkpoint)
+    except CheckpointError as err:
+        raise ValueError(str(err)) from None
+    ids = tokenizer.encode(args.text) if args.text is not None else _ids(args.ids)
+    return viz.record_gpt(
+        model,
+        ids,
+        decode=lambda i: tokenizer.labels([i])[0],
+        tokens=tokens,
+        qk=qk,
+        steps=args.steps,
+        branch=args.branch,
+        top=args.top,
+    )
