@@ -161,7 +161,7 @@
     const headBoxes = [];
     for (let h = 0; h < H; h++) {
       const box = el("input", { type: "checkbox", id: id + "-hv-h" + h, value: String(h) });
-      box.checked = true;
+      box.checked = H <= 4 || h === 0; // many heads at once blur into one another
       const sw = el("span", { cls: "akp-swatch" }); sw.style.background = HEAD_COLOURS[h % HEAD_COLOURS.length];
       hv.heads.appendChild(el("label", { for: id + "-hv-h" + h, cls: "akp-check" }, [box, sw, document.createTextNode("head " + h)]));
       headBoxes.push(box);
@@ -172,9 +172,10 @@
       const qsel = hv.query.value === "all" ? null : +hv.query.value;
       const longest = Math.max(...D.tokens.map(t => t.length));
       const lw = Math.min(170, 14 + 7 * longest), gap = 220, row = 18, top = 46;
-      const W = 2 * lw + gap + 20, Hgt = top + T * row + 12;
+      const title = "layer " + l + " \u00b7 " + (chosen.length ? (chosen.length > 1 ? "heads " : "head ") + chosen.join(", ") : "no head chosen");
+      const W = Math.max(2 * lw + gap + 20, 20 + 7.5 * title.length), Hgt = top + T * row + 12;
       const xl = 10 + lw, xr = xl + gap, items = [];
-      items.push({ k: "text", x: 10, y: 14, s: "layer " + l + " \u00b7 " + (chosen.length ? (chosen.length > 1 ? "heads " : "head ") + chosen.join(", ") : "no head chosen"), size: 13, bold: true });
+      items.push({ k: "text", x: 10, y: 14, s: title, size: 13, bold: true });
       items.push({ k: "text", x: xl - 4, y: 34, s: "query", anchor: "end", size: 11, fill: "#555" });
       items.push({ k: "text", x: xr + 4, y: 34, s: "key", size: 11, fill: "#555" });
       let lines = 0;
@@ -204,6 +205,10 @@
       hv.note.textContent = scene.lines + " lines (weight \u2265 " + MIN_LINE + "; opacity and width grow with the weight)";
     }
     [hv.layer, hv.query].forEach(s => s.addEventListener("change", drawHead));
+    root.querySelectorAll(".akp-heads-all, .akp-heads-none").forEach(b => b.addEventListener("click", () => {
+      headBoxes.forEach(x => { x.checked = b.classList.contains("akp-heads-all"); });
+      drawHead();
+    }));
     headBoxes.forEach(b => b.addEventListener("change", drawHead));
 
     /* ---- model view: layers x heads thumbnails; a click opens that head in the head view ---- */
