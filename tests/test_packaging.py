@@ -121,6 +121,7 @@ def test_wheel_ships_the_native_kernel_source(tmp_path) -> None:
     (wheel,) = tmp_path.glob("attnkit-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "attnkit/backends/blockwise/native/attention.cpp" in names
+    assert "attnkit/backends/blockwise/native/simd.h" in names  # the kernel includes it
     assert "attnkit/py.typed" in names
     # the tutorial page renders from its templates and language files
     for name in ("templates/page.html.j2", "templates/page.css", "templates/page.js",
