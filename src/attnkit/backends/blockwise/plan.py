@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -168,6 +168,8 @@ class TilePlan:
     q_base: int = 0  # the mods see query i as q_base + i
     k_base: int = 0  # and key j as k_base + j
     engines: Engines | None = None  # what runs it, each direction (None: the tiles)
+    #: what engines derive from the plan once (e.g. a compiled score_mod), by name
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def groups(self) -> int:
