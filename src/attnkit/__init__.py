@@ -6,7 +6,7 @@ through it. Masks follow one convention, documented in :mod:`attnkit.masks`.
 """
 
 from attnkit import backends, masks, trace
-from attnkit.attention import attention
+from attnkit.attention import attention, explain_dispatch
 from attnkit.backends import available_backends, register_backend
 from attnkit.block_mask import BlockMask, create_block_mask
 from attnkit.kv_cache import KVCache
@@ -34,6 +34,7 @@ __all__ = [
     "SimplifiedSelfAttention",
     "__version__",
     "attention",
+    "explain_dispatch",
     "available_backends",
     "backends",
     "causal_mask",

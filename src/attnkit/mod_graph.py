@@ -605,8 +605,7 @@ class _Sym:
             _FUNCTIONS = _table()
         fn = _FUNCTIONS.get(func)
         if fn is None:
-            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-            raise Unsupported(f"torch function {name} is not in the supported set")
+            raise Unsupported(f"{_func_name(func)} is not in the supported set")
         return fn(*args, **(kwargs or {}))
 
     def __bool__(self) -> bool:
@@ -637,6 +636,17 @@ class _Sym:
         return f"<traced %{self.id} {self.dtype_name}>"
 
     __hash__ = object.__hash__
+
+
+def _func_name(func: Any) -> str:
+    name = getattr(func, "__name__", None) or repr(func)
+    if getattr(torch, name, None) is func:
+        return f"torch.{name}"
+    if getattr(torch.Tensor, name, None) is func:
+        return f"Tensor.{name}"
+    if getattr(torch.nn.functional, name, None) is func:
+        return f"torch.nn.functional.{name}"
+    return getattr(func, "__qualname__", name)
 
 
 def _install_operators() -> None:
