@@ -17,13 +17,13 @@ from typing import Any, Literal, overload
 import torch
 
 from attnkit import backends, trace
-from attnkit.backends.blockwise import explain_call
 from attnkit._validate import (
     check_bool,
     check_float,
     check_probability,
     check_window,
 )
+from attnkit.backends.blockwise import explain_call
 from attnkit.block_mask import BlockMask
 from attnkit.masks import (
     MaskMod,

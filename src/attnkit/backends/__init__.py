@@ -45,6 +45,9 @@ __all__ = [
 
 # Built-in backends register themselves on import (after the registry is complete).
 from attnkit.backends import blockwise as _blockwise  # noqa: F401
+from attnkit.backends import reference as _reference  # noqa: F401
+from attnkit.backends import sdpa as _sdpa  # noqa: F401
+from attnkit.backends import triton as _triton  # noqa: F401
 
 
 def __getattr__(name: str):
@@ -55,6 +58,3 @@ def __getattr__(name: str):
 
         return explain_dispatch
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-from attnkit.backends import reference as _reference  # noqa: F401
-from attnkit.backends import sdpa as _sdpa  # noqa: F401
-from attnkit.backends import triton as _triton  # noqa: F401

@@ -41,8 +41,8 @@ __all__ = [
     "bf16",
     "forward",
     "isa",
-    "status",
     "score_mod_program",
+    "status",
     "why_not",
     "why_not_backward",
 ]

@@ -171,7 +171,11 @@ class _Gen:
         if op == "const":
             if dt == "float":
                 return _flt(node.value)
-            return f"int32_t({int(node.value)})" if dt == "int" else ("true" if node.value else "false")
+            return (
+                f"int32_t({int(node.value)})"
+                if dt == "int"
+                else ("true" if node.value else "false")
+            )
         if op in ("add", "sub", "mul", "div"):
             sym = {"add": "+", "sub": "-", "mul": "*", "div": "/"}[op]
             return f"({a[0]} {sym} {a[1]})"
@@ -196,10 +200,14 @@ class _Gen:
         if op == "mod":
             if dt == "int":
                 return f"{'v' if lane else 's'}mod({a[0]}, {a[1]})"
-            return f"({a[0]} - vfloor({a[0]} / {a[1]}) * {a[1]})" if lane else f"sfmod({a[0]}, {a[1]})"
+            return (
+                f"({a[0]} - vfloor({a[0]} / {a[1]}) * {a[1]})" if lane else f"sfmod({a[0]}, {a[1]})"
+            )
         if op == "pow":
             if lane:
-                return f"lanewise2({a[0]}, {a[1]}, [](float x, float y) {{ return std::pow(x, y); }})"
+                return (
+                    f"lanewise2({a[0]}, {a[1]}, [](float x, float y) {{ return std::pow(x, y); }})"
+                )
             return f"std::pow({a[0]}, {a[1]})"
         if op == "where":
             if lane:
@@ -299,7 +307,7 @@ class _Gen:
         if offsets:
             lines.append(f"int64_t o{n}[W];")
         gather = [
-            f"for (int l = 0; l < W; ++l) {{",
+            "for (int l = 0; l < W; ++l) {",
             f"  const int64_t o = {self.offset(n, 'l')};",
             *([f"  o{n}[l] = o;"] if offsets else []),
             f"  {name}[l] = {ptr}[o]{' ' + conv if conv else ''};",
@@ -372,7 +380,7 @@ class _Gen:
         return "\n".join(out)
 
     def differentiable(self) -> list[bool]:
-        diff = []
+        diff: list[bool] = []
         for node in self.graph.nodes:
             if node.op == "input":
                 d = node.value == "score"
@@ -390,9 +398,7 @@ class _Gen:
         diff = self.differentiable()
         live = g.live()
         need = [n for n in live if diff[n]]
-        out = self.header(
-            "attnkit_mod_backward", "const float *x, float *grad, double *dgrad"
-        )
+        out = self.header("attnkit_mod_backward", "const float *x, float *grad, double *dgrad")
         out += ["  (void)dgrad;"]
         out += ["  " + s for s in self.values(rows=True, offsets=False)]
         row_loads = [n for n in need if g.nodes[n].op == "load" and not self.lane[n]]
@@ -477,10 +483,16 @@ class _Gen:
             first = f"({x} < {y})" if op == "min" else f"({x} > {y})"
             second = f"({y} < {x})" if op == "min" else f"({y} > {x})"
             half = f"({x} == {y} ? {an} * 0.5f : fsplat(0.0f))"
-            terms = [(args[0], f"({first} ? {an} : {half})"), (args[1], f"({second} ? {an} : {half})")]
+            terms = [
+                (args[0], f"({first} ? {an} : {half})"),
+                (args[1], f"({second} ? {an} : {half})"),
+            ]
         elif op == "where":
             c = v[0]
-            terms = [(args[1], f"({c} ? {an} : fsplat(0.0f))"), (args[2], f"({c} ? fsplat(0.0f) : {an})")]
+            terms = [
+                (args[1], f"({c} ? {an} : fsplat(0.0f))"),
+                (args[2], f"({c} ? fsplat(0.0f) : {an})"),
+            ]
         return [f"a{x} += {t};" for x, t in terms if diff[x]]
 
 
@@ -581,7 +593,9 @@ class ModCall:
         self.ptrs = (ctypes.c_void_p * max(1, len(self.copies)))(
             *(c.data_ptr() for c in self.copies)
         )
-        self.ctx = _Ctx(ctypes.cast(self.ptrs, ctypes.POINTER(ctypes.c_void_p)), last_key, q_base, k_base)
+        self.ctx = _Ctx(
+            ctypes.cast(self.ptrs, ctypes.POINTER(ctypes.c_void_p)), last_key, q_base, k_base
+        )
 
     @property
     def address(self) -> int:
@@ -604,4 +618,3 @@ def _kernel_copy(t: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point():
         return t.to(device="cpu", dtype=torch.float32).contiguous()
     return t.to(device="cpu", dtype=torch.int32).contiguous()
-
