@@ -147,10 +147,15 @@ def _private_dir(path: Path) -> str | None:
 
 
 def _compile(
-    command: list[str], isa: str, target: Path, source: Path = SOURCE, extra: tuple[str, ...] = ()
+    command: list[str],
+    isa: str,
+    target: Path,
+    source: Path | None = None,
+    extra: tuple[str, ...] = (),
 ) -> str | None:
-    """Build ``source`` into ``target`` (atomically, with its hash beside it); why not, or
-    None."""
+    """Build ``source`` (default: the kernel's) into ``target`` (atomically, with its hash
+    beside it); why not, or None."""
+    source = SOURCE if source is None else source
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
@@ -189,7 +194,7 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 def _load(
-    target: Path, check: Callable[[ctypes.CDLL], str | None] = abi.check
+    target: Path, check: Callable[[ctypes.CDLL], str | None] | None = None
 ) -> tuple[ctypes.CDLL | None, str | None]:
     """Load ``target`` if it is this user's, private, and its bytes match its hash, and
     ``check`` finds nothing against it; ``(library, None)``, or ``(None, why not)``."""
@@ -223,7 +228,7 @@ def _load(
     finally:
         if fd not in _held_fds:
             os.close(fd)
-    why = check(lib)
+    why = (check or abi.check)(lib)
     return (None, why) if why else (lib, None)
 
 
