@@ -49,7 +49,9 @@ def rows(t: int, dtype: torch.dtype, reps: int) -> dict[str, dict]:
     """``{mod: {"fwd": ratio, "fwd+bwd": ratio, "engines": ...}}`` plus plain's seconds."""
     b, h, d = SHAPE
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(b, h, t, d, generator=g).to(dtype).requires_grad_(True) for _ in range(3))
+    q, k, v = (
+        torch.randn(b, h, t, d, generator=g).to(dtype).requires_grad_(True) for _ in range(3)
+    )
     score_mods, table = mods(t, h)
 
     def step(mod: Callable | None, backward: bool) -> Callable[[], object]:

@@ -98,13 +98,13 @@ struct Args {
   // -- compiled score_mods (native/codegen.py) --------------------------------------------
   // A score_mod traced into attnkit.mod_graph is generated as row functions of a small
   // library of its own; the kernel calls them once per chunk row of KC scores (null: none).
-  // mod_forward(ctx, b, h, i, c0, x): x[0..KC) = the row's scaled scores of keys c0.. ->
-  // the modded scores, in place. mod_backward(ctx, b, h, i, c0, x, g, dgrad): x the scaled
+  // mod_forward(ctx, b, h, i, c0, x, y): y[0..KC) = the modded scores of x[0..KC), the
+  // row's scaled scores of keys c0.. . mod_backward(ctx, b, h, i, c0, x, g, dgrad): x the scaled
   // scores again, g = d(modded) in, d(scaled) out, and d(captured tensors) added into
   // dgrad (mod_ngrad doubles): each backward task (batch, kv head, key group) has its own
   // partial, summed in task order into mod_dgrad, so every bit is the same for any number
   // of threads.
-  void (*mod_forward)(const void *, int64_t, int64_t, int64_t, int64_t, float *);
+  void (*mod_forward)(const void *, int64_t, int64_t, int64_t, int64_t, const float *, float *);
   void (*mod_backward)(const void *, int64_t, int64_t, int64_t, int64_t, const float *,
                        float *, double *);
   const void *mod_ctx;
@@ -405,11 +405,8 @@ struct Masker {
     const uint8_t *mkeep = a.mask_kind == MASK_BOOL ? mask_row<uint8_t>(i, mbuf) : nullptr;
     const float *madd = a.mask_kind == MASK_FLOAT ? mask_row<float>(i, fbuf) : nullptr;
     if (a.mod_forward) {  // a compiled score_mod on the scaled row (mod_in kept for backward)
-      for (int vv = 0; vv < NV; ++vv) {
-        simd::store(mod_in + W * vv, simd::load(s + W * vv) * scale);
-        simd::store(mod_out + W * vv, simd::load(mod_in + W * vv));
-      }
-      a.mod_forward(a.mod_ctx, b, h, i, c.c0, mod_out);
+      for (int vv = 0; vv < NV; ++vv) simd::store(mod_in + W * vv, simd::load(s + W * vv) * scale);
+      a.mod_forward(a.mod_ctx, b, h, i, c.c0, mod_in, mod_out);
       s = mod_out;
       scale = simd::splat(1.0f);
     }

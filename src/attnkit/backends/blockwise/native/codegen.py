@@ -7,8 +7,8 @@ rebuild of the kernel: a new mod costs one compile of some 60 lines, the kernel'
 compile is not repeated, and one indirect call per chunk row of 64 scores is noise. It
 exports two functions the kernel reaches through ``Args.mod_forward`` / ``mod_backward``:
 
-* ``forward(ctx, b, h, i, c0, x)``: ``x[0..64)`` (row ``i``'s scaled scores of keys
-  ``c0 ..``) replaced by ``score_mod(x, b, h, q_base + i, k_base + kv)``;
+* ``forward(ctx, b, h, i, c0, x, y)``: ``y[0..64) = score_mod(x, b, h, q_base + i,
+  k_base + kv)``, ``x`` row ``i``'s scaled scores of keys ``c0 ..``;
 * ``backward(ctx, b, h, i, c0, x, g, dgrad)``: ``g`` (the gradient of the modded scores)
   replaced by ``g * d mod / d score`` and ``g * d mod / d t`` added into ``dgrad`` for every
   captured tensor ``t`` that wants a gradient (reverse mode over the graph; lanes with
@@ -37,7 +37,7 @@ from attnkit.mod_graph import ModGraph, Node
 __all__ = ["CompiledMod", "ModCall", "compile_mod", "source"]
 
 #: ``attnkit_mod_abi()`` of a generated library: bumped when the row functions change.
-MOD_ABI = 1
+MOD_ABI = 2
 #: The most doubles of captured-tensor gradient partials a backward may hold (one per
 #: backward task; above it the tile engine takes the backward).
 MAX_GRAD_PARTIALS = 1 << 25
@@ -94,7 +94,9 @@ template <class F> inline vf lanewise(vf x, F f) { vf r; for (int l = 0; l < W; 
 template <class F> inline vf lanewise2(vf x, vf y, F f) { vf r; for (int l = 0; l < W; ++l) r[l] = f(x[l], y[l]); return r; }
 inline vf vexp(vf x) { return simd::select(x > 88.72f, fsplat(INF), simd::exp(x)); }
 inline float sexp(float x) { return std::exp(x); }
-// tanh: x + x^3 P(x^2) for |x| < 0.625 (Cephes' tanhf), else sign(x) (1 - 2 / (e^2|x| + 1))
+inline bool all(vi m) { bool r = true; for (int l = 0; l < W; ++l) r &= m[l] != 0; return r; }
+// tanh: x + x^3 P(x^2) for |x| < 0.625 (Cephes' tanhf), else sign(x) (1 - t) / (1 + t) with
+// t = e^-2|x| (vectors all inside |x| < 0.625, a softcap's usual case, skip the exp)
 inline vf vtanh(vf x) {
   const vf ax = vabs(x), z = x * x;
   vf p = fsplat(-5.70498872745e-3f);
@@ -103,9 +105,12 @@ inline vf vtanh(vf x) {
   p = p * z + 1.33314422036e-1f;
   p = p * z - 3.33332819422e-1f;
   const vf small = p * z * x + x;
-  vf big = 1.0f - 2.0f / (vexp(2.0f * ax) + 1.0f);
+  const vi inside = ax < 0.625f;
+  if (all(inside)) return small;
+  const vf t = simd::exp(-2.0f * ax);
+  vf big = (1.0f - t) / (1.0f + t);
   big = simd::select(x < 0, -big, big);
-  return simd::select(ax < 0.625f, small, big);
+  return simd::select(inside, small, big);
 }
 inline vf vsigmoid(vf x) { return 1.0f / (1.0f + vexp(-x)); }
 inline float ssigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
@@ -292,6 +297,18 @@ class _Gen:
                 return None if inner is None else f"({inner} + int64_t({self.name(x)}))"
         return None
 
+    def contiguous(self, n: int) -> str | None:
+        """For a lane load whose last index is ``kv_idx`` plus a row value (no wrap) and
+        whose other indices are row values, that row value's C++ (a whole vector of keys
+        then reads W consecutive elements); else None."""
+        node = self.graph.nodes[n]
+        last = len(node.args) - 1
+        if last < 0 or self.graph.tensors[node.value].dtype == torch.bool:
+            return None
+        if any(self.lane[a] for a in node.args[:last]) or n * 64 + last in self.wraps:
+            return None
+        return self.affine_kv(node.args[last])
+
     def load(self, n: int, lines: list[str], offsets: bool) -> None:
         node = self.graph.nodes[n]
         slot = node.value
@@ -313,19 +330,12 @@ class _Gen:
             f"  {name}[l] = {ptr}[o]{' ' + conv if conv else ''};",
             "}",
         ]
-        last = len(node.args) - 1
-        row_part = self.affine_kv(node.args[last]) if last >= 0 else None
-        contiguous = (
-            row_part is not None
-            and not offsets
-            and not conv
-            and all(not self.lane[a] for a in node.args[:last])
-            and n * 64 + last not in self.wraps
-        )
-        if not contiguous:
+        row_part = self.contiguous(n)
+        if row_part is None or offsets:
             lines.extend(gather)
             return
         st = self.strides(slot)
+        last = len(node.args) - 1
         head = " + ".join([f"{self.index(n, d, '')} * {st[d]}" for d in range(last)] or ["0"])
         lines.append("if (whole) {")
         lines.append(f"  std::memcpy(&{name}, {ptr} + {head} + kv0 + {row_part}, sizeof {name});")
@@ -372,11 +382,11 @@ class _Gen:
         ]
 
     def forward(self) -> str:
-        out = self.header("attnkit_mod_forward", "float *x")
+        out = self.header("attnkit_mod_forward", "const float *x, float *y")
         out += ["  " + s for s in self.values(rows=True, offsets=False)]
         out += self.loop_head()
         out += ["    " + s for s in self.values(rows=False, offsets=False)]
-        out += [f"    simd::store(x + W * vv, {self.vec(self.graph.output)});", "  }", "}"]
+        out += [f"    simd::store(y + W * vv, {self.vec(self.graph.output)});", "  }", "}"]
         return "\n".join(out)
 
     def differentiable(self) -> list[bool]:
@@ -419,10 +429,15 @@ class _Gen:
             if node.op != "load":
                 continue
             base = self.grad_slots[node.value]
-            if self.lane[n]:
+            if self.lane[n]:  # lanes the softmax gave no weight add 0; o{n} in order if whole
                 out += [
-                    "    for (int l = 0; l < W; ++l)",
-                    f"      if (live[l]) dgrad[{base} + o{n}[l]] += double(a{n}[l]);",
+                    f"    const vf g{n} = simd::select(live, a{n}, fsplat(0.0f));",
+                    f"    if ({'whole' if self.contiguous(n) is not None else 'false'}) {{",
+                    f"      double *d = dgrad + {base} + o{n}[0];",
+                    f"      for (int l = 0; l < W; ++l) d[l] += double(g{n}[l]);",
+                    "    } else {",
+                    f"      for (int l = 0; l < W; ++l) dgrad[{base} + o{n}[l]] += double(g{n}[l]);",
+                    "    }",
                 ]
             else:
                 out += [f"    acc{n} += simd::hsum(simd::select(live, a{n}, fsplat(0.0f)));"]
