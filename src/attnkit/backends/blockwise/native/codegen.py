@@ -94,7 +94,6 @@ template <class F> inline vf lanewise(vf x, F f) { vf r; for (int l = 0; l < W; 
 template <class F> inline vf lanewise2(vf x, vf y, F f) { vf r; for (int l = 0; l < W; ++l) r[l] = f(x[l], y[l]); return r; }
 inline vf vexp(vf x) { return simd::select(x > 88.72f, fsplat(INF), simd::exp(x)); }
 inline float sexp(float x) { return std::exp(x); }
-inline bool all(vi m) { bool r = true; for (int l = 0; l < W; ++l) r &= m[l] != 0; return r; }
 // tanh: x + x^3 P(x^2) for |x| < 0.625 (Cephes' tanhf), else sign(x) (1 - t) / (1 + t) with
 // t = e^-2|x| (vectors all inside |x| < 0.625, a softcap's usual case, skip the exp)
 inline vf vtanh(vf x) {
@@ -105,8 +104,8 @@ inline vf vtanh(vf x) {
   p = p * z + 1.33314422036e-1f;
   p = p * z - 3.33332819422e-1f;
   const vf small = p * z * x + x;
+  if (simd::hmax(ax) < 0.625f) return small;  // (a NaN lane gives NaN either way)
   const vi inside = ax < 0.625f;
-  if (all(inside)) return small;
   const vf t = simd::exp(-2.0f * ax);
   vf big = (1.0f - t) / (1.0f + t);
   big = simd::select(x < 0, -big, big);
@@ -181,6 +180,9 @@ class _Gen:
                 if dt == "int"
                 else ("true" if node.value else "false")
             )
+        inv = self.const_divisor(n) if op == "div" and lane else None
+        if inv is not None:  # by a constant: times its float32 reciprocal (within an ulp)
+            return f"({a[0]} * {_flt(inv)})"
         if op in ("add", "sub", "mul", "div"):
             sym = {"add": "+", "sub": "-", "mul": "*", "div": "/"}[op]
             return f"({a[0]} {sym} {a[1]})"
@@ -223,6 +225,15 @@ class _Gen:
         if op == "load":
             raise AssertionError("loads are emitted as statements")
         return self.unary(op, a[0], lane)
+
+    def const_divisor(self, n: int) -> float | None:
+        """``1 / c`` (float32) for a division by a finite nonzero float constant ``c``."""
+        node = self.graph.nodes[self.graph.nodes[n].args[1]]
+        if node.op != "const" or not math.isfinite(node.value) or node.value == 0:
+            return None
+        one = torch.tensor(1.0, dtype=torch.float32)
+        inv = float(one / torch.tensor(node.value, dtype=torch.float32))
+        return inv if math.isfinite(inv) and inv != 0 else None
 
     def cast(self, node: Node, x: str, lane: bool) -> str:
         src = self.graph.nodes[node.args[0]].dtype
