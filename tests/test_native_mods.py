@@ -335,3 +335,41 @@ def test_compiled_library_is_cached():
     first = codegen.compile_mod(graph, (1, 4, 64, 64, 0, 0))
     again = codegen.compile_mod(graph, (1, 4, 64, 64, 0, 0))
     assert isinstance(first, codegen.CompiledMod) and again.lib is first.lib
+
+
+def test_segment_offsets_reach_the_compiled_mod():
+    """A context-parallel segment (queries and keys at global offsets) runs the compiled
+    mod at global positions: the same rows as the whole call."""
+    from attnkit.backends.blockwise import SegmentMask, segment_forward
+
+    t = 150
+    table = torch.randn(HQ, 2 * t - 1) * 0.5
+    mod = lambda s, b, h, q, kv: s + table[h][kv - q + t - 1]  # noqa: E731
+    q, k, v = _qkv(t, seed=8)
+    whole = attention(q, k, v, score_mod=mod, causal=True, backend="blockwise")
+    seg = SegmentMask(70, 0, causal=True, score_mod=mod)
+    out, _ = segment_forward(q[:, :, 70:], k, v, seg, scale=1 / math.sqrt(D))
+    torch.testing.assert_close(out, whole[:, :, 70:], atol=2e-6, rtol=2e-6)
+
+
+def test_explain_dispatch_checks_its_keywords():
+    q, k, v = _qkv(8, seed=1)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        explain_dispatch(q, k, v, score_mdo=None)
+    assert explain_dispatch(q, k, v, backend="reference") == "backend: reference"
+
+
+def test_bench_markdown_names_every_mod():
+    from attnkit.bench import mods
+
+    row = {"fwd": 1.1, "fwd+bwd": 1.3, "engines": ""}
+    result = {
+        "machine": {"cpu": "cpu", "threads": 2},
+        "t": 64,
+        "builds": {
+            "avx2": {"status": "ok", "fp32": {"plain": {"fwd": 0.1, "fwd+bwd": 0.3},
+                                              **{n: row for n in ("softcap", "table", "lambda")}}},
+        },
+    }  # fmt: skip
+    text = mods.markdown(result)
+    assert all(f"| {n} | 1.10 | 1.30 |" in text for n in ("softcap", "table", "lambda"))
