@@ -7,7 +7,9 @@ of query rows it visits only the key chunks that causal/window bounds (a band of
 diagonals ``lo <= j - i <= hi``) and a :class:`~attnkit.BlockMask` (its stored bool
 tiles, read in place) leave, applies a ``mask`` tensor (bool, or float added; read in
 place through its broadcast strides), adds a relative bias (``masks.alibi``,
-``masks.relative_bias``: one vector per head) in-tile, and keeps the FlashAttention
+``masks.relative_bias``: one vector per head) in-tile, runs any other ``score_mod`` that
+:mod:`attnkit.mod_graph` traces as generated row functions (:mod:`.codegen`, forward and
+backward, its tensors' gradients included), and keeps the FlashAttention
 running max and sum per row: a row is alive when one key survives every mask at once.
 
 :func:`forward` returns the output and the log-sum-exp; :func:`backward` recomputes the
@@ -87,9 +89,9 @@ def available() -> bool:
 def why_not(plan: TilePlan, dtype: torch.dtype, d: int, d_v: int) -> str | None:
     """Why the kernel cannot run this fused plan (CPU tensors) on the engine's views of
     ``dtype`` (None when it can): it takes float32 (bf16 on an avx512-bf16 build), value
-    heads a multiple of 16 wide, causal/window bounds, a block mask, a ``mask`` tensor and
-    a relative bias, but no other ``score_mod``, and not under ``torch.compile``. Asked
-    once per call, by :mod:`..engines`."""
+    heads a multiple of 16 wide, causal/window bounds, a block mask, a ``mask`` tensor, a
+    relative bias, and any ``score_mod`` that compiles (:func:`score_mod_program`), not
+    under ``torch.compile``. Asked once per call, by :mod:`..engines`."""
     if dtype not in (torch.float32, torch.bfloat16):
         return "the native kernel runs float32 (and bf16) tensors"
     if dtype == torch.bfloat16 and not bf16():
@@ -100,10 +102,6 @@ def why_not(plan: TilePlan, dtype: torch.dtype, d: int, d_v: int) -> str | None:
         return "a mask_mod not made a block mask"
     if plan.t == 0 or plan.s == 0:
         return "no queries or no keys"
-    if plan.score_mod is not None and getattr(plan.score_mod, "relative", None) is None:
-        program = score_mod_program(plan)
-        if isinstance(program, str):
-            return f"a score_mod not compiled ({program})"
     bm = plan.block_mask
     if bm is not None and (
         bm.device.type != "cpu"
@@ -117,6 +115,10 @@ def why_not(plan: TilePlan, dtype: torch.dtype, d: int, d_v: int) -> str | None:
     if not available():
         warn_once()
         return status()
+    if plan.score_mod is not None and getattr(plan.score_mod, "relative", None) is None:
+        program = score_mod_program(plan)  # (compiled once, by the first call that asks)
+        if isinstance(program, str):
+            return f"a score_mod not compiled ({program})"
     if _dense(plan) and not calibrate.measuring() and not calibrate.speed().forward_ok:
         return _slower("forward", calibrate.speed().forward)
     return None
