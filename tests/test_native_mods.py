@@ -373,3 +373,80 @@ def test_bench_markdown_names_every_mod():
     }  # fmt: skip
     text = mods.markdown(result)
     assert all(f"| {n} | 1.10 | 1.30 |" in text for n in ("softcap", "table", "lambda"))
+
+
+def test_every_op_compiled_lane_and_row():
+    """One mod using every op of the graph, on lane values (the score, kv_idx) and on row
+    values (b, h, q_idx), bool and int and float loads, negative floor division and
+    modulo, and a learned 0-d temperature: compiled == tile engine == float64, forward and
+    gradients."""
+    t = 90
+    temp = torch.tensor(0.3, requires_grad=True)
+    flags = torch.tensor([True, False, True] * 30)
+    bias = torch.randn(t, t) * 0.1
+    ns = {"torch": torch, "temp": temp, "flags": flags, "bias": bias}
+
+    def mod(s, b, h, q, kv):
+        x = ns["temp"] * s + 0.1 * torch.log(1 + s.abs()) + 0.1 * torch.sqrt(s * s + 1)
+        x = x + 0.1 * torch.rsqrt(s * s + 1) + 0.1 * torch.sin(s) + 0.1 * torch.cos(s)
+        x = x + 0.1 * torch.minimum(s, s * 0.5) + 0.1 * torch.maximum(s, torch.tanh(s))
+        x = x + torch.clamp(s, -0.5, 0.5) + 0.1 * (s.abs() + 1) ** 0.5 + 0.1 * torch.sigmoid(-s)
+        x = x + torch.exp(-s.abs()) - s / 3.0 + s / (2.0 + s.abs())
+        x = x + 0.1 * (torch.floor(kv * 0.375) + torch.ceil(kv * 0.375) - torch.round(kv * 0.375))
+        x = x + 0.1 * torch.trunc(-kv * 0.375) + 0.1 * ((q % 3 == 0) ^ (kv % 2 == 1)).float()
+        x = x + torch.where(~(q > kv) | (h == 1), 0.2, -0.1) + 0.01 * (-(q - kv)).abs()
+        x = (
+            x
+            + 0.1 * torch.log(1.0 + h)
+            + 0.01 * torch.sqrt(q * 1.0 + 1)
+            + 0.1 * torch.exp(-(q * 0.01))
+        )
+        x = x + torch.tanh(h * 0.3) + 0.1 * torch.sigmoid(b * 1.0) + 0.01 * torch.floor(q / 7)
+        x = x + 0.001 * (q // 5 - (-q) // 3 + (q - 50) % 7 + (kv - 40) // 6 - (kv - 40) % 6).float()
+        x = x + 0.1 * ns["flags"][q].float() + 0.1 * ns["flags"][kv].float() + ns["bias"][q, kv]
+        keep = ((q < kv) & (q >= 3)) | ((kv != 5) & (kv <= 80))
+        return x + torch.where(ns["flags"][kv] & keep, 0.05, 0.0) + 0.01 * torch.cos(h * 1.0)
+
+    graph = G.trace(mod)
+    used = {n.op for n in graph.nodes}
+    assert used >= set(G.OPS) - {"pow", "div", "floordiv", "round"} - {"xor", "not", "cast"} | {
+        "load"
+    }
+    q, k, v = _qkv(t, seed=12)
+    assert "backward: native_cpu" in _engines(q, k, v, score_mod=mod)
+    results = []
+    for backend, dtype in (("blockwise", torch.float32), ("blockwise-tiles", torch.float32),
+                           ("blockwise-tiles", torch.float64)):  # fmt: skip
+        ns["temp"] = temp if dtype == torch.float32 else temp.detach().double().requires_grad_(True)
+        ns["bias"] = bias.to(dtype)
+        xs = [x.to(dtype).requires_grad_(True) for x in (q, k, v)]
+        out = attention(*xs, score_mod=mod, backend=backend)
+        results.append((out, torch.autograd.grad(out.square().sum(), [*xs, ns["temp"]])))
+    (ours, ours_g), (tiles, tiles_g), (ref, ref_g) = results
+    _two_x(ours, tiles, ref, "out")
+    for what, a, p, r in zip(["dq", "dk", "dv", "dtemp"], ours_g, tiles_g, ref_g, strict=True):
+        _two_x(a, p, r, what, eps=1e-5 if what == "dtemp" else 2e-6)
+
+
+def test_bf16_inputs_with_a_compiled_mod():
+    """bf16 inputs (bf16 products on an avx512-bf16 build, else upcast) with a compiled
+    softcap: forward and gradients within 2x of plain bf16 math's error."""
+    t = 130
+    mod = lambda s, b, h, q, kv: 5.0 * torch.tanh(s / 5.0)  # noqa: E731
+    q, k, v = (x.to(torch.bfloat16) for x in _qkv(t, seed=13))
+    assert "forward: native_cpu" in _engines(q, k, v, score_mod=mod, causal=True)
+    xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out = attention(*xs, score_mod=mod, causal=True, backend="blockwise")
+    grads = torch.autograd.grad(out.float().square().sum(), xs)
+    outs = {}
+    for dtype in (torch.float64, torch.bfloat16):
+        ys = [x.to(dtype).requires_grad_(True) for x in (q, k, v)]
+        i, j = torch.arange(t).view(-1, 1), torch.arange(t).view(1, -1)
+        s = ys[0] @ ys[1].repeat_interleave(2, 1).transpose(-2, -1) / math.sqrt(D)
+        s = (5.0 * torch.tanh(s / 5.0)).masked_fill(j > i, -math.inf)
+        o = _attend(s, ys[2], HQ)
+        outs[dtype] = (o, torch.autograd.grad(o.float().square().sum(), ys))
+    (ref, ref_g), (plain, plain_g) = outs[torch.float64], outs[torch.bfloat16]
+    _two_x(out, plain, ref, "out", eps=2e-2)
+    for what, a, p, r in zip(["dq", "dk", "dv"], grads, plain_g, ref_g, strict=True):
+        _two_x(a, p, r, what, eps=2e-2)
