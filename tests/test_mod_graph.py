@@ -79,7 +79,7 @@ def test_types_follow_torch_promotion():
         (lambda s, b, h, q, kv: s + math.tanh(s), "Python float"),
         (lambda s, b, h, q, kv: s + TABLE[h].sum(), "partly indexed"),
         (lambda s, b, h, q, kv: s + TABLE[:, q][0], "only scalar indices"),
-        (lambda s, b, h, q, kv: s + torch.erf(s), "torch function"),
+        (lambda s, b, h, q, kv: s + torch.erf(s), "torch.erf is not in the supported set"),
         (lambda s, b, h, q, kv: q + kv, "not a float score"),
         (lambda s, b, h, q, kv: s + TABLE, "without indexing"),
         (lambda s, b, h, q, kv: s + (q & kv), "bitwise"),
