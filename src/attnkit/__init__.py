@@ -9,6 +9,7 @@ from attnkit import backends, masks, trace
 from attnkit.attention import attention, explain_dispatch
 from attnkit.backends import available_backends, register_backend
 from attnkit.block_mask import BlockMask, create_block_mask
+from attnkit.cascade import cascade_attention
 from attnkit.kv_cache import KVCache
 from attnkit.masks import causal_mask
 from attnkit.modules import (
@@ -20,12 +21,14 @@ from attnkit.modules import (
     SimplifiedSelfAttention,
     load_seed_state_dict,
 )
+from attnkit.tree import DraftTree, build_tree, tree_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BlockMask",
     "CausalAttention",
+    "DraftTree",
     "KVCache",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
@@ -36,6 +39,8 @@ __all__ = [
     "attention",
     "available_backends",
     "backends",
+    "build_tree",
+    "cascade_attention",
     "causal_mask",
     "create_block_mask",
     "explain_dispatch",
@@ -43,4 +48,5 @@ __all__ = [
     "masks",
     "register_backend",
     "trace",
+    "tree_attention",
 ]
