@@ -45,8 +45,25 @@ def mods(t: int, h: int) -> tuple[dict[str, Callable], torch.Tensor]:
     }, table
 
 
-def rows(t: int, dtype: torch.dtype, reps: int) -> dict[str, dict]:
-    """``{mod: {"fwd": ratio, "fwd+bwd": ratio, "engines": ...}}`` plus plain's seconds."""
+def _flex_forward(q, k, v, mod: Callable) -> Callable[[], object]:
+    """The forward of torch's compiled FlexAttention (inductor's CPU template) with the
+    same mod and a causal block mask."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    t = q.shape[-2]
+    block = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, t, t, device="cpu")
+    flex = torch.compile(flex_attention)
+
+    def run() -> object:
+        with torch.no_grad():
+            return flex(q, k, v, score_mod=mod, block_mask=block)
+
+    return run
+
+
+def rows(t: int, dtype: torch.dtype, reps: int, flex: bool = False) -> dict[str, dict]:
+    """``{mod: {"fwd": ratio, "fwd+bwd": ratio, "engines": ...}}`` plus plain's seconds;
+    with ``flex``, also ``"fwd / flex"``: our forward over compiled FlexAttention's."""
     b, h, d = SHAPE
     g = torch.Generator().manual_seed(0)
     q, k, v = (
@@ -68,20 +85,26 @@ def rows(t: int, dtype: torch.dtype, reps: int) -> dict[str, dict]:
         fns[("plain", direction)] = step(None, backward)
         for name, mod in score_mods.items():
             fns[(name, direction)] = step(mod, backward)
+    if flex:
+        for name, mod in score_mods.items():
+            fns[(name, "flex")] = _flex_forward(q.detach(), k.detach(), v.detach(), mod)
     times = _best({f"{n}|{d_}": fn for (n, d_), fn in fns.items()}, reps)
     out: dict[str, dict] = {
         "plain": {d_: times[f"plain|{d_}"] for d_ in GOALS},
     }
     for name, mod in score_mods.items():
         out[name] = {d_: times[f"{name}|{d_}"] / times[f"plain|{d_}"] for d_ in GOALS}
+        if flex:
+            out[name]["fwd / flex"] = times[f"{name}|fwd"] / times[f"{name}|flex"]
         out[name]["engines"] = explain_dispatch(q, k, v, causal=True, score_mod=mod)
     del table
     return out
 
 
-def run(quick: bool, reps: int) -> dict:
+def run(quick: bool, reps: int, flex: bool = False) -> dict:
     """Every build this CPU executes: the mod rows in fp32 (and bf16 where it has bf16
-    products)."""
+    products); ``flex``: fp32 forwards against compiled FlexAttention too (slow: one
+    inductor compile per mod)."""
     from attnkit.bench.suite import machine
 
     t = 512 if quick else 4096
@@ -91,7 +114,7 @@ def run(quick: bool, reps: int) -> dict:
             if build.library() is None:
                 result["builds"][isa] = {"status": build.status()}
                 continue
-            entry = {"status": build.status(), "fp32": rows(t, torch.float32, reps)}
+            entry = {"status": build.status(), "fp32": rows(t, torch.float32, reps, flex)}
             if isa == "avx512-bf16":
                 entry["bf16"] = rows(t, torch.bfloat16, reps)
             result["builds"][isa] = entry
@@ -119,7 +142,13 @@ def markdown(result: dict) -> str:
             ]
             for name, x in r.items():
                 if name != "plain":
-                    lines.append(f"| {name} | {x['fwd']:.2f} | {x['fwd+bwd']:.2f} |")
+                    flex = (
+                        f" (fwd / compiled FlexAttention fwd: {x['fwd / flex']:.2f}, goal <= 0.8)"
+                    )
+                    lines.append(
+                        f"| {name} | {x['fwd']:.2f} | {x['fwd+bwd']:.2f} |"
+                        + (flex if "fwd / flex" in x else "")
+                    )
             lines.append("")
     return "\n".join(lines) + "\n"
 
@@ -136,10 +165,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="toy sizes: seconds, not graded")
     parser.add_argument("--reps", type=int, default=5, help="timed rounds per case")
     parser.add_argument("--out", type=Path, default=None, help="write mods.json/.md here")
+    parser.add_argument(
+        "--flex", action="store_true", help="also time compiled FlexAttention's forward (slow)"
+    )
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error(f"--reps must be at least 1, got {args.reps}")
-    result = run(args.quick, args.reps)
+    result = run(args.quick, args.reps, args.flex)
     if args.out is not None:
         write(result, args.out)
     print(markdown(result))
