@@ -317,6 +317,28 @@ def test_fallback_gradients_too_large_for_partials(monkeypatch):
     _same(_run(mod, q, k, v, table), want)
 
 
+def test_fallback_with_a_float64_capture_on_float32_inputs():
+    """A mod that falls back and reads a float64 tensor with float32 inputs: the tile
+    engine keeps the scores float32 (it failed on a dtype mismatch before), forward and
+    backward, matching float64."""
+    t = 70
+    slopes = torch.rand(HQ, dtype=torch.float64)
+    mod = lambda s, b, h, q, kv: s + torch.erf(s) - slopes[h] * (q - kv).abs()  # noqa: E731
+    q, k, v = _qkv(t, seed=10)
+    assert "forward: torch_tiles" in _engines(q, k, v, score_mod=mod)
+    xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out = attention(*xs, score_mod=mod, backend="blockwise")
+    grads = torch.autograd.grad(out.square().sum(), xs)
+    ys = [x.double().requires_grad_(True) for x in (q, k, v)]
+    i, j = torch.arange(t).view(-1, 1), torch.arange(t).view(1, -1)
+    s = ys[0] @ ys[1].repeat_interleave(2, 1).transpose(-2, -1) / math.sqrt(D)
+    s = s + torch.erf(s) - slopes.view(1, -1, 1, 1) * (i - j).abs()
+    ref = _attend(s, ys[2], HQ)
+    ref_grads = torch.autograd.grad(ref.square().sum(), ys)
+    assert out.dtype == torch.float32
+    _same([out, *grads], [ref.float(), *(g.float() for g in ref_grads)])
+
+
 def test_fallback_int32_overflow():
     t = 70
     q, k, v = _qkv(t, seed=7)

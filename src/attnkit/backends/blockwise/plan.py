@@ -380,7 +380,9 @@ class TilePlan:
         """``score_mod`` on the tile ``s (b, h, bq, bk)`` of query ``q0``, key ``k0``."""
         if self.score_mod is None:
             return s
-        return eval_score_mod(self.score_mod, s, self.q_base + q0, self.k_base + k0)
+        out = eval_score_mod(self.score_mod, s, self.q_base + q0, self.k_base + k0)
+        # in the scores' dtype (a mod reading a float64 tensor promotes float32 scores)
+        return out if out.dtype == s.dtype else out.to(s.dtype)
 
 
 def _and(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
