@@ -76,7 +76,8 @@ def _extra_grads(
     if not extra or not mod_grads:
         return []
     program = native.score_mod_program(plan)
-    assert not isinstance(program, str)
+    if isinstance(program, str):  # the native backward ran it: it was compiled
+        raise RuntimeError(f"a native backward without its compiled score_mod: {program}")
     read = [program.graph.tensors[slot] for slot in mod_grads]
     with torch.enable_grad():
         found = torch.autograd.grad(

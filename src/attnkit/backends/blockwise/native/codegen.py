@@ -3,8 +3,9 @@ native kernel calls in-tile, forward and backward.
 
 The graph becomes a small library of its own (``simd.h`` vectors, built with the kernel's
 flags for its ISA, cached and loaded under :func:`.build.build_generated`'s rules), not a
-rebuild of the kernel: a new mod costs one compile of some 60 lines, the kernel's 2-3 s
-compile is not repeated, and one indirect call per chunk row of 64 scores is noise. It
+rebuild of the kernel: a new mod costs one compile of a few dozen lines (about 0.35 s,
+against 2.8 s of CPU time for the kernel, on a Zen 5 VM), and one indirect call per chunk
+row of 64 scores is noise. It
 exports two functions the kernel reaches through ``Args.mod_forward`` / ``mod_backward``:
 
 * ``forward(ctx, b, h, i, c0, x, y)``: ``y[0..64) = score_mod(x, b, h, q_base + i,
@@ -20,7 +21,8 @@ of range); :meth:`ModGraph.check` proves every int fits in int32 and every load 
 in range for the call's sizes, else the call is not compiled. A load whose last index is
 ``kv_idx`` plus a row value reads a vector at once; others gather lane by lane.
 Captured tensors are passed as contiguous float32 / int32 / uint8 copies (their shapes
-are compiled in). Floats are computed in float32.
+are compiled in). Floats are computed in float32; a division by a constant is a product
+with its float32 reciprocal (within an ulp of the quotient).
 """
 
 from __future__ import annotations
@@ -604,7 +606,8 @@ def compile_mod(
         return f"the score_mod's generated code did not build: {status}"
     fwd = ctypes.cast(lib.attnkit_mod_forward, ctypes.c_void_p).value
     bwd = ctypes.cast(lib.attnkit_mod_backward, ctypes.c_void_p).value
-    assert fwd is not None and bwd is not None
+    if fwd is None or bwd is None:
+        return "the score_mod's generated library has no row functions"
     return CompiledMod(graph, lib, fwd, bwd, grad_slots, total)
 
 
