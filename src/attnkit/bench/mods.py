@@ -141,14 +141,14 @@ def markdown(result: dict) -> str:
                 "|---|---|---|",
             ]
             for name, x in r.items():
-                if name != "plain":
-                    flex = (
+                if name == "plain":
+                    continue
+                line = f"| {name} | {x['fwd']:.2f} | {x['fwd+bwd']:.2f} |"
+                if "fwd / flex" in x:
+                    line += (
                         f" (fwd / compiled FlexAttention fwd: {x['fwd / flex']:.2f}, goal <= 0.8)"
                     )
-                    lines.append(
-                        f"| {name} | {x['fwd']:.2f} | {x['fwd+bwd']:.2f} |"
-                        + (flex if "fwd / flex" in x else "")
-                    )
+                lines.append(line)
             lines.append("")
     return "\n".join(lines) + "\n"
 
