@@ -111,6 +111,16 @@ def test_check_proves_ints_and_indices():
     assert G.trace(lambda s, b, h, q, kv: s + table[docs[q] - 2, kv]).check(1, 1, 5, 5) is None
 
 
+def test_check_refuses_an_integer_division_by_zero():
+    """An int // or % by a value that may be 0 is not compiled (it would trap in C++)."""
+    assert "may be 0" in G.trace(lambda s, b, h, q, kv: s + (q // kv).float()).check(1, 1, 9, 9)
+    assert "may be 0" in G.trace(lambda s, b, h, q, kv: s + (q % (kv - 3)).float()).check(
+        1, 1, 9, 9
+    )
+    assert G.trace(lambda s, b, h, q, kv: s + (q // (kv + 1)).float()).check(1, 1, 9, 9) is None
+    assert G.trace(lambda s, b, h, q, kv: s + q / kv).check(1, 1, 9, 9) is None  # float: inf
+
+
 def test_negative_indices_wrap_like_torch():
     table = torch.randn(H, 2 * T)
     graph = G.trace(lambda s, b, h, q, kv: s + table[h, q - kv])  # -(T-1) .. T-1

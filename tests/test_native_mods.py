@@ -8,6 +8,10 @@ its reason (explain_dispatch)."""
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -472,3 +476,33 @@ def test_bf16_inputs_with_a_compiled_mod():
     _two_x(out, plain, ref, "out", eps=2e-2)
     for what, a, p, r in zip(["dq", "dk", "dv"], grads, plain_g, ref_g, strict=True):
         _two_x(a, p, r, what, eps=2e-2)
+
+
+def test_generated_code_cross_compiles_for_neon(tmp_path):
+    """The every-op mod's generated source compiles for aarch64 NEON (W = 4) with the
+    cross compiler (the kernel's own NEON build runs under qemu in test_native_selftest)."""
+    if os.environ.get("ATTNKIT_NATIVE_ISA") != kernel_isas()[0]:
+        pytest.skip("once per run")
+    gxx = shutil.which("aarch64-linux-gnu-g++")
+    if gxx is None:
+        pytest.skip("needs aarch64-linux-gnu-g++ (Debian: g++-aarch64-linux-gnu)")
+    table = torch.randn(HQ, 2 * 90)
+    flags = torch.tensor([True, False] * 45)
+    docs = torch.arange(90) // 10
+
+    def mod(s, b, h, q, kv):
+        x = torch.where(flags[kv] & (docs[q] == docs[kv]), s, -s) + table[h][q - kv]
+        x = x + torch.tanh(s / 3.0) + torch.log(1 + s.abs()) ** 0.5 + torch.sigmoid(s * h)
+        return x + ((q // 3) % 4 - abs(q - kv)).float() * torch.exp(-s.abs()) + torch.floor(s)
+
+    generated = codegen.generate(G.trace(mod), (1, HQ, 90, 90, 0, 0))
+    assert not isinstance(generated, str), generated
+    src = tmp_path / "mod.cpp"
+    src.write_text(generated[0])
+    native_dir = Path(codegen.__file__).parent
+    run = subprocess.run(
+        [gxx, "-std=c++17", "-O2", "-march=armv8-a", "-fPIC", "-c", "-I", str(native_dir),
+         "-o", str(tmp_path / "mod.o"), str(src)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]

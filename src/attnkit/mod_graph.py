@@ -161,13 +161,19 @@ class ModGraph:
     # -- ranges ------------------------------------------------------------------------
     def check(self, B: int, H: int, T: int, S: int, q_base: int = 0, k_base: int = 0) -> str | None:
         """Why code generated from this graph may not run a call of these sizes (None
-        when it may): every int value must fit in int32 and every load index be within
-        ``[-n, n)`` of its dimension, for ``b < B, h < H``, queries ``q_base + [0, T)``
+        when it may): every int value must fit in int32, no int be divided by a value that
+        may be 0, and every load index be within ``[-n, n)`` of its dimension, for ``b < B, h < H``, queries ``q_base + [0, T)``
         and keys ``k_base + [0, S)`` (interval arithmetic: conservative)."""
         ranges = self.int_ranges(B, H, T, S, q_base, k_base)
         for n in self.live():
             node = self.nodes[n]
             if node.dtype == "int":
+                if node.op in ("floordiv", "mod"):
+                    lo, hi = ranges[node.args[1]]
+                    if lo <= 0 <= hi:
+                        return (
+                            f"an integer division (%{n}) by a value that may be 0 ({_span(lo, hi)})"
+                        )
                 lo, hi = ranges[n]
                 if lo < _INT32[0] or hi > _INT32[1]:
                     return f"an integer value (%{n}) may not fit in int32 ({lo}..{hi})"

@@ -36,7 +36,7 @@ import torch
 from attnkit.backends.blockwise.native.build import build_generated, selected_isa
 from attnkit.mod_graph import ModGraph, Node
 
-__all__ = ["CompiledMod", "ModCall", "compile_mod", "source"]
+__all__ = ["CompiledMod", "ModCall", "compile_mod", "generate", "source"]
 
 #: ``attnkit_mod_abi()`` of a generated library: bumped when the row functions change.
 MOD_ABI = 2
@@ -578,6 +578,25 @@ def _wraps(graph: ModGraph, ranges: dict[int, tuple[float, float]]) -> set[int]:
     return out
 
 
+def generate(
+    graph: ModGraph, sizes: tuple[int, int, int, int, int, int]
+) -> tuple[str, dict[int, int], int] | str:
+    """``(C++ source, {slot: gradient offset}, gradient doubles)`` of ``graph`` for a call
+    of ``sizes = (B, H, T, S, q_base, k_base)``, or why it cannot be generated."""
+    why = graph.check(*sizes)
+    if why is not None:
+        return why
+    if any(t.dim() > 6 for t in graph.tensors):
+        return "a captured tensor of more than 6 dimensions"
+    wraps = _wraps(graph, graph.int_ranges(*sizes))
+    grad_slots: dict[int, int] = {}
+    total = 0
+    for slot in graph.grad_slots():
+        grad_slots[slot] = total
+        total += graph.tensors[slot].numel()
+    return source(graph, wraps, grad_slots), grad_slots, total
+
+
 def compile_mod(
     graph: ModGraph,
     sizes: tuple[int, int, int, int, int, int],
@@ -585,19 +604,10 @@ def compile_mod(
 ) -> CompiledMod | str:
     """``graph`` compiled for a call of ``sizes = (B, H, T, S, q_base, k_base)`` (cached
     by its source), or why it cannot be (one line)."""
-    why = graph.check(*sizes)
-    if why is not None:
-        return why
-    if any(t.dim() > 6 for t in graph.tensors):
-        return "a captured tensor of more than 6 dimensions"
-    ranges = graph.int_ranges(*sizes)
-    wraps = _wraps(graph, ranges)
-    grad_slots: dict[int, int] = {}
-    total = 0
-    for slot in graph.grad_slots():
-        grad_slots[slot] = total
-        total += graph.tensors[slot].numel()
-    text = source(graph, wraps, grad_slots)
+    generated = generate(graph, sizes)
+    if isinstance(generated, str):
+        return generated
+    text, grad_slots, total = generated
     key = (text, isa or selected_isa() or "")
     if key not in _LIBS:
         _LIBS[key] = build_generated(text, "score-mod", _check_library, isa)
