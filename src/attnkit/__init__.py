@@ -6,7 +6,7 @@ through it. Masks follow one convention, documented in :mod:`attnkit.masks`.
 """
 
 from attnkit import backends, masks, trace
-from attnkit.attention import attention
+from attnkit.attention import attention, explain_dispatch
 from attnkit.backends import available_backends, register_backend
 from attnkit.block_mask import BlockMask, create_block_mask
 from attnkit.cascade import cascade_attention
@@ -43,6 +43,7 @@ __all__ = [
     "cascade_attention",
     "causal_mask",
     "create_block_mask",
+    "explain_dispatch",
     "load_seed_state_dict",
     "masks",
     "register_backend",

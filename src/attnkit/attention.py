@@ -12,7 +12,7 @@ Masking follows the one convention documented in :mod:`attnkit.masks`.
 from __future__ import annotations
 
 import math
-from typing import Literal, overload
+from typing import Any, Literal, overload
 
 import torch
 
@@ -23,6 +23,7 @@ from attnkit._validate import (
     check_probability,
     check_window,
 )
+from attnkit.backends.blockwise import explain_call
 from attnkit.block_mask import BlockMask
 from attnkit.masks import (
     MaskMod,
@@ -33,7 +34,7 @@ from attnkit.masks import (
     removed_keys,
 )
 
-__all__ = ["attention"]
+__all__ = ["attention", "explain_dispatch"]
 
 
 # The return type follows need_weights / return_lse (so `attention(q, k, v).shape` type-checks).
@@ -211,6 +212,42 @@ def attention(
             that does not broadcast, a bad ``dropout_p``, ``scale`` or backend name, or a
             backend that cannot honour the request.
     """
+    call, name = _make_call(
+        query, key, value, mask=mask, causal=causal, scale=scale, dropout_p=dropout_p,
+        need_weights=need_weights, window=window, mask_mod=mask_mod, score_mod=score_mod,
+        block_mask=block_mask, sinks=sinks, return_lse=return_lse, backend=backend,
+    )  # fmt: skip
+    out, weights, lse = backends.dispatch(name, call)
+    if not (call.need_weights or call.return_lse):
+        return out
+    extra: list[torch.Tensor] = []
+    if call.need_weights:
+        extra.append(weights)  # type: ignore[arg-type]
+    if call.return_lse:
+        extra.append(lse)  # type: ignore[arg-type]
+    return (out, *extra)
+
+
+def _make_call(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    causal: bool | str,
+    scale: float | None,
+    dropout_p: float,
+    need_weights: bool,
+    window: int | None,
+    mask_mod: MaskMod | None,
+    score_mod: ScoreMod | None,
+    block_mask: BlockMask | None,
+    sinks: torch.Tensor | None,
+    return_lse: bool,
+    backend: str,
+) -> tuple[backends.AttentionCall, str]:
+    """The validated call of :func:`attention`'s arguments and the backend name to
+    dispatch it to."""
     _check_qkv(query, key, value)
     key, value = _broadcast_kv(query, key, value)
     causal_mode = normalize_causal(causal)
@@ -247,15 +284,46 @@ def attention(
         return_lse=return_lse,
     )
     name = "reference" if backend == "auto" and trace.is_recording() else backend
-    out, weights, lse = backends.dispatch(name, call)
-    if not (need_weights or return_lse):
-        return out
-    extra: list[torch.Tensor] = []
-    if need_weights:
-        extra.append(weights)  # type: ignore[arg-type]
-    if return_lse:
-        extra.append(lse)  # type: ignore[arg-type]
-    return (out, *extra)
+    return call, name
+
+
+def explain_dispatch(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any
+) -> str:
+    """Which backend and engines :func:`attention` would run for these arguments (the same
+    keywords), and why the faster ones stood aside: for ``backend="auto"`` every backend
+    tried before the chosen one with its reason, and for the blockwise backends the engine
+    of each direction with the reasons of the engines passed over (e.g. a ``score_mod``
+    that did not compile into the native kernel, and what in it did not). Computes nothing
+    but the plan.
+
+    Raises:
+        ValueError, TypeError: as :func:`attention` for the same arguments.
+    """
+    defaults: dict[str, Any] = {
+        "mask": None, "causal": False, "scale": None, "dropout_p": 0.0, "need_weights": False,
+        "window": None, "mask_mod": None, "score_mod": None, "block_mask": None,
+        "sinks": None, "return_lse": False, "backend": "auto",
+    }  # fmt: skip
+    unknown = set(kwargs) - set(defaults)
+    if unknown:
+        raise TypeError(f"explain_dispatch got unexpected keyword(s) {sorted(unknown)}")
+    call, name = _make_call(query, key, value, **{**defaults, **kwargs})
+    lines = []
+    if name == "auto":
+        for candidate in backends.auto_order(call):
+            try:
+                backend = backends.get_backend(candidate)
+            except ValueError:
+                continue
+            reason = backend.auto_supports(call)
+            if reason is None:
+                break
+            lines.append(f"{candidate}: passed over ({reason})")
+    chosen = backends.select(name, call)
+    lines.append(f"backend: {chosen.name}")
+    lines += explain_call(call, chosen.name)
+    return "\n".join(lines)
 
 
 def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:

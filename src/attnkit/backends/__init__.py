@@ -48,3 +48,13 @@ from attnkit.backends import blockwise as _blockwise  # noqa: F401
 from attnkit.backends import reference as _reference  # noqa: F401
 from attnkit.backends import sdpa as _sdpa  # noqa: F401
 from attnkit.backends import triton as _triton  # noqa: F401
+
+
+def __getattr__(name: str):
+    """``explain_dispatch``: :func:`attnkit.attention.explain_dispatch`, reachable here too
+    (the functional core builds the call it explains, so it lives there)."""
+    if name == "explain_dispatch":
+        from attnkit.attention import explain_dispatch
+
+        return explain_dispatch
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -302,6 +302,12 @@ def build_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="also benchmark the native kernel once per build this CPU runs "
         "(peak, causal rows, auto against the fastest backend): native.md",
     )
+    parser.add_argument(
+        "--mods",
+        action="store_true",
+        help="also benchmark compiled score_mods (softcap, a learned table, a lambda) over "
+        "plain causal, once per build this CPU runs: mods.md",
+    )
     return parser
 
 

@@ -13,6 +13,7 @@ examples:
   attnkit bench                              # the targets (~4 min on 2 cores)
   attnkit bench --grid --note "idle VM"      # plus the full grid (~20 min more)
   attnkit bench --kernel                     # plus the native kernel, once per CPU build
+  attnkit bench --mods                       # plus compiled score_mods over plain causal
 """
 
 
@@ -52,6 +53,12 @@ def run(args: argparse.Namespace) -> int:
         kernel = native_kernel.run(args.quick, args.reps)
         native_kernel.write(kernel, out)
         print(native_kernel.markdown(kernel))
+    if args.mods:
+        from attnkit.bench import mods
+
+        mod_result = mods.run(args.quick, args.reps)
+        mods.write(mod_result, out)
+        print(mods.markdown(mod_result))
     print(f"results: {out / 'results.json'}, {out / 'results.md'}")
     if result.get("plots"):
         print(f"plots: {', '.join(result['plots'])}")

@@ -51,6 +51,7 @@ from attnkit.mods import grad_leaves
 __all__ = [
     "SegmentMask",
     "blockwise_attention",
+    "explain_call",
     "merge_partials",
     "score_mod_tensors",
     "segment_backward",
@@ -148,6 +149,19 @@ def _run(call: AttentionCall, engine: str) -> BackendResult:
     if call.return_lse:
         lse_out = lse.reshape(lead)
     return out, weights, lse_out
+
+
+_ENGINE_OF = {"blockwise": NATIVE_CPU, "blockwise-flash": FLASH_CPU, "blockwise-tiles": TORCH_TILES}
+
+
+def explain_call(call: AttentionCall, backend: str) -> list[str]:
+    """For a blockwise backend, its engines of the call, each direction with why the
+    faster engines stood aside (``Engines.explain``); empty for other backends."""
+    engine = _ENGINE_OF.get(backend)
+    if engine is None:
+        return []
+    engines = _plan(call, engine).engines
+    return [] if engines is None else engines.explain().splitlines()
 
 
 def blockwise_attention(call: AttentionCall) -> BackendResult:

@@ -55,14 +55,35 @@ def engine_backward(
     if engines is not None and chosen == NATIVE_CPU:
         # bf16 products read bf16 inputs as they are; anything else is upcast
         q4, k4, v4 = flash_cpu.engine_views(plan, q, k, v, upcast=not engines.bf16)
-        grads = native.backward(plan, q4, k4, v4, out, lse, grad_out, grad_lse)
+        mod_grads: dict[int, torch.Tensor] = {}
+        grads = native.backward(plan, q4, k4, v4, out, lse, grad_out, grad_lse, mod_grads)
         dq, dk, dv = (g.to(x.dtype).reshape(x.shape) for g, x in zip(grads, (q, k, v), strict=True))
-        return dq, dk, dv, []
+        return dq, dk, dv, _extra_grads(plan, extra, mod_grads)
     if chosen == FLASH_CPU and grad_lse is None:  # (it takes no gradient through the LSE)
         dq, dk, dv = flash_cpu.backward(plan, q, k, v, out, lse, grad_out)
         return dq, dk, dv, []
     tiles_plan = dataclasses.replace(plan, engine=TORCH_TILES)
     return torch_tiles.backward(tiles_plan, q, k, v, out, lse, grad_out, grad_lse, extra)
+
+
+def _extra_grads(
+    plan: TilePlan, extra: tuple[torch.Tensor, ...], mod_grads: dict[int, torch.Tensor]
+) -> list[torch.Tensor | None]:
+    """The gradients of ``extra`` (the leaves a score_mod's tensors come from) from a
+    compiled score_mod's gradients of the tensors it reads (``{slot: gradient}``): through
+    autograd where a read tensor is computed from a leaf (``w = p * 2``), as they are
+    where it is the leaf."""
+    if not extra or not mod_grads:
+        return []
+    program = native.score_mod_program(plan)
+    if isinstance(program, str):  # the native backward ran it: it was compiled
+        raise RuntimeError(f"a native backward without its compiled score_mod: {program}")
+    read = [program.graph.tensors[slot] for slot in mod_grads]
+    with torch.enable_grad():
+        found = torch.autograd.grad(
+            read, extra, list(mod_grads.values()), retain_graph=True, allow_unused=True
+        )
+    return [None if g is None else g.to(x.dtype) for g, x in zip(found, extra, strict=True)]
 
 
 def add_sinks(

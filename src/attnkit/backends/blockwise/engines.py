@@ -43,7 +43,22 @@ def plan_call(
     engine = requested
     if engine in FUSED_ENGINES:
         why = flash_cpu.why_not(query, key, value, plan_kwargs.get("score_mod"), extra)
-        if why is not None:  # neither fused engine: the tiles are planned for PyTorch ops
+        if (
+            why is not None
+            and engine == NATIVE_CPU
+            and flash_cpu.why_not(query, key, value, None, ()) is None
+        ):
+            # only the score_mod keeps torch's fused kernel out: the native kernel may run
+            # it compiled (native.score_mod_program), forward at least; else the tiles
+            plan = build_plan(query, key, engine=engine, **plan_kwargs)
+            engines = choose(plan, query.dtype, query.shape[-1], value.shape[-1], extra)
+            if engines.forward == NATIVE_CPU:
+                plan.engines = engines
+                return plan
+            passed += [p for p in engines.passed_over if p[1] == NATIVE_CPU]
+            passed += [("forward", FLASH_CPU, why), ("backward", FLASH_CPU, why)]
+            engine = TORCH_TILES
+        elif why is not None:  # neither fused engine: the tiles are planned for PyTorch ops
             for skipped in PRIORITY[PRIORITY.index(engine) : PRIORITY.index(TORCH_TILES)]:
                 passed += [("forward", skipped, why), ("backward", skipped, why)]
             engine = TORCH_TILES

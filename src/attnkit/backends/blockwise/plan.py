@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -168,6 +168,8 @@ class TilePlan:
     q_base: int = 0  # the mods see query i as q_base + i
     k_base: int = 0  # and key j as k_base + j
     engines: Engines | None = None  # what runs it, each direction (None: the tiles)
+    #: what engines derive from the plan once (e.g. a compiled score_mod), by name
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def groups(self) -> int:
@@ -378,7 +380,9 @@ class TilePlan:
         """``score_mod`` on the tile ``s (b, h, bq, bk)`` of query ``q0``, key ``k0``."""
         if self.score_mod is None:
             return s
-        return eval_score_mod(self.score_mod, s, self.q_base + q0, self.k_base + k0)
+        out = eval_score_mod(self.score_mod, s, self.q_base + q0, self.k_base + k0)
+        # in the scores' dtype (a mod reading a float64 tensor promotes float32 scores)
+        return out if out.dtype == s.dtype else out.to(s.dtype)
 
 
 def _and(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:

@@ -7,7 +7,9 @@ of query rows it visits only the key chunks that causal/window bounds (a band of
 diagonals ``lo <= j - i <= hi``) and a :class:`~attnkit.BlockMask` (its stored bool
 tiles, read in place) leave, applies a ``mask`` tensor (bool, or float added; read in
 place through its broadcast strides), adds a relative bias (``masks.alibi``,
-``masks.relative_bias``: one vector per head) in-tile, and keeps the FlashAttention
+``masks.relative_bias``: one vector per head) in-tile, runs any other ``score_mod`` that
+:mod:`attnkit.mod_graph` traces as generated row functions (:mod:`.codegen`, forward and
+backward, its tensors' gradients included), and keeps the FlashAttention
 running max and sum per row: a row is alive when one key survives every mask at once.
 
 :func:`forward` returns the output and the log-sum-exp; :func:`backward` recomputes the
@@ -27,7 +29,8 @@ import ctypes
 
 import torch
 
-from attnkit.backends.blockwise.native import abi, calibrate
+from attnkit import mod_graph
+from attnkit.backends.blockwise.native import abi, calibrate, codegen
 from attnkit.backends.blockwise.native.build import library, status, warn_once
 from attnkit.backends.blockwise.plan import Band, TilePlan
 from attnkit.block_mask import PARTIAL
@@ -40,6 +43,7 @@ __all__ = [
     "bf16",
     "forward",
     "isa",
+    "score_mod_program",
     "status",
     "why_not",
     "why_not_backward",
@@ -85,9 +89,9 @@ def available() -> bool:
 def why_not(plan: TilePlan, dtype: torch.dtype, d: int, d_v: int) -> str | None:
     """Why the kernel cannot run this fused plan (CPU tensors) on the engine's views of
     ``dtype`` (None when it can): it takes float32 (bf16 on an avx512-bf16 build), value
-    heads a multiple of 16 wide, causal/window bounds, a block mask, a ``mask`` tensor and
-    a relative bias, but no other ``score_mod``, and not under ``torch.compile``. Asked
-    once per call, by :mod:`..engines`."""
+    heads a multiple of 16 wide, causal/window bounds, a block mask, a ``mask`` tensor, a
+    relative bias, and any ``score_mod`` that compiles (:func:`score_mod_program`), not
+    under ``torch.compile``. Asked once per call, by :mod:`..engines`."""
     if dtype not in (torch.float32, torch.bfloat16):
         return "the native kernel runs float32 (and bf16) tensors"
     if dtype == torch.bfloat16 and not bf16():
@@ -96,8 +100,6 @@ def why_not(plan: TilePlan, dtype: torch.dtype, d: int, d_v: int) -> str | None:
         return "the native kernel needs value heads a multiple of 16 wide"
     if plan.mask_mod is not None:
         return "a mask_mod not made a block mask"
-    if plan.score_mod is not None and getattr(plan.score_mod, "relative", None) is None:
-        return "a score_mod that is not a relative bias"
     if plan.t == 0 or plan.s == 0:
         return "no queries or no keys"
     bm = plan.block_mask
@@ -113,9 +115,44 @@ def why_not(plan: TilePlan, dtype: torch.dtype, d: int, d_v: int) -> str | None:
     if not available():
         warn_once()
         return status()
+    if plan.score_mod is not None and getattr(plan.score_mod, "relative", None) is None:
+        program = score_mod_program(plan)  # (compiled once, by the first call that asks)
+        if isinstance(program, str):
+            return f"a score_mod not compiled ({program})"
     if _dense(plan) and not calibrate.measuring() and not calibrate.speed().forward_ok:
         return _slower("forward", calibrate.speed().forward)
     return None
+
+
+def score_mod_program(plan: TilePlan) -> codegen.CompiledMod | str:
+    """The plan's ``score_mod`` compiled into row functions the kernel calls in-tile
+    (:mod:`.codegen`), or why not (a reason from :mod:`attnkit.mod_graph` or the build).
+    Made once per plan (kept in ``plan.memo``); the trace and the library are cached per
+    mod and per generated source."""
+    if "native-score-mod" not in plan.memo:
+        plan.memo["native-score-mod"] = _program(plan)
+    return plan.memo["native-score-mod"]
+
+
+def _program(plan: TilePlan) -> codegen.CompiledMod | str:
+    if plan.score_mod is None:
+        return "no score_mod"
+    graph = mod_graph.traced(plan.score_mod, "score")
+    if isinstance(graph, mod_graph.Unsupported):
+        return graph.reason
+    if torch.compiler.is_compiling():
+        return "under torch.compile"
+    sizes = (plan.b, plan.h, plan.t, plan.s, plan.q_base, plan.k_base)
+    return codegen.compile_mod(graph, sizes)
+
+
+def _program_of(plan: TilePlan) -> codegen.CompiledMod | None:
+    """The plan's compiled score_mod where the kernel runs one (None: none, or a relative
+    bias the kernel reads as a vector)."""
+    if plan.score_mod is None or getattr(plan.score_mod, "relative", None) is not None:
+        return None
+    program = score_mod_program(plan)
+    return None if isinstance(program, str) else program
 
 
 def _dense(plan: TilePlan) -> bool:
@@ -156,7 +193,7 @@ def _band(plan: TilePlan) -> tuple[int, int, bool]:
     return lo, hi, read
 
 
-def _args(plan: TilePlan, q, k, v, out, lse) -> tuple[abi.Args, list[torch.Tensor]]:
+def _args(plan: TilePlan, q, k, v, out, lse) -> tuple[abi.Args, list[object]]:
     """The kernel's arguments for ``plan`` and the tensors they point into (keep them
     alive through the call): ``q``, ``k``, ``v`` the engine's ``(b, heads, len, d)``
     float32 views, ``out`` ``(b, h, t, d_v)`` (or None), ``lse`` ``(b, h, t)`` contiguous."""
@@ -169,7 +206,7 @@ def _args(plan: TilePlan, q, k, v, out, lse) -> tuple[abi.Args, list[torch.Tenso
         b, h, plan.h_kv, t, s, q.shape[-1], v.shape[-1],
         plan.scale, band_lo, band_hi, BLOCK_Q,
     )  # fmt: skip
-    keep_alive: list[torch.Tensor] = []  # tensors the kernel reads, alive through the call
+    keep_alive: list[object] = []  # what the kernel reads, alive through the call
     bm = plan.block_mask
     if bm is not None and read_block_mask:
         kind, index, masks = _block_mask_tensors(bm)
@@ -182,7 +219,7 @@ def _args(plan: TilePlan, q, k, v, out, lse) -> tuple[abi.Args, list[torch.Tenso
         args.bm_si = kind.stride(2)
         args.bm_qb, args.bm_kb = bm.Q_BLOCK_SIZE, bm.KV_BLOCK_SIZE
         args.bq = bm.Q_BLOCK_SIZE
-    relative = None if plan.score_mod is None else plan.score_mod.relative  # type: ignore[attr-defined]
+    relative = None if plan.score_mod is None else getattr(plan.score_mod, "relative", None)
     if relative is not None:
         # rel[n] is the bias of j - i = -(t - 1) + n, over whole key chunks
         s_pad = -(-s // KEY_CHUNK) * KEY_CHUNK
@@ -205,6 +242,12 @@ def _args(plan: TilePlan, q, k, v, out, lse) -> tuple[abi.Args, list[torch.Tenso
         args.sm_b, args.sm_h, args.sm_t, args.sm_s = (
             0 if n == 1 else st for n, st in zip(mask.shape, mask.stride(), strict=True)
         )
+    program = _program_of(plan)
+    if program is not None:  # a compiled score_mod: its row functions and their context
+        call = codegen.ModCall(program, s - 1, plan.q_base, plan.k_base)
+        keep_alive.append(call)
+        args.mod_forward, args.mod_backward = program.forward, program.backward
+        args.mod_ctx = call.address
     args.threads = torch.get_num_threads()
     args.dtype = abi.DT_BF16 if q.dtype == torch.bfloat16 else abi.DT_F32
     return args, keep_alive
@@ -225,10 +268,19 @@ def why_not_backward(
     plan: TilePlan, dtype: torch.dtype, d: int, d_v: int, extra: tuple
 ) -> str | None:
     """Why :func:`backward` cannot run (None when it can): as :func:`why_not` (float32
-    views: the backward upcasts), with head sizes a multiple of 16 and no ``score_mod``
-    tensor wanting a gradient."""
+    views: the backward upcasts), with head sizes a multiple of 16, and a ``score_mod``
+    whose tensors want gradients compiled (:func:`score_mod_program`) with its gradient
+    partials (one per backward task) within :data:`.codegen.MAX_GRAD_PARTIALS`."""
     if extra:
-        return "a score_mod whose tensors want gradients (the tile engine finds them)"
+        program = _program_of(plan)
+        if program is None:
+            return "a score_mod whose tensors want gradients, not compiled"
+        tasks = _backward_tasks(plan, d)
+        if program.ngrad * tasks > codegen.MAX_GRAD_PARTIALS:
+            return (
+                f"the score_mod's tensors want {program.ngrad} gradients per backward task "
+                f"x {tasks} tasks, over {codegen.MAX_GRAD_PARTIALS}"
+            )
     if d % 16:
         return "the native backward needs query heads a multiple of 16 wide"
     why = why_not(plan, dtype, d, d_v)
@@ -238,14 +290,33 @@ def why_not_backward(
     return why
 
 
+def _backward_tasks(plan: TilePlan, d: int) -> int:
+    """The backward's tasks (attention.cpp's key_groups: batch x kv heads x key groups)."""
+    chunks = -(-plan.s // KEY_CHUNK)
+    per_group = plan.b * plan.h * plan.t * d
+    groups = max(2, 32 // max(1, plan.b * plan.h_kv))
+    groups = min(groups, (64 << 20) // max(1, per_group))
+    return plan.b * plan.h_kv * max(1, min(groups, chunks))
+
+
 def backward(
-    plan: TilePlan, q, k, v, out, lse, grad_out, grad_lse: torch.Tensor | None
+    plan: TilePlan,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    grad_out,
+    grad_lse: torch.Tensor | None,
+    mod_grads: dict[int, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` float32 in the engine's ``(b, heads, len, d)`` layout from the total
     ``out`` and ``lse`` (sinks included) of a plan :func:`why_not_backward` accepts: the
     weights recomputed from ``lse``, ``dS = P (dP - delta)`` with
     ``delta = rowsum(dO * O) - dlse`` (so a gradient through the returned log-sum-exp
-    costs nothing extra)."""
+    costs nothing extra). ``mod_grads``: a dict given receives the compiled score_mod's
+    captured-tensor gradients, ``{slot: gradient}`` (:class:`attnkit.mod_graph.ModGraph`
+    slots), bitwise the same for any number of threads."""
     b, h, t = plan.b, plan.h, plan.t
     dv_ = v.shape[-1]
     out = out.reshape(b, h, t, dv_).to(torch.float32)
@@ -263,7 +334,15 @@ def backward(
     dv = torch.empty(b, plan.h_kv, plan.s, dv_, dtype=torch.float32)
     args, keep_alive = _args(plan, q, k, v, None, lse)
     grads = abi.Grads(*(x.data_ptr() for x in (grad_out, delta, dq, dk, dv)))
+    program = _program_of(plan)
+    dgrad = None
+    if mod_grads is not None and program is not None and program.ngrad:
+        dgrad = torch.zeros(program.ngrad, dtype=torch.float64)
+        args.mod_ngrad, args.mod_dgrad = program.ngrad, dgrad.data_ptr()
     _check_code(_kernel("attnkit_backward")(ctypes.byref(args), ctypes.byref(grads)))
+    if dgrad is not None and mod_grads is not None:
+        call = next(x for x in keep_alive if isinstance(x, codegen.ModCall))
+        mod_grads.update(call.gradients(dgrad))
     del keep_alive
     return dq, dk, dv
 

@@ -60,7 +60,7 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int8_t EMPTY = 0, PARTIAL = 1, FULL = 2;  // attnkit.block_mask's kinds
 
 // Bumped whenever Args or Grads change; native/__init__.py checks it and the sizes at load.
-constexpr int64_t ABI_VERSION = 3;
+constexpr int64_t ABI_VERSION = 4;
 
 enum Code : int {
   OK = 0,
@@ -95,6 +95,21 @@ struct Args {
   int64_t sm_b, sm_h, sm_t, sm_s;
   int64_t threads;
   int64_t dtype;             // DT_F32, or DT_BF16 (q, k, v and Grads.dout are then bf16)
+  // -- compiled score_mods (native/codegen.py) --------------------------------------------
+  // A score_mod traced into attnkit.mod_graph is generated as row functions of a small
+  // library of its own; the kernel calls them once per chunk row of KC scores (null: none).
+  // mod_forward(ctx, b, h, i, c0, x, y): y[0..KC) = the modded scores of x[0..KC), the
+  // row's scaled scores of keys c0.. . mod_backward(ctx, b, h, i, c0, x, g, dgrad): x the scaled
+  // scores again, g = d(modded) in, d(scaled) out, and d(captured tensors) added into
+  // dgrad (mod_ngrad doubles): each backward task (batch, kv head, key group) has its own
+  // partial, summed in task order into mod_dgrad, so every bit is the same for any number
+  // of threads.
+  void (*mod_forward)(const void *, int64_t, int64_t, int64_t, int64_t, const float *, float *);
+  void (*mod_backward)(const void *, int64_t, int64_t, int64_t, int64_t, const float *,
+                       float *, double *);
+  const void *mod_ctx;
+  int64_t mod_ngrad;
+  double *mod_dgrad;
 };
 
 // The gradients' tensors (contiguous: (B, H, T, DV), (B, H, T), (B, H, T, D),
@@ -344,11 +359,12 @@ struct Masker {
   vi lane;
   uint8_t kbuf[KC], mbuf[KC];
   float fbuf[KC];
+  float mod_in[KC], mod_out[KC];  // a compiled score_mod's row: scaled scores, modded
 
   Masker(const Args &a_, const Chunk &c_, int64_t b_, int64_t h_) : a(a_), c(c_), b(b_), h(h_) {
     rel = a.rel ? a.rel + h * a.rel_sh : nullptr;
     keep_direct = c.keep && c.keep_col >= 0 && c.keep_col + KC <= c.keep_width;
-    plain = !c.band && !c.keep && !rel && !a.mask && c.lo == 0 && c.hi == KC;
+    plain = !c.band && !c.keep && !rel && !a.mask && c.lo == 0 && c.hi == KC && !a.mod_forward;
     lane = simd::lanes();
   }
 
@@ -364,7 +380,7 @@ struct Masker {
   }
 
   void row(int64_t r, int64_t i, const float *s, vf *x) {
-    const vf scale = simd::splat(float(a.scale));
+    vf scale = simd::splat(float(a.scale));
     if (plain) {
 #pragma GCC unroll 16
       for (int vv = 0; vv < NV; ++vv) x[vv] = simd::load(s + W * vv) * scale;
@@ -388,6 +404,12 @@ struct Masker {
     }
     const uint8_t *mkeep = a.mask_kind == MASK_BOOL ? mask_row<uint8_t>(i, mbuf) : nullptr;
     const float *madd = a.mask_kind == MASK_FLOAT ? mask_row<float>(i, fbuf) : nullptr;
+    if (a.mod_forward) {  // a compiled score_mod on the scaled row (mod_in kept for backward)
+      for (int vv = 0; vv < NV; ++vv) simd::store(mod_in + W * vv, simd::load(s + W * vv) * scale);
+      a.mod_forward(a.mod_ctx, b, h, i, c.c0, mod_in, mod_out);
+      s = mod_out;
+      scale = simd::splat(1.0f);
+    }
 #pragma GCC unroll 16
     for (int vv = 0; vv < NV; ++vv) {
       vf sv = simd::load(s + W * vv) * scale;
@@ -591,7 +613,7 @@ struct BackOperands {
 
 // p = the chunk's weights, ds = scale * p * (dO V^T - delta), for rows [r0, r1).
 void weights_and_ds(const Args &a, const Grads &g, const BackOperands &ops, int64_t b,
-                    int64_t h, int64_t i0, const Chunk &c, BackScratch &w) {
+                    int64_t h, int64_t i0, const Chunk &c, BackScratch &w, double *dgrad) {
   const int64_t hk = h / (a.H / a.HKV), nr = c.r1 - c.r0;
   const float *lse = a.lse + (b * a.H + h) * a.T;
   const float *delta = g.delta + (b * a.H + h) * a.T;
@@ -615,6 +637,8 @@ void weights_and_ds(const Args &a, const Grads &g, const BackOperands &ops, int6
   }
   Masker masker(a, c, b, h);
   const vf scale = simd::splat(float(a.scale));
+  // with a compiled score_mod: ds = d(modded) first, then through the mod, then scaled
+  const vf ds_scale = a.mod_backward ? simd::splat(1.0f) : scale;
   for (int64_t r = c.r0; r < c.r1; ++r) {
     float *p = w.p.data() + r * KC, *ds = w.ds.data() + r * KC;
     vf x[NV];
@@ -624,7 +648,11 @@ void weights_and_ds(const Args &a, const Grads &g, const BackOperands &ops, int6
     for (int vv = 0; vv < NV; ++vv) {
       const vf pv = simd::exp(x[vv] - l);
       simd::store(p + W * vv, pv);
-      simd::store(ds + W * vv, scale * pv * (simd::load(ds + W * vv) - dl));
+      simd::store(ds + W * vv, ds_scale * pv * (simd::load(ds + W * vv) - dl));
+    }
+    if (a.mod_backward) {
+      a.mod_backward(a.mod_ctx, b, h, i0 + r, c.c0, masker.mod_in, ds, dgrad);
+      for (int vv = 0; vv < NV; ++vv) simd::store(ds + W * vv, simd::load(ds + W * vv) * scale);
     }
   }
 }
@@ -680,8 +708,10 @@ void products_bf16(const Args &a, const Grads &g, const BackOperands &ops, int64
 
 // dK, dV of the key chunks of group g of (b, hk), and group g's dQ partial of its heads.
 void backward_group(const Args &a, const Grads &g, const BackOperands &ops, int64_t b,
-                    int64_t hk, int64_t grp, int64_t groups, float *dq_part, BackScratch &w) {
+                    int64_t hk, int64_t grp, int64_t groups, float *dq_part, BackScratch &w,
+                    double *dgrad) {
   const int64_t heads = a.H / a.HKV;
+  if (dgrad) std::fill(dgrad, dgrad + a.mod_ngrad, 0.0);  // this task's partial
   const float *kh = a.k + b * a.sk_b + hk * a.sk_h;
   float *dqs = dq_part + (grp * a.B + b) * a.H * a.T * a.D;  // (H, T, D) of this group
   std::fill(dqs + hk * heads * a.T * a.D, dqs + (hk + 1) * heads * a.T * a.D, 0.0f);
@@ -696,7 +726,7 @@ void backward_group(const Args &a, const Grads &g, const BackOperands &ops, int6
       for (int64_t i0 = 0; i0 < a.T; i0 += a.bq) {
         const int64_t i1 = std::min(a.T, i0 + a.bq);
         for_each_chunk(a, b, h, i0, i1, ci, ci, w.keep.data(), [&](const Chunk &c) {
-          weights_and_ds(a, g, ops, b, h, i0, c, w);
+          weights_and_ds(a, g, ops, b, h, i0, c, w, dgrad);
 #if defined(ATTNKIT_BF16)
           if (a.dtype == DT_BF16) {
             products_bf16(a, g, ops, b, h, hk, i0, c, dqh, w);
@@ -823,11 +853,27 @@ ATTNKIT_EXPORT int attnkit_backward(const Args *args, const Grads *grads) {
     }
     const int64_t groups = key_groups(a, ops.chunks);
     std::unique_ptr<float[]> dq_part(new float[groups * a.B * a.H * a.T * a.D]);
-    Code err = parallel<BackScratch>(a, a.B * a.HKV * groups, [&](BackScratch &w, int64_t it) {
+    const int64_t tasks = a.B * a.HKV * groups;
+    const int64_t ngrad = a.mod_backward && a.mod_dgrad ? a.mod_ngrad : 0;
+    std::unique_ptr<double[]> dgrad_part(ngrad ? new double[tasks * ngrad] : nullptr);
+    Code err = parallel<BackScratch>(a, tasks, [&](BackScratch &w, int64_t it) {
       const int64_t grp = it % groups, bh = it / groups;
-      backward_group(a, g, ops, bh / a.HKV, bh % a.HKV, grp, groups, dq_part.get(), w);
+      backward_group(a, g, ops, bh / a.HKV, bh % a.HKV, grp, groups, dq_part.get(), w,
+                     ngrad ? dgrad_part.get() + it * ngrad : nullptr);
     });
     if (err) return int(err);
+    if (ngrad) {  // a compiled score_mod's captured-tensor gradients: tasks summed in order
+      const int64_t per = 4096, n = (ngrad + per - 1) / per;
+      err = parallel<NoState>(a, n, [&](NoState &, int64_t it) {
+        const int64_t from = it * per, to = std::min(ngrad, from + per);
+        for (int64_t x = from; x < to; ++x) {
+          double total = 0.0;
+          for (int64_t t = 0; t < tasks; ++t) total += dgrad_part[t * ngrad + x];
+          a.mod_dgrad[x] = total;
+        }
+      });
+      if (err) return int(err);
+    }
     // dQ = the groups' partials summed in group order, rows in parallel
     const int64_t rows = a.B * a.H * a.T, per = 256, n = (rows + per - 1) / per;
     const int64_t stride = a.B * a.H * a.T * a.D;

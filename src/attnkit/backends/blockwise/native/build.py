@@ -40,6 +40,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from attnkit.backends.blockwise.native import abi
@@ -145,13 +146,21 @@ def _private_dir(path: Path) -> str | None:
     return None
 
 
-def _compile(command: list[str], isa: str, target: Path) -> str | None:
-    """Build into ``target`` (atomically, with its hash beside it); why not, or None."""
+def _compile(
+    command: list[str],
+    isa: str,
+    target: Path,
+    source: Path | None = None,
+    extra: tuple[str, ...] = (),
+) -> str | None:
+    """Build ``source`` (default: the kernel's) into ``target`` (atomically, with its hash
+    beside it); why not, or None."""
+    source = SOURCE if source is None else source
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
         run = subprocess.run(
-            [*command, *FLAGS, *ISA_FLAGS[isa], "-o", tmp, str(SOURCE)],
+            [*command, *FLAGS, *ISA_FLAGS[isa], *extra, "-o", tmp, str(source)],
             capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         if run.returncode != 0:
@@ -184,9 +193,11 @@ def _write_atomic(path: Path, text: str) -> None:
             os.unlink(tmp)
 
 
-def _load(target: Path) -> tuple[ctypes.CDLL | None, str | None]:
-    """Load ``target`` if it is this user's, private, and its bytes match its hash;
-    ``(library, None)``, or ``(None, why not)``."""
+def _load(
+    target: Path, check: Callable[[ctypes.CDLL], str | None] | None = None
+) -> tuple[ctypes.CDLL | None, str | None]:
+    """Load ``target`` if it is this user's, private, and its bytes match its hash, and
+    ``check`` finds nothing against it; ``(library, None)``, or ``(None, why not)``."""
     try:
         want = _hash_path(target).read_text().strip()
         fd = os.open(target, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
@@ -217,7 +228,7 @@ def _load(target: Path) -> tuple[ctypes.CDLL | None, str | None]:
     finally:
         if fd not in _held_fds:
             os.close(fd)
-    why = abi.check(lib)
+    why = (check or abi.check)(lib)
     return (None, why) if why else (lib, None)
 
 
@@ -315,3 +326,59 @@ def warn_once() -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+# -- generated sources (native/codegen.py: compiled score_mods) ------------------------
+
+
+def build_generated(
+    text: str, stem: str, check: Callable[[ctypes.CDLL], str | None], isa: str | None = None
+) -> tuple[ctypes.CDLL | None, str]:
+    """Build and load a generated C++ source ``text`` (it may include ``simd.h``) for
+    ``isa`` (default :func:`selected_isa`) with the kernel's flags, under the same rules
+    as the kernel (the cache directory, a name hashed from the text, the compiler, its
+    flags and the headers, written atomically, loaded only when owned, private, matching
+    its hash, and passing ``check``): ``(library, status line)`` or ``(None, why not)``."""
+    if os.environ.get("ATTNKIT_NATIVE", "1") == "0":
+        return None, "turned off by ATTNKIT_NATIVE=0"
+    isa = isa or selected_isa()
+    if isa is None or isa not in ISA_FLAGS or isa not in host_isas():
+        return None, f"no native build for this CPU or ISA ({isa})"
+    compiler = _compiler()
+    if compiler is None:
+        return None, f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH"
+    command, version = compiler
+    try:
+        headers = [p.read_bytes() for p in HEADERS]
+    except OSError as err:
+        return None, f"the native kernel's headers are missing: {err}"
+    extra = ("-I", str(SOURCE.parent))
+    flags = " ".join((*FLAGS, *ISA_FLAGS[isa]))
+    parts = [text.encode(), *headers, version.encode(), flags.encode()]
+    digest = hashlib.sha256(b"\0".join(parts)).hexdigest()
+    name = f"{stem}-{isa}-{digest[:16]}"
+
+    def make(where: Path) -> tuple[ctypes.CDLL | None, str]:
+        target = where / f"{name}.so"
+        lib, why = _load(target, check)
+        if lib is not None:
+            return lib, ""
+        src = where / f"{name}.cpp"
+        try:
+            _write_atomic(src, text)
+        except OSError as err:
+            return None, f"cannot write {src}: {err.strerror}"
+        failed = _compile(command, isa, target, src, extra)
+        if failed:
+            return None, failed
+        lib, why = _load(target, check)
+        return lib, str(why or "")
+
+    where = cache_dir()
+    unsafe = _private_dir(where)
+    if unsafe is None:
+        lib, why = make(where)
+        return (lib, f"{isa} build ({where / name}.so)") if lib else (None, why)
+    with tempfile.TemporaryDirectory(prefix="attnkit-") as private:
+        lib, why = make(Path(private))
+    return (lib, f"{isa} build (in a temporary directory: {unsafe})") if lib else (None, why)
