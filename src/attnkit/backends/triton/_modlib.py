@@ -14,7 +14,16 @@ from triton.language.extra import libdevice
 
 from attnkit.backends.triton._tile import _tanh
 
-__all__ = ["_tanh", "floordiv_i", "grad_scatter", "grad_sum", "mod_i", "pow_f", "round_f", "trunc_f"]
+__all__ = [
+    "_tanh",
+    "floordiv_i",
+    "grad_scatter",
+    "grad_sum",
+    "mod_i",
+    "pow_f",
+    "round_f",
+    "trunc_f",
+]
 
 
 @triton.jit

@@ -152,7 +152,9 @@ def backward(
     n_mb = triton.cdiv(l_q, block_m)
     gslope = torch.zeros(bsz * h_q * l_q, dtype=torch.float32, device=q.device)
     grid = (n_mb, bsz * h_q)
-    g_num = plan.compiled.layout.float_size if captured_grads and plan.compiled is not None else 0
+    cm = plan.compiled if captured_grads else None
+    g_num = cm.layout.float_size if cm is not None else 0
+    grad_fn = cm.grads_fn if cm is not None else None
     g_priv = torch.zeros(max(1, n_mb * bsz * h_q * g_num), dtype=torch.float32, device=q.device)
     if min(grid) > 0:
         _bwd.attn_bwd_dq[grid](
@@ -160,13 +162,17 @@ def backward(
             g_num,
             *q.stride(), *k.stride(), *v.stride(), *d_out.stride(), *margs[1:],
             h_q, h_q // h_kv, l_q, l_k, plan.shift, plan.window, plan.scale, plan.cap, *sdims,
-            **sizes, **flags, **sflags, GRAD_FN=plan.compiled.grads_fn if g_num else None,
+            **sizes, **flags, **sflags, GRAD_FN=grad_fn,
             HAS_GRADS=g_num > 0,
         )  # fmt: skip
     # the programs' private gradient buffers, summed in a fixed order
     d_caps = None
     if g_num:
-        d_caps = g_priv.view(-1, g_num).double().sum(0) if min(grid) > 0 else g_priv.new_zeros(g_num, dtype=torch.float64)
+        d_caps = (
+            g_priv.view(-1, g_num).double().sum(0)
+            if min(grid) > 0
+            else g_priv.new_zeros(g_num, dtype=torch.float64)
+        )
     # per-row partial sums, reduced in float64 (a sum over b * l_q * l_k terms)
     d_slopes = gslope.view(bsz, h_q, l_q).double().sum((0, 2)) if slopes is not None else None
     return dq, dk, dv, d_slopes, delta, d_caps

@@ -144,9 +144,9 @@ class _Emitter:
         """Nodes whose value may differ across a tile (depend on score, q_idx or kv_idx)."""
         out: set[int] = set()
         for n, node in enumerate(self.g.nodes):
-            if node.op == "input" and node.value in ("score", "q_idx", "kv_idx"):
-                out.add(n)
-            elif any(a in out for a in node.args):
+            if (node.op == "input" and node.value in ("score", "q_idx", "kv_idx")) or any(
+                a in out for a in node.args
+            ):
                 out.add(n)
         return out
 
@@ -171,7 +171,9 @@ class _Emitter:
             src = self.g.nodes[node.args[0]].dtype
             if node.dtype == "bool":
                 return [f"{v} = {a[0]} != 0"]
-            return [f"{v} = {a[0]}.to({_TL_TYPE[node.dtype]})" if src != node.dtype else f"{v} = {a[0]}"]
+            return [
+                f"{v} = {a[0]}.to({_TL_TYPE[node.dtype]})" if src != node.dtype else f"{v} = {a[0]}"
+            ]
         if op in _UNARY:
             return [f"{v} = " + _UNARY[op].format(a[0])]
         if op in _CMP:
@@ -214,7 +216,10 @@ class _Emitter:
         ptr = f"{'CF' if slot.buffer == 'f' else 'CI'} + {slot.offset} + f{n}"
         varying = any(x in self.varying for x in node.args)
         if varying:  # out-of-bounds rows and columns may index anywhere: not read
-            lines = [f"f{n} = tl.where(valid, {flat}, 0)", f"v{n} = tl.load({ptr}, mask=valid, other=0)"]
+            lines = [
+                f"f{n} = tl.where(valid, {flat}, 0)",
+                f"v{n} = tl.load({ptr}, mask=valid, other=0)",
+            ]
         else:
             lines = [f"f{n} = {flat}", f"v{n} = tl.load({ptr})"]
         if node.dtype == "bool":
@@ -252,7 +257,7 @@ def _adjoint(graph: ModGraph, targets: set[int], live: list[int]) -> list[str]:
     lines.append(f"a{graph.output} = g")
     seen.add(graph.output)
     for n in reversed(live):
-        if n not in seen or n in targets and graph.nodes[n].op in ("input", "load"):
+        if n not in seen or (n in targets and graph.nodes[n].op in ("input", "load")):
             continue
         node, A = graph.nodes[n], f"a{n}"
         x = node.args
@@ -398,7 +403,9 @@ def module_source(score: ModGraph | None, mask: ModGraph | None, lay: Layout) ->
     return text
 
 
-def pack(graphs: Sequence[ModGraph | None], lay: Layout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(
+    graphs: Sequence[ModGraph | None], lay: Layout, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(CF float32, CI int32)``: the captured tensors' values, packed as ``lay`` says
     (each at least one element long: the kernels take a valid pointer)."""
     fl: list[torch.Tensor] = [torch.zeros(1, device=device)]
