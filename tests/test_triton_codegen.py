@@ -32,7 +32,7 @@ from attnkit.mod_graph import trace
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.usefixtures("one_thread")
-EPS = 5e-6
+EPS = {torch.float32: 5e-6, torch.bfloat16: 1e-3}
 
 
 def grids(b: int, h: int, lq: int, lk: int) -> tuple[torch.Tensor, ...]:
@@ -51,7 +51,7 @@ def plain(q, k, v, dense, keep):
     k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
     s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
     if dense is not None:
-        s = dense(s, *grids(q.shape[0], q.shape[1], q.shape[2], k.shape[2]))
+        s = dense(s, *grids(q.shape[0], q.shape[1], q.shape[2], k.shape[2])).to(q.dtype)
     s = s.masked_fill(~keep, float("-inf"))
     m = s.amax(-1, keepdim=True).detach()
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
@@ -61,7 +61,7 @@ def plain(q, k, v, dense, keep):
 
 
 def check(make, dense, *, params=(), keep=None, b=1, hq=2, hkv=2, lq=37, lk=35, d=16, seed=0,
-          **kwargs):  # fmt: skip
+          dtype=torch.float32, **kwargs):  # fmt: skip
     """Run ``make(params) -> score_mod`` on the triton backend against float64.
 
     ``params``: float64 captured tensors (leaves); ours get float32 copies that require
@@ -91,13 +91,13 @@ def check(make, dense, *, params=(), keep=None, b=1, hq=2, hkv=2, lq=37, lk=35, 
             *(torch.zeros_like(p) if g is None else g for g, p in zip(grads, xs + ps, strict=True)),
         ]
 
-    ref, base, got = run(torch.float64, False), run(torch.float32, False), run(torch.float32, True)
+    ref, base, got = run(torch.float64, False), run(dtype, False), run(dtype, True)
     names = ["out", "dq", "dk", "dv"] + [f"d_param{n}" for n in range(len(params))]
     for name, r, p, o in zip(names, ref, base, got, strict=True):
         o = o.cpu()
         assert not torch.isnan(o).any(), name
         err, err_plain = (o.double() - r).abs().max(), (p.double() - r).abs().max()
-        eps = EPS * (1 + r.abs().max().item() * (name.startswith("d_param")))
+        eps = EPS[dtype] * (1 + r.abs().max().item() * (name.startswith("d_param")))
         assert err <= 2 * err_plain + eps, f"{name}: {err:.3g} vs plain {err_plain:.3g}"
     return got
 
@@ -138,11 +138,12 @@ def test_learned_t5_table():
     assert (got[-1] != 0).all()  # every relative position is reached
 
 
-def test_custom_lambda_of_head_and_distance():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_custom_lambda_of_head_and_distance(dtype):
     check(
         lambda ps: lambda s, b, h, q, kv: s * 0.5 + (h + 1) * 0.01 * (q - kv),
         lambda s, b, h, i, j, ps: s * 0.5 + (h + 1) * 0.01 * (i - j),
-        hq=4, hkv=1, lq=19, lk=37,
+        hq=4, hkv=1, lq=19, lk=37, dtype=dtype,
     )  # fmt: skip
 
 

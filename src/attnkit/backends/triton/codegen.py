@@ -30,8 +30,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from attnkit.mod_graph import ModGraph, Node
 
 __all__ = ["Layout", "layout", "module_source"]
@@ -401,20 +399,3 @@ def module_source(score: ModGraph | None, mask: ModGraph | None, lay: Layout) ->
     if mask is not None:
         text += _mask_function(mask, lay.slots[1])
     return text
-
-
-def pack(
-    graphs: Sequence[ModGraph | None], lay: Layout, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(CF float32, CI int32)``: the captured tensors' values, packed as ``lay`` says
-    (each at least one element long: the kernels take a valid pointer)."""
-    fl: list[torch.Tensor] = [torch.zeros(1, device=device)]
-    il: list[torch.Tensor] = [torch.zeros(1, dtype=torch.int32, device=device)]
-    for g in graphs:
-        for t in g.tensors if g is not None else ():
-            flat = t.detach().reshape(-1).to(device)
-            if t.is_floating_point():
-                fl.insert(-1, flat.float())
-            else:
-                il.insert(-1, flat.to(torch.int32))
-    return torch.cat(fl), torch.cat(il)

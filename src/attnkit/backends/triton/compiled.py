@@ -20,6 +20,7 @@ import sys
 import tempfile
 import types
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,5 +124,22 @@ def packed(cm: CompiledMod, device: torch.device) -> tuple[torch.Tensor, torch.T
     per = _PACKED.setdefault(cm, {})
     key = str(device)
     if key not in per:
-        per[key] = codegen.pack((cm.score, cm.mask), cm.layout, device)
+        per[key] = _pack((cm.score, cm.mask), cm.layout, device)
     return per[key]
+
+
+def _pack(
+    graphs: Sequence[ModGraph | None], lay: codegen.Layout, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(CF float32, CI int32)``: the captured tensors' values, packed as ``lay`` says
+    (each at least one element long: the kernels take a valid pointer)."""
+    fl: list[torch.Tensor] = [torch.zeros(1, device=device)]
+    il: list[torch.Tensor] = [torch.zeros(1, dtype=torch.int32, device=device)]
+    for g in graphs:
+        for t in g.tensors if g is not None else ():
+            flat = t.detach().reshape(-1).to(device)
+            if t.is_floating_point():
+                fl.insert(-1, flat.float())
+            else:
+                il.insert(-1, flat.to(torch.int32))
+    return torch.cat(fl), torch.cat(il)
