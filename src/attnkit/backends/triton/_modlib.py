@@ -65,9 +65,10 @@ def pow_f(a, b, LIBDEVICE: tl.constexpr):
         return libdevice.pow(a, b)
     mag = tl.exp2(b * tl.log2(tl.abs(a)))
     whole = tl.floor(b) == b
-    odd = whole & ((b - 2.0 * tl.floor(b * 0.5)) != 0.0)
-    out = tl.where((a < 0) & odd, -mag, mag)
-    return tl.where((a < 0) & ~whole, float("nan"), out)
+    half = b * 0.5
+    odd = tl.floor(half) != half  # of an integral exponent
+    signed = tl.where(odd, -mag, mag)
+    return tl.where(a < 0, tl.where(whole, signed, float("nan")), mag)
 
 
 @triton.jit

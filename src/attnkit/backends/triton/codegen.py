@@ -127,7 +127,7 @@ def _pow_const(a: str, c: float) -> str:
         return f"tl.rsqrt({a})"
     if c == -1:
         return f"tl.div_rn(1.0, {a})"
-    return f"pow_f({a}, {c!r}, LIBDEVICE)"
+    return f"pow_f({a}, tl.full([], {c!r}, tl.float32), LIBDEVICE)"
 
 
 class _Emitter:
