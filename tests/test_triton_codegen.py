@@ -235,6 +235,37 @@ def test_generated_module_is_cached_per_graph(tmp_path, monkeypatch):
     assert m1.path.parent == tmp_path / "triton" and m1.path.stat().st_mode & 0o077 == 0
 
 
+def test_an_unsafe_cache_directory_is_not_used(tmp_path, monkeypatch):
+    """A cache directory others may write is skipped for a private temporary one."""
+    from attnkit.backends.triton import compiled
+
+    shared = tmp_path / "shared"
+    (shared / "triton").mkdir(parents=True)
+    (shared / "triton").chmod(0o777)
+    monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(shared))
+    monkeypatch.setattr(compiled, "_MODULES", {})
+    cm = compile_mods(trace(lambda s, b, h, q, kv: s * 0.375 - 1.0), None)
+    assert shared not in cm.path.parents and cm.path.read_text().startswith('"""Generated')
+
+
+def test_a_strided_non_leaf_capture_gets_its_gradient():
+    """A transposed view of a parameter: packed in its logical order, the gradient
+    reaches the parameter through the view."""
+    lq = lk = 37
+    base = torch.randn(lq + lk - 1, 2, dtype=torch.float64, requires_grad=True)
+    q, k, v = (torch.randn(1, 2, lq, 16, dtype=torch.float64) for _ in range(3))
+
+    def run(dtype, backend):
+        table = base.to(dtype).t()  # (2, lq + lk - 1), non-contiguous, not a leaf
+        xs = [x.to(DEVICE, dtype) for x in (q, k, v)]
+        out = attention(*xs, backend=backend,
+                        score_mod=lambda s, b, h, qi, kv: s + table[h, kv - qi + lq - 1])  # fmt: skip
+        return torch.autograd.grad(out.square().sum(), base)[0]
+
+    got, want = run(torch.float32, "triton"), run(torch.float64, "reference")
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------
 # A fuzzer over random mod expressions
 # ---------------------------------------------------------------------------------------
