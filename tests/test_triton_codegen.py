@@ -409,7 +409,7 @@ def test_every_op_matches_torch_on_a_tile(name):
     gen = torch.Generator().manual_seed(zlib_seed(name))
     s = (torch.randn(16, 16, generator=gen) * 1.5).to(DEVICE)
     out, d = torch.empty_like(s), torch.empty_like(s)
-    g = torch.zeros(cm.layout.float_size + 1, device=DEVICE)
+    g = torch.zeros(cm.layout.grad_size + 1, device=DEVICE)
     b, h, lq, lk = 1, 2, 13, 11
     _tile_kernel[(1,)](s, out, d, g, cf.to(DEVICE), ci.to(DEVICE), b, h, lq, lk,
                        FN=cm.score_fn, GF=cm.grads_fn, M=16, N=16)  # fmt: skip

@@ -6,8 +6,8 @@ log-sum-exp; the backward computes ``delta = rowsum(dO * O) - dLSE`` in torch, t
 runs the dK/dV and dQ kernels. Sink and ALiBi-slope gradients are reduced in torch
 from per-row partial sums, in float64 (deterministic, no atomics). A traced mod's
 captured tensors (:mod:`.codegen`) get their gradients the same way: each dQ program
-adds into its own row of a ``(programs, captured floats)`` buffer, summed over the rows
-in float64 afterwards.
+adds into its own row of a ``(programs, trainable captured floats)`` buffer, summed over
+the rows in float64 afterwards.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def backward(
 ]:
     """Run the backward kernels: ``dq, dk, dv``, the per-head slope gradient (ALiBi),
     ``delta (B, h_q, l_q)`` (for the sink gradient) and, with ``captured_grads``, the
-    gradient of a traced mod's packed float captures (float64, laid out as ``CF``)."""
+    gradient of a traced mod's captures that get one (float64, at their ``grad_offset``)."""
     bsz, h_q, l_q, d = q.shape
     h_kv, l_k, d_v = k.shape[1], k.shape[2], v.shape[-1]
     delta = (d_out.float() * out.float()).sum(-1)  # (B, h_q, l_q)
@@ -153,7 +153,7 @@ def backward(
     gslope = torch.zeros(bsz * h_q * l_q, dtype=torch.float32, device=q.device)
     grid = (n_mb, bsz * h_q)
     cm = plan.compiled if captured_grads else None
-    g_num = cm.layout.float_size if cm is not None else 0
+    g_num = cm.layout.grad_size if cm is not None else 0
     grad_fn = cm.grads_fn if cm is not None else None
     g_priv = torch.zeros(max(1, n_mb * bsz * h_q * g_num), dtype=torch.float32, device=q.device)
     if min(grid) > 0:
@@ -220,6 +220,6 @@ class TritonAttention(torch.autograd.Function):
         d_captured: list[torch.Tensor | None] = [None] * len(ctx.captured)
         for k in wanted:
             slot, t = cm.layout.slots[0][k], ctx.captured[k]
-            flat = d_caps[slot.offset : slot.offset + t.numel()]  # type: ignore[index]
+            flat = d_caps[slot.grad_offset : slot.grad_offset + t.numel()]  # type: ignore[index]
             d_captured[k] = flat.view(t.shape).to(device=t.device, dtype=t.dtype)
         return None, dq, dk, dv, d_sinks, d_slopes, *d_captured

@@ -12,7 +12,7 @@ in-bounds elements, and ``CF``/``CI`` the captured tensors packed as float32 / i
   an incoming gradient of one);
 * ``score_grads(s, g, b, h, qi, ki, valid, CF, CI, GP, LIBDEVICE)``: for the incoming
   gradient ``g = d loss / d out``, adds ``d loss / d t`` for every floating captured tensor
-  ``t`` that requires grad into the program's private buffer ``GP`` (laid out as ``CF``):
+  ``t`` that requires grad into the program's private buffer ``GP`` (``Slot.grad_offset``):
   a whole tile's sum for a load whose index is the same across the tile (``slopes[h]``),
   else a one-hot reduction over the tile's index range (:func:`._modlib.grad_scatter`).
   No atomics: the autograd function sums the programs' buffers in a fixed order;
@@ -45,31 +45,38 @@ class Slot:
     buffer: str  # "f" (float32) or "i" (int32; bools as 0/1)
     offset: int
     shape: tuple[int, ...]
+    grad_offset: int = -1  # where its gradient goes in a program's private buffer (-1: none)
 
 
 @dataclass(frozen=True)
 class Layout:
     """The captured tensors of one or more graphs, packed contiguously into ``CF`` (floats)
-    and ``CI`` (ints and bools), in slot order; ``slots[g][k]`` is graph ``g``'s slot ``k``."""
+    and ``CI`` (ints and bools), in slot order; ``slots[g][k]`` is graph ``g``'s slot ``k``.
+    The score graph's tensors that get a gradient (:meth:`ModGraph.grad_slots`) also have a
+    place in each dQ program's private gradient buffer of ``grad_size`` floats."""
 
     slots: tuple[tuple[Slot, ...], ...]
     float_size: int
     int_size: int
+    grad_size: int = 0
 
 
 def layout(graphs: Sequence[ModGraph | None]) -> Layout:
     """The packing of the tensors the ``graphs`` capture (a tensor captured twice is packed
     twice; captured tensors are small tables)."""
-    sizes = {"f": 0, "i": 0}
+    sizes = {"f": 0, "i": 0, "g": 0}
     out = []
     for g in graphs:
         slots = []
-        for t in g.tensors if g is not None else ():
+        grads = set(g.grad_slots()) if g is not None and g.kind == "score" else set()
+        for k, t in enumerate(g.tensors if g is not None else ()):
             buf = "f" if t.is_floating_point() else "i"
-            slots.append(Slot(buf, sizes[buf], tuple(t.shape)))
+            goff = sizes["g"] if k in grads else -1
+            slots.append(Slot(buf, sizes[buf], tuple(t.shape), goff))
             sizes[buf] += t.numel()
+            sizes["g"] += t.numel() if k in grads else 0
         out.append(tuple(slots))
-    return Layout(tuple(out), sizes["f"], sizes["i"])
+    return Layout(tuple(out), sizes["f"], sizes["i"], sizes["g"])
 
 
 def _const(node: Node) -> str:
@@ -371,9 +378,9 @@ def _score_functions(graph: ModGraph, slots: tuple[Slot, ...]) -> str:
         slot = slots[graph.nodes[n].value]
         contrib = f"tl.where(live, a{n}, 0.0)"
         if any(x in em.varying for x in graph.nodes[n].args):
-            text += f"    grad_scatter(GP + {slot.offset}, f{n} + tl.zeros_like(qi + ki), {contrib}, live, {SCATTER_CHUNK})\n"
+            text += f"    grad_scatter(GP + {slot.grad_offset}, f{n} + tl.zeros_like(qi + ki), {contrib}, live, {SCATTER_CHUNK})\n"
         else:
-            text += f"    grad_sum(GP + {slot.offset} + f{n}, {contrib}, live)\n"
+            text += f"    grad_sum(GP + {slot.grad_offset} + f{n}, {contrib}, live)\n"
     return text
 
 
