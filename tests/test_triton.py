@@ -267,6 +267,9 @@ def test_head_dims(d):
     run_case(torch.float32, "causal_br", 33, 33, HEADS["gqa"], b=1, d=d)
 
 
+_W2 = torch.ones(4, 3)
+
+
 def _qkv(b=2, hq=4, hkv=2, lq=40, lk=40, d=16, dtype=torch.float32):
     gen = torch.Generator().manual_seed(SEED + 7)
     return [
@@ -358,7 +361,8 @@ def test_sparse_tables_list_only_non_empty_tiles():
     [
         ({"dropout_p": 0.1}, "dropout"),
         ({"need_weights": True}, "weights"),
-        ({"score_mod": lambda s, b, h, q, kv: s * 2}, "score mods"),
+        # a reduction does not trace (any mod that traces is generated into the kernels)
+        ({"score_mod": lambda s, b, h, q, kv: s + _W2[h].sum()}, "score_mod that traces"),
         ({"mask": torch.zeros(40, 40, requires_grad=True)}, "float mask"),
         ({"dtype": torch.float64}, "float64"),
         ({"d": 320}, "head dims"),

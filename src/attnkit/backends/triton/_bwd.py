@@ -23,7 +23,8 @@ def _dkdv_tile(dk, dv, kT, vT, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, off
                sqm, sdom, extra_keep, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
                BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                MASK: tl.constexpr, MOD: tl.constexpr, LIBDEVICE: tl.constexpr, HAS_EXTRA: tl.constexpr,
-               UPCAST: tl.constexpr, PREC: tl.constexpr):
+               UPCAST: tl.constexpr, PREC: tl.constexpr, b, CF, CI, SCORE_FN: tl.constexpr,
+               GEN_MASK: tl.constexpr, MASK_FN: tl.constexpr):
     offs_m = start_m + tl.arange(0, BLOCK_M)
     in_m = offs_m < q_len
     q = tl.load(q_ptrs + offs_m[:, None].to(tl.int64) * sqm,
@@ -34,10 +35,16 @@ def _dkdv_tile(dk, dv, kT, vT, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, off
     lse = tl.where(lse == float("-inf"), float("inf"), lse)  # rows with no key: p = 0
     delta = tl.load(delta_ptr + offs_m, mask=in_m, other=0.0)
     qk = mma(q, kT, UPCAST, PREC)
-    s, dmod = score_tile(qk, offs_m, offs_n, h, q_len, k_len, shift, window, scale, cap, slope,
-                         mask_ptr, smm, smn, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE)
+    s, dmod = score_tile(qk, offs_m, offs_n, b, h, q_len, k_len, shift, window, scale, cap,
+                         slope, mask_ptr, smm, smn, CF, CI, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE,
+                         SCORE_FN, True)
     if HAS_EXTRA:
+        if GEN_MASK:  # the mask_mod's generated code instead of the tile's stored bits
+            extra_keep = MASK_FN(b, h, offs_m[:, None], offs_n[None, :],
+                                 in_m[:, None] & (offs_n[None, :] < k_len), CF, CI, LIBDEVICE)
         s = tl.where(extra_keep, s, float("-inf"))
+        if MOD == 3:
+            dmod = tl.where(extra_keep, dmod, 0.0)
     p = tl.exp2((s - lse[:, None]) * LOG2E)  # (m, n)
     dv += mma(narrow(tl.trans(p), do.dtype, UPCAST), do, UPCAST, PREC)
     dp = mma(do, vT, UPCAST, PREC)
@@ -48,7 +55,7 @@ def _dkdv_tile(dk, dv, kT, vT, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, off
 
 @triton.jit
 def attn_bwd_dkdv(
-    Q, K, V, DO, LSE, DELTA, DK, DV, MASK_T, SLOPES, Q_NUM, Q_IDX, Q_PART, PART,
+    Q, K, V, DO, LSE, DELTA, DK, DV, MASK_T, SLOPES, Q_NUM, Q_IDX, Q_PART, PART, CF, CI,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
     smb, smh, smm, smn,
     num_heads, num_kv_heads, groups, q_len, k_len, shift, window, scale, cap,
@@ -57,6 +64,7 @@ def attn_bwd_dkdv(
     SPARSE: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    SCORE_FN: tl.constexpr, GEN_MASK: tl.constexpr, MASK_FN: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -96,18 +104,21 @@ def attn_bwd_dkdv(
                 part = tl.load(Q_PART + row * n_qb + i)
                 for sub in range(0, QB, BLOCK_M):
                     if part >= 0:
-                        extra = partial_keep(PART, part, sub, col0, QB, KB, BLOCK_M, BLOCK_N)
+                        if GEN_MASK:
+                            extra = 0
+                        else:
+                            extra = partial_keep(PART, part, sub, col0, QB, KB, BLOCK_M, BLOCK_N)
                         dk, dv = _dkdv_tile(
                             dk, dv, kT, vT, q_ptrs, do_ptrs, lse_ptr, delta_ptr, qb * QB + sub,
                             offs_n, offs_d, offs_dv, h, q_len, k_len, shift, window, scale, cap,
                             slope, mask_ptr, smm, smn, sqm, sdom, extra, HEAD_D, HEAD_DV,
-                            BLOCK_M, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE, True, UPCAST, PREC)
+                            BLOCK_M, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE, True, UPCAST, PREC, b, CF, CI, SCORE_FN, GEN_MASK, MASK_FN)
                     else:
                         dk, dv = _dkdv_tile(
                             dk, dv, kT, vT, q_ptrs, do_ptrs, lse_ptr, delta_ptr, qb * QB + sub,
                             offs_n, offs_d, offs_dv, h, q_len, k_len, shift, window, scale, cap,
                             slope, mask_ptr, smm, smn, sqm, sdom, 0, HEAD_D, HEAD_DV,
-                            BLOCK_M, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE, False, UPCAST, PREC)
+                            BLOCK_M, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE, False, UPCAST, PREC, b, CF, CI, SCORE_FN, GEN_MASK, MASK_FN)
         else:
             lo = 0
             hi = q_len
@@ -123,7 +134,7 @@ def attn_bwd_dkdv(
                     dk, dv, kT, vT, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_n, offs_d,
                     offs_dv, h, q_len, k_len, shift, window, scale, cap, slope, mask_ptr, smm,
                     smn, sqm, sdom, 0, HEAD_D, HEAD_DV, BLOCK_M, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE,
-                    False, UPCAST, PREC)
+                    False, UPCAST, PREC, b, CF, CI, SCORE_FN, GEN_MASK, MASK_FN)
     dk = dk * scale
     out_n = in_n[:, None]
     dk_ptrs = (DK + pid_bh.to(tl.int64) * k_len * HEAD_D + offs_n[:, None].to(tl.int64) * HEAD_D
@@ -141,7 +152,9 @@ def _dq_tile(dq, gslope, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, off
              q_len, k_len, shift, window, scale, cap, slope, mask_ptr, smm, smn, skn, svn,
              extra_keep, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr,
              CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr, MOD: tl.constexpr, LIBDEVICE: tl.constexpr,
-             HAS_EXTRA: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+             HAS_EXTRA: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, b, CF, CI, gp,
+             SCORE_FN: tl.constexpr, GEN_MASK: tl.constexpr, MASK_FN: tl.constexpr,
+             GRAD_FN: tl.constexpr, HAS_GRADS: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     in_n = offs_n < k_len
     k = tl.load(k_ptrs + offs_n[:, None].to(tl.int64) * skn,
@@ -149,16 +162,25 @@ def _dq_tile(dq, gslope, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, off
     vT = tl.load(v_ptrs + offs_n[None, :].to(tl.int64) * svn,
                  mask=in_n[None, :] & (offs_dv[:, None] < HEAD_DV), other=0.0)  # (dv, n)
     qk = mma(q, tl.trans(k), UPCAST, PREC)
-    s, dmod = score_tile(qk, offs_m, offs_n, h, q_len, k_len, shift, window, scale, cap, slope,
-                         mask_ptr, smm, smn, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE)
+    s, dmod = score_tile(qk, offs_m, offs_n, b, h, q_len, k_len, shift, window, scale, cap,
+                         slope, mask_ptr, smm, smn, CF, CI, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE,
+                         SCORE_FN, True)
     if HAS_EXTRA:
+        if GEN_MASK:  # the mask_mod's generated code instead of the tile's stored bits
+            extra_keep = MASK_FN(b, h, offs_m[:, None], offs_n[None, :],
+                                 (offs_m[:, None] < q_len) & in_n[None, :], CF, CI, LIBDEVICE)
         s = tl.where(extra_keep, s, float("-inf"))
+        if MOD == 3:
+            dmod = tl.where(extra_keep, dmod, 0.0)
     p = tl.exp2((s - lse[:, None]) * LOG2E)
     dp = mma(do, vT, UPCAST, PREC)
     ds = p * (dp - delta[:, None])  # d loss / d (modded score)
     if MOD == 1:
         dist = tl.abs(offs_m[:, None] - offs_n[None, :]).to(tl.float32)
         gslope -= tl.sum(ds * dist, 1)
+    if HAS_GRADS:  # a traced mod's captured tensors: into this program's private buffer
+        GRAD_FN(qk * scale, ds, b, h, offs_m[:, None], offs_n[None, :],
+                (offs_m[:, None] < q_len) & in_n[None, :], CF, CI, gp, LIBDEVICE)
     ds = ds * dmod
     dq += mma(narrow(ds, k.dtype, UPCAST), k, UPCAST, PREC)
     return dq, gslope
@@ -167,6 +189,7 @@ def _dq_tile(dq, gslope, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, off
 @triton.jit
 def attn_bwd_dq(
     Q, K, V, DO, LSE, DELTA, DQ, GSLOPE, MASK_T, SLOPES, KV_NUM, KV_IDX, KV_PART, PART,
+    CF, CI, GP, GNUM,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sdob, sdoh, sdom, sdod,
     smb, smh, smm, smn,
     num_heads, groups, q_len, k_len, shift, window, scale, cap,
@@ -175,6 +198,8 @@ def attn_bwd_dq(
     SPARSE: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    SCORE_FN: tl.constexpr, GEN_MASK: tl.constexpr, MASK_FN: tl.constexpr,
+    GRAD_FN: tl.constexpr, HAS_GRADS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -201,6 +226,8 @@ def attn_bwd_dq(
     slope = 0.0
     if MOD == 1:
         slope = tl.load(SLOPES + h).to(tl.float32)
+    # this program's private buffer of captured-tensor gradients (summed afterwards in order)
+    gp = GP + (pid_bh.to(tl.int64) * tl.num_programs(0) + pid_m) * GNUM
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     gslope = tl.zeros([BLOCK_M], tl.float32)  # per-row ALiBi slope gradient
     if SPARSE:
@@ -213,18 +240,23 @@ def attn_bwd_dq(
             part = tl.load(KV_PART + row * n_kb + i)
             for sub in range(0, KB, BLOCK_N):
                 if part >= 0:
-                    extra = partial_keep(PART, part, row0, sub, QB, KB, BLOCK_M, BLOCK_N)
+                    if GEN_MASK:
+                        extra = 0
+                    else:
+                        extra = partial_keep(PART, part, row0, sub, QB, KB, BLOCK_M, BLOCK_N)
                     dq, gslope = _dq_tile(
                         dq, gslope, q, do, lse, delta, k_ptrs, v_ptrs, kb * KB + sub, offs_m,
                         offs_d, offs_dv, h, q_len, k_len, shift, window, scale, cap, slope,
                         mask_ptr, smm, smn, skn, svn, extra, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL,
-                        WINDOW, MASK, MOD, LIBDEVICE, True, UPCAST, PREC)
+                        WINDOW, MASK, MOD, LIBDEVICE, True, UPCAST, PREC, b, CF, CI, gp, SCORE_FN, GEN_MASK, MASK_FN,
+                        GRAD_FN, HAS_GRADS)
                 else:
                     dq, gslope = _dq_tile(
                         dq, gslope, q, do, lse, delta, k_ptrs, v_ptrs, kb * KB + sub, offs_m,
                         offs_d, offs_dv, h, q_len, k_len, shift, window, scale, cap, slope,
                         mask_ptr, smm, smn, skn, svn, 0, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL,
-                        WINDOW, MASK, MOD, LIBDEVICE, False, UPCAST, PREC)
+                        WINDOW, MASK, MOD, LIBDEVICE, False, UPCAST, PREC, b, CF, CI, gp, SCORE_FN, GEN_MASK, MASK_FN,
+                        GRAD_FN, HAS_GRADS)
     else:
         lo = 0
         hi = k_len
@@ -239,7 +271,8 @@ def attn_bwd_dq(
             dq, gslope = _dq_tile(
                 dq, gslope, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_d, offs_dv,
                 h, q_len, k_len, shift, window, scale, cap, slope, mask_ptr, smm, smn, skn, svn,
-                0, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE, False, UPCAST, PREC)
+                0, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE, False, UPCAST, PREC, b, CF, CI, gp, SCORE_FN, GEN_MASK, MASK_FN,
+                        GRAD_FN, HAS_GRADS)
     dq = dq * scale
     dq_ptrs = (DQ + pid_bh.to(tl.int64) * q_len * HEAD_D + offs_m[:, None].to(tl.int64) * HEAD_D
                + offs_d[None, :])

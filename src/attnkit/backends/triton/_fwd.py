@@ -20,15 +20,20 @@ def _fwd_tile(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_d, offs_dv
               shift, window, scale, cap, slope, mask_ptr, smm, smn, skn, svn, extra_keep,
               HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK: tl.constexpr, MOD: tl.constexpr, LIBDEVICE: tl.constexpr,
-              HAS_EXTRA: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+              HAS_EXTRA: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+              b, CF, CI, SCORE_FN: tl.constexpr, GEN_MASK: tl.constexpr, MASK_FN: tl.constexpr):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     in_k = offs_n < k_len
     k = tl.load(k_ptrs + offs_n[None, :].to(tl.int64) * skn,
                 mask=in_k[None, :] & (offs_d[:, None] < HEAD_D), other=0.0)  # (d, n)
     qk = mma(q, k, UPCAST, PREC)
-    s, _ = score_tile(qk, offs_m, offs_n, h, q_len, k_len, shift, window, scale, cap, slope,
-                      mask_ptr, smm, smn, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE)
+    s, _ = score_tile(qk, offs_m, offs_n, b, h, q_len, k_len, shift, window, scale, cap, slope,
+                      mask_ptr, smm, smn, CF, CI, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE, SCORE_FN,
+                      False)
     if HAS_EXTRA:
+        if GEN_MASK:  # the mask_mod's generated code instead of the tile's stored bits
+            extra_keep = MASK_FN(b, h, offs_m[:, None], offs_n[None, :],
+                                 (offs_m[:, None] < q_len) & in_k[None, :], CF, CI, LIBDEVICE)
         s = tl.where(extra_keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -43,7 +48,7 @@ def _fwd_tile(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_d, offs_dv
 
 @triton.jit
 def attn_fwd(
-    Q, K, V, O, LSE, MASK_T, SINKS, SLOPES, KV_NUM, KV_IDX, KV_PART, PART,
+    Q, K, V, O, LSE, MASK_T, SINKS, SLOPES, KV_NUM, KV_IDX, KV_PART, PART, CF, CI,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd, sob, soh, som, sod,
     smb, smh, smm, smn,
     num_heads, groups, q_len, k_len, shift, window, scale, cap,
@@ -52,6 +57,7 @@ def attn_fwd(
     HAS_SINKS: tl.constexpr, SPARSE: tl.constexpr, QB: tl.constexpr, KB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+    SCORE_FN: tl.constexpr, GEN_MASK: tl.constexpr, MASK_FN: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -87,18 +93,21 @@ def attn_fwd(
             part = tl.load(KV_PART + row * n_kb + i)
             for sub in range(0, KB, BLOCK_N):
                 if part >= 0:
-                    extra = partial_keep(PART, part, row0, sub, QB, KB, BLOCK_M, BLOCK_N)
+                    if GEN_MASK:
+                        extra = 0
+                    else:
+                        extra = partial_keep(PART, part, row0, sub, QB, KB, BLOCK_M, BLOCK_N)
                     acc, m_i, l_i = _fwd_tile(
                         acc, m_i, l_i, q, k_ptrs, v_ptrs, kb * KB + sub, offs_m, offs_d, offs_dv,
                         h, q_len, k_len, shift, window, scale, cap, slope, mask_ptr, smm, smn,
                         skn, svn, extra, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE,
-                        True, UPCAST, PREC)
+                        True, UPCAST, PREC, b, CF, CI, SCORE_FN, GEN_MASK, MASK_FN)
                 else:
                     acc, m_i, l_i = _fwd_tile(
                         acc, m_i, l_i, q, k_ptrs, v_ptrs, kb * KB + sub, offs_m, offs_d, offs_dv,
                         h, q_len, k_len, shift, window, scale, cap, slope, mask_ptr, smm, smn,
                         skn, svn, 0, HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE,
-                        False, UPCAST, PREC)
+                        False, UPCAST, PREC, b, CF, CI, SCORE_FN, GEN_MASK, MASK_FN)
     else:
         lo = 0
         hi = k_len
@@ -113,7 +122,7 @@ def attn_fwd(
             acc, m_i, l_i = _fwd_tile(
                 acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_d, offs_dv, h, q_len,
                 k_len, shift, window, scale, cap, slope, mask_ptr, smm, smn, skn, svn, 0,
-                HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE, False, UPCAST, PREC)
+                HEAD_D, HEAD_DV, BLOCK_N, CAUSAL, WINDOW, MASK, MOD, LIBDEVICE, False, UPCAST, PREC, b, CF, CI, SCORE_FN, GEN_MASK, MASK_FN)
 
     if HAS_SINKS:  # the sink joins the normaliser; its share of the output is dropped
         sink = tl.load(SINKS + h).to(tl.float32)

@@ -20,6 +20,7 @@ LOG2E = 1.4426950408889634
 MOD_NONE = 0
 MOD_ALIBI = 1
 MOD_SOFTCAP = 2
+MOD_GENERATED = 3  # a traced mod's generated ``score_mod`` (:mod:`.codegen`), ``SCORE_FN``
 #: dense ``mask`` kinds (``MASK`` constexpr)
 MASK_NONE = 0
 MASK_BOOL = 1
@@ -72,6 +73,7 @@ def score_tile(
     qk,
     offs_m,
     offs_n,
+    b,
     h,
     q_len,
     k_len,
@@ -83,18 +85,24 @@ def score_tile(
     mask_ptr,
     smm,
     smn,
+    CF,
+    CI,
     CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,
     MASK: tl.constexpr,
     MOD: tl.constexpr,
     LIBDEVICE: tl.constexpr,
+    SCORE_FN: tl.constexpr,
+    WANT_D: tl.constexpr,
 ):
     """Return ``(s, dmod)``: the tile's final scores (``-inf`` where masked) and
     ``d s / d (scaled score)`` of the score mod (1 without a mod).
 
     ``offs_m``/``offs_n`` are query/key indices; ``shift`` aligns the causal/window
     rule (``k_len - q_len`` bottom-right, 0 top-left); ``mask_ptr`` already points at
-    this (batch, head)'s dense mask.
+    this (batch, head)'s dense mask. ``MOD == 3``: ``SCORE_FN`` is a traced mod's
+    generated function reading the packed captured tensors ``CF``/``CI``; ``dmod`` is
+    computed only when ``WANT_D`` (the backward), and is 0 where the score is masked.
     """
     s = qk * scale
     dmod = 1.0
@@ -105,6 +113,10 @@ def score_tile(
         th = _tanh(s / cap, LIBDEVICE)
         s = cap * th
         dmod = 1.0 - th * th
+    inside = (offs_m[:, None] < q_len) & (offs_n[None, :] < k_len)
+    if MOD == 3:  # a traced mod, generated (codegen.py)
+        s, dmod = SCORE_FN(s, b, h, offs_m[:, None], offs_n[None, :], inside, CF, CI, LIBDEVICE,
+                           WANT_D)
     keep = (offs_n[None, :] < k_len) & (offs_m[:, None] < q_len)
     pos = offs_m[:, None] + shift
     if CAUSAL:
@@ -115,12 +127,13 @@ def score_tile(
             keep = keep & (offs_n[None, :] < pos + window)
     if MASK != 0:
         ptrs = mask_ptr + offs_m[:, None].to(tl.int64) * smm + offs_n[None, :].to(tl.int64) * smn
-        inside = (offs_m[:, None] < q_len) & (offs_n[None, :] < k_len)
         if MASK == 1:
             keep = keep & (tl.load(ptrs, mask=inside, other=0) != 0)
         else:
             s = s + tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
     s = tl.where(keep, s, float("-inf"))
+    if MOD == 3 and WANT_D:  # 0 * inf would poison dS where the score is masked
+        dmod = tl.where(keep, dmod, 0.0)
     return s, dmod
 
 

@@ -1,13 +1,17 @@
 """The ``triton`` backend: what it honours, what it refuses (and why), and the call itself.
 
 Honoured: causal (both alignments), ``window``, a dense bool/float ``mask``, a
-``mask_mod`` or block mask (block-sparse: only non-empty tiles are visited), the
-``alibi``/``softcap`` score mods of :mod:`attnkit.masks` (ALiBi slopes receive
-gradients), sinks, the log-sum-exp, GQA/MQA in place, ``l_q != l_k``, head dims up to
+``mask_mod`` or block mask (block-sparse: only non-empty tiles are visited; a
+``mask_mod`` that traces is generated into the kernels for the partial tiles), the
+``alibi``/``softcap`` score mods of :mod:`attnkit.masks` (hand-written; ALiBi slopes
+receive gradients) and any other ``score_mod`` that traces (:mod:`attnkit.mod_graph`),
+generated into the forward and both backward kernels (:mod:`.codegen`; captured tensors
+that require grad receive gradients), sinks, the log-sum-exp, GQA/MQA in place, ``l_q != l_k``, head dims up to
 256, float16/bfloat16/float32, forward and backward.
 
 Refused, with the reason, so ``auto`` falls through: dropout, ``need_weights``, float64,
-a float mask that needs a gradient, any other ``score_mod``, CPU tensors unless
+a float mask that needs a gradient, a ``score_mod`` that does not trace (the tracer's
+reason) or whose integers/indices may overflow for the call's sizes, CPU tensors unless
 Triton's interpreter is on (``TRITON_INTERPRET=1``), block sizes that are not powers
 of two of at least 16.
 """
@@ -24,6 +28,7 @@ from attnkit.backends.registry import AttentionCall, BackendResult
 from attnkit.backends.triton import plan as P
 from attnkit.block_mask import BlockMask
 from attnkit.block_mask_cache import cached_block_mask
+from attnkit.mod_graph import ModGraph, Unsupported, traced
 
 #: (BLOCK_M, BLOCK_N) of the forward and backward kernels by head dim on a GPU (not tuned:
 #: no GPU was available when they were written).
@@ -92,11 +97,9 @@ def supports(call: AttentionCall) -> str | None:
         return f"the triton kernels take head dims up to {MAX_HEAD_DIM}"
     if call.mask is not None and call.mask.is_floating_point() and call.mask.requires_grad:
         return "the triton kernels give no gradient to a float mask (use backend='reference')"
-    if P.score_mod_spec(call.score_mod) is None:
-        return (
-            f"the triton kernels run only the score mods they compile in-tile "
-            f"(attnkit.masks.alibi, softcap), got {call.score_mod!r}"
-        )
+    why = _score_graph(call)
+    if isinstance(why, str):
+        return why
     bm = call.block_mask
     if bm is not None and call.mask_mod is not None:
         return (
@@ -110,6 +113,40 @@ def supports(call: AttentionCall) -> str | None:
                 return f"the triton kernels need block sizes that are powers of two >= 16, got {name}={size}"
         return _plan_mismatch(bm)
     return None
+
+
+def _batch_heads(call: AttentionCall) -> tuple[int, int]:
+    """``(B, h_q)``: the kernels' batch (the leading dims flattened) and query heads."""
+    shape = call.query.shape
+    return (math.prod(shape[:-3]) if len(shape) > 3 else 1), (shape[-3] if len(shape) > 2 else 1)
+
+
+def _score_graph(call: AttentionCall) -> ModGraph | str | None:
+    """The traced score mod the kernels generate code for (None: none, or a hand-written
+    one), or why the mod cannot run in the kernels."""
+    if P.score_mod_spec(call.score_mod) is not None:
+        return None
+    graph = traced(call.score_mod, "score")  # type: ignore[arg-type]
+    name = getattr(call.score_mod, "__name__", None) or repr(call.score_mod)
+    if isinstance(graph, Unsupported):
+        return f"the triton kernels compile a score_mod that traces; {name}: {graph.reason}"
+    bsz, heads = _batch_heads(call)
+    why = graph.check(bsz, heads, call.q_len, call.k_len)
+    if why is not None:
+        return f"the triton kernels cannot run score_mod {name} for these sizes: {why}"
+    return graph
+
+
+def _mask_graph(call: AttentionCall) -> ModGraph | None:
+    """The traced mask mod generated into the kernels' partial tiles (None: the tiles'
+    stored bits are read instead, as for a mask_mod that does not trace)."""
+    if call.mask_mod is None:
+        return None
+    graph = traced(call.mask_mod, "mask")
+    if isinstance(graph, Unsupported):
+        return None
+    bsz, heads = _batch_heads(call)
+    return graph if graph.check(bsz, heads, call.q_len, call.k_len) is None else None
 
 
 def _plan_mismatch(bm: BlockMask) -> str | None:
@@ -159,7 +196,16 @@ def build_plan(call: AttentionCall, q4: torch.Tensor) -> P.KernelPlan:
     interpret = interpreting() or q4.device.type == "cpu"
     fwd_blocks, bwd_blocks = _blocks(max(q4.shape[-1], call.value.shape[-1]), interpret)
     mask, mask_kind = _mask_4d(call, q4)
-    mod, cap, _ = P.score_mod_spec(call.score_mod)  # type: ignore[misc]
+    score_graph = _score_graph(call)
+    if isinstance(score_graph, str):
+        raise ValueError(score_graph)  # supports() said so first
+    mask_graph = _mask_graph(call)
+    compiled = None
+    if score_graph is not None or mask_graph is not None:
+        from attnkit.backends.triton.compiled import compile_mods
+
+        compiled = compile_mods(score_graph, mask_graph)
+    mod, cap = (3, 0.0) if score_graph is not None else P.score_mod_spec(call.score_mod)[:2]  # type: ignore[index]
     align = call.causal or "bottom_right"
     sparse = None
     bm = call.block_mask
@@ -186,6 +232,7 @@ def build_plan(call: AttentionCall, q4: torch.Tensor) -> P.KernelPlan:
         num_warps=4 if q4.shape[-1] <= 64 else 8,
         num_stages=2,
         interpret=interpret,
+        compiled=compiled,
     )
 
 
@@ -195,8 +242,10 @@ def run(call: AttentionCall, sinks: torch.Tensor | None) -> tuple[torch.Tensor, 
 
     q4, k4, v4 = _as_4d(call.query), _as_4d(call.key), _as_4d(call.value)
     plan = build_plan(call, q4)
-    _, _, slopes = P.score_mod_spec(call.score_mod)  # type: ignore[misc]
-    out, lse = TritonAttention.apply(plan, q4, k4, v4, sinks, slopes)
+    spec = P.score_mod_spec(call.score_mod)
+    slopes = spec[2] if spec is not None else None
+    captured = plan.compiled.score.tensors if plan.compiled and plan.compiled.score else ()
+    out, lse = TritonAttention.apply(plan, q4, k4, v4, sinks, slopes, *captured)
     out = out.reshape(*call.query.shape[:-1], call.value.shape[-1])  # (..., h, t, d_v)
     return out, lse.reshape(call.query.shape[:-1])
 

@@ -15,10 +15,14 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from attnkit.block_mask import EMPTY, BlockMask
+
+if TYPE_CHECKING:
+    from attnkit.backends.triton.compiled import CompiledMod
 
 
 @dataclass
@@ -106,6 +110,7 @@ class KernelPlan:
     num_warps: int
     num_stages: int
     interpret: bool
+    compiled: CompiledMod | None = None  # a traced score_mod (mod 3) and/or mask_mod, generated
 
 
 ModSpec = tuple[int, float, "torch.Tensor | None"]
@@ -115,7 +120,9 @@ def score_mod_spec(score_mod: Callable | None) -> ModSpec | None:
     """``(MOD, cap, slopes)`` for a score mod the kernels run in-tile, None for one they cannot.
 
     The kernels run the mods of :mod:`attnkit.masks` that describe themselves with a
-    ``spec``: ``alibi`` (its slopes receive gradients) and ``softcap``.
+    ``spec``: ``alibi`` (its slopes receive gradients) and ``softcap``, with hand-written
+    code; any other mod is traced (:mod:`attnkit.mod_graph`) and generated
+    (:mod:`.codegen`), ``MOD`` 3, by the backend.
     """
     if score_mod is None:
         return (0, 0.0, None)
