@@ -495,3 +495,31 @@ def test_catalogue_on_triton_against_float64():
         for what, a, r in zip(names, [out, *ours], [ref_out, *ref], strict=True):
             err = (a.cpu().double() - r).abs().max().item()
             assert err <= 1e-4 * (1 + r.abs().max().item()), f"{name} {what}: {err:.3g}"
+
+
+def test_auto_leaves_generated_mods_to_an_explicit_request_on_a_real_gpu(monkeypatch):
+    """No GPU has run the generated kernels yet: on one, ``auto`` passes them over with
+    the reason, ``backend='triton'`` (its ``supports``) and the opt-in variable still run
+    them; hand-written mods and plain calls are unaffected."""
+    from attnkit.backends.registry import AttentionCall
+    from attnkit.backends.triton import backend as TB
+    from attnkit.masks import softcap
+
+    q = torch.randn(1, 2, 8, 16)
+    slopes = torch.tensor([0.5, 0.25])
+
+    def lam(s, b, h, qi, kv):
+        return s - slopes[h] * (qi - kv)
+
+    def call(score_mod):
+        return AttentionCall(q, q, q, None, None, 0.25, 0.0, False, score_mod=score_mod)
+
+    monkeypatch.setattr(TB, "interpreting", lambda: False)
+    monkeypatch.setattr(TB, "supports", lambda call: None)  # as on a GPU
+    monkeypatch.delenv(TB.GENERATED_ON_GPU, raising=False)
+    why = TB.auto_supports(call(lam))
+    assert why is not None and "backend='triton'" in why and TB.GENERATED_ON_GPU in why
+    assert TB.auto_supports(call(softcap(30.0))) is None
+    assert TB.auto_supports(call(None)) is None
+    monkeypatch.setenv(TB.GENERATED_ON_GPU, "1")
+    assert TB.auto_supports(call(lam)) is None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib.util
 
 from attnkit.backends.registry import register_backend
-from attnkit.backends.triton.backend import supports, triton_attention
+from attnkit.backends.triton.backend import auto_supports, supports, triton_attention
 
 __all__ = ["AVAILABLE", "supports", "triton_attention"]
 
@@ -24,4 +24,4 @@ __all__ = ["AVAILABLE", "supports", "triton_attention"]
 AVAILABLE = importlib.util.find_spec("triton") is not None
 
 if AVAILABLE:
-    register_backend("triton", triton_attention, supports=supports)
+    register_backend("triton", triton_attention, supports=supports, auto_supports=auto_supports)

@@ -115,6 +115,32 @@ def supports(call: AttentionCall) -> str | None:
     return None
 
 
+#: Set to "1" to let ``backend="auto"`` run generated mods in the Triton kernels on a GPU.
+GENERATED_ON_GPU = "ATTNKIT_TRITON_GENERATED"
+
+
+def auto_supports(call: AttentionCall) -> str | None:
+    """``supports`` for ``backend="auto"``: on a real GPU, the kernels' generated mods are
+    taken only when asked for.
+
+    Mods compiled into the Triton kernels (any traced ``score_mod``, a traced ``mask_mod``
+    inside partial tiles) are proven under Triton's interpreter only; no GPU has run them
+    yet. Until one has, ``auto`` keeps such calls on the paths measured on GPUs, and
+    ``backend="triton"`` (or ``ATTNKIT_TRITON_GENERATED=1``) runs them.
+    """
+    why = supports(call)
+    if why is not None or interpreting() or os.environ.get(GENERATED_ON_GPU) == "1":
+        return why
+    generated = isinstance(_score_graph(call), ModGraph) or _mask_graph(call) is not None
+    if generated:
+        return (
+            "auto runs mods generated into the triton kernels on a GPU only when asked "
+            f"(backend='triton' or {GENERATED_ON_GPU}=1): they are tested under Triton's "
+            "interpreter, not yet on a GPU"
+        )
+    return None
+
+
 def _batch_heads(call: AttentionCall) -> tuple[int, int]:
     """``(B, h_q)``: the kernels' batch (the leading dims flattened) and query heads."""
     shape = call.query.shape
