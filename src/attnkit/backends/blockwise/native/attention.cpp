@@ -43,6 +43,7 @@
 #include <pthread.h>
 #include <system_error>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -60,7 +61,7 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int8_t EMPTY = 0, PARTIAL = 1, FULL = 2;  // attnkit.block_mask's kinds
 
 // Bumped whenever Args or Grads change; native/__init__.py checks it and the sizes at load.
-constexpr int64_t ABI_VERSION = 3;
+constexpr int64_t ABI_VERSION = 4;
 
 enum Code : int {
   OK = 0,
@@ -95,6 +96,19 @@ struct Args {
   int64_t sm_b, sm_h, sm_t, sm_s;
   int64_t threads;
   int64_t dtype;             // DT_F32, or DT_BF16 (q, k, v and Grads.dout are then bf16)
+  // -- packed variable-length batches and split-KV decoding (feature "varlen") --
+  // nseq > 0: q, k, v, out hold nseq sequences packed along t (B = 1): sequence n has the
+  // queries cu_q[n] .. cu_q[n + 1] and the keys cu_k[n] .. cu_k[n + 1], attends only to its
+  // own keys, and sees the band shifted by len_k - len_q when varlen_align is 1 (causal
+  // aligned bottom-right per sequence). lse, Grads.dout, delta and dq are laid out
+  // sequence by sequence, each (H, len_q[, D]) block at H * cu_q[n] rows; dk, dv likewise
+  // (HKV, len_k, D) at HKV * cu_k[n]. Work items are (sequence, head, query block).
+  const int64_t *cu_q, *cu_k;
+  int64_t nseq, varlen_align;
+  // Split-KV (flash-decoding): the forward's keys cut into kv_splits ranges computed as
+  // separate work items and merged by their log-sum-exps in a fixed order (0: chosen from
+  // the shapes alone, so every thread count gives the same bits; 1: no split).
+  int64_t kv_splits;
 };
 
 // The gradients' tensors (contiguous: (B, H, T, DV), (B, H, T), (B, H, T, D),
@@ -494,8 +508,9 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
 }
 
 // One block of query rows [i0, i1) of batch b, head h.
+// (Split-KV: only the key chunks [cmin, cmax], normalised over them.)
 void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int64_t i0,
-                   int64_t i1, Scratch &w) {
+                   int64_t i1, Scratch &w, int64_t cmin, int64_t cmax) {
   const int64_t rows = i1 - i0;
   const int64_t hk = h / (a.H / a.HKV);
   const float *qh = a.q + b * a.sq_b + h * a.sq_h;
@@ -512,7 +527,7 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
     for (int64_t n = 0; n < rows * W; ++n) w.l[n] += w.l_blk[n];
     std::fill(w.l_blk.begin(), w.l_blk.begin() + rows * W, 0.0f);
   };
-  for_each_chunk(a, b, h, i0, i1, 0, ops.chunks() - 1, w.keep.data(), [&](const Chunk &c) {
+  for_each_chunk(a, b, h, i0, i1, cmin, cmax, w.keep.data(), [&](const Chunk &c) {
     const int64_t nr = c.r1 - c.r0;
     float *s = w.s.data() + c.r0 * KC;
 #if defined(ATTNKIT_BF16)
@@ -747,6 +762,211 @@ int guarded(F f) {
   }
 }
 
+// The keys and values a forward reads, packed (per call, or per sequence of a varlen call).
+Code pack_forward(const Args &a, Operands &ops) {
+  if (a.dtype == DT_BF16) {
+#if defined(ATTNKIT_BF16)
+    if (a.D % 2) return BAD_SHAPE;
+    if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, dim_pairs, ops.kp)) return err;
+    return pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, key_pairs, ops.vp);
+#else
+    return BAD_DTYPE;
+#endif
+  }
+  return pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, transposed, ops.kt);
+}
+
+// ---------------------------------------------------------------------------------------
+// Split-KV decoding (feature "varlen"). A call with few query blocks (a decode step: one
+// or a few queries against a long cache) has fewer work items than cores: its key chunks
+// are cut into `splits` ranges, each (batch, head, query block, range) is one work item
+// normalised over its own keys, and the partial rows are merged by their log-sum-exps in
+// range order (the merge of backends/blockwise/merge.py, written out per row). The number
+// of ranges depends on the shapes alone, never on the threads: every thread count gives
+// the same bits.
+// ---------------------------------------------------------------------------------------
+
+constexpr int64_t SPLIT_ITEMS = 32;        // work items a split call aims at
+constexpr int64_t SPLIT_MIN_CHUNKS = 16;   // key chunks per range at least (1024 keys)
+
+int64_t kv_splits(const Args &a, int64_t work, int64_t chunks) {
+  int64_t splits = a.kv_splits;
+  if (splits <= 0)
+    splits = work >= SPLIT_ITEMS ? 1 : std::min((SPLIT_ITEMS + work - 1) / work, chunks / SPLIT_MIN_CHUNKS);
+  return std::max<int64_t>(1, std::min(splits, chunks));
+}
+
+Code forward_split(const Args &a, const Operands &ops, int64_t nq, int64_t splits) {
+  const int64_t chunks = ops.chunks(), work = a.B * a.H * nq, rows = a.B * a.H * a.T;
+  std::unique_ptr<float[]> po(new float[splits * rows * a.DV]), pl(new float[splits * rows]);
+  std::vector<Args> part(splits, a);  // range r writes its rows to po, pl (B, H, T[, DV])
+  for (int64_t r = 0; r < splits; ++r) {
+    part[r].out = po.get() + r * rows * a.DV;
+    part[r].so_b = a.H * a.T * a.DV, part[r].so_h = a.T * a.DV, part[r].so_t = a.DV;
+    part[r].lse = pl.get() + r * rows;
+  }
+  Code err = parallel<Scratch>(a, splits * work, [&](Scratch &w, int64_t it) {
+    const int64_t r = it / work, qi = (it % work) % nq, bh = (it % work) / nq;
+    const int64_t i0 = qi * a.bq, i1 = std::min(a.T, i0 + a.bq);
+    forward_block(part[r], ops, bh / a.H, bh % a.H, i0, i1, w, r * chunks / splits,
+                  (r + 1) * chunks / splits - 1);
+  });
+  if (err) return err;
+  return parallel<NoState>(a, rows, [&](NoState &, int64_t row) {
+    const int64_t b = row / (a.H * a.T), h = (row / a.T) % a.H, i = row % a.T;
+    float *o = a.out + b * a.so_b + h * a.so_h + i * a.so_t;
+    float m = NEG_INF;
+    bool nan = false;
+    for (int64_t r = 0; r < splits; ++r) {
+      const float x = pl[r * rows + row];
+      nan |= std::isnan(x);
+      m = std::max(m, x);
+    }
+    if (nan || m == NEG_INF) {  // a NaN stays NaN; no key anywhere: zeros and -inf
+      const float fill = nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+      std::fill(o, o + a.DV, fill);
+      a.lse[row] = nan ? fill : NEG_INF;
+      return;
+    }
+    float l = 0.0f;
+    std::fill(o, o + a.DV, 0.0f);
+    for (int64_t r = 0; r < splits; ++r) {
+      const float e = std::exp(pl[r * rows + row] - m);  // 0 for an empty range
+      if (e == 0.0f) continue;
+      l += e;
+      const float *src = po.get() + (r * rows + row) * a.DV;
+      for (int64_t d = 0; d < a.DV; ++d) o[d] += e * src[d];
+    }
+    const float inv = 1.0f / l;
+    for (int64_t d = 0; d < a.DV; ++d) o[d] *= inv;
+    a.lse[row] = m + std::log(l);
+  });
+}
+
+// One forward call (B, H, T) x (B, HKV, S): pack, then (batch, head, query block) items,
+// or split-KV items where those are too few.
+Code forward_call(const Args &a) {
+  Operands ops;
+  if (Code err = pack_forward(a, ops)) return err;
+  const int64_t nq = (a.T + a.bq - 1) / a.bq;  // query blocks per (batch, head)
+  const int64_t splits = kv_splits(a, a.B * a.H * nq, ops.chunks());
+  if (splits > 1) return forward_split(a, ops, nq, splits);
+  return parallel<Scratch>(a, a.B * a.H * nq, [&](Scratch &w, int64_t it) {
+    const int64_t qi = it % nq, bh = it / nq;
+    const int64_t i0 = qi * a.bq, i1 = std::min(a.T, i0 + a.bq);
+    forward_block(a, ops, bh / a.H, bh % a.H, i0, i1, w, 0, ops.chunks() - 1);
+  });
+}
+
+// The backward of one call (see the file's head).
+Code backward_call(const Args &a, const Grads &g) {
+  BackOperands ops;
+  if (a.dtype == DT_BF16) {
+#if defined(ATTNKIT_BF16)
+    if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, dim_pairs, ops.kp)) return err;
+    if (Code err = pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, dim_pairs, ops.vp)) return err;
+    if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, key_pairs, ops.kj)) return err;
+    ops.chunks = ops.kp.chunks;
+#else
+    return BAD_DTYPE;
+#endif
+  } else {
+    if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, transposed, ops.kt)) return err;
+    if (Code err = pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, transposed, ops.vt)) return err;
+    ops.chunks = ops.kt.chunks;
+  }
+  const int64_t groups = key_groups(a, ops.chunks);
+  std::unique_ptr<float[]> dq_part(new float[groups * a.B * a.H * a.T * a.D]);
+  Code err = parallel<BackScratch>(a, a.B * a.HKV * groups, [&](BackScratch &w, int64_t it) {
+    const int64_t grp = it % groups, bh = it / groups;
+    backward_group(a, g, ops, bh / a.HKV, bh % a.HKV, grp, groups, dq_part.get(), w);
+  });
+  if (err) return err;
+  // dQ = the groups' partials summed in group order, rows in parallel
+  const int64_t rows = a.B * a.H * a.T, per = 256, n = (rows + per - 1) / per;
+  const int64_t stride = a.B * a.H * a.T * a.D;
+  return parallel<NoState>(a, n, [&](NoState &, int64_t it) {
+    const int64_t from = it * per * a.D, to = std::min(rows, (it + 1) * per) * a.D;
+    float *dq = g.dq;
+    std::copy(dq_part.get() + from, dq_part.get() + to, dq + from);
+    for (int64_t grp = 1; grp < groups; ++grp) {
+      const float *src = dq_part.get() + grp * stride;
+      for (int64_t x = from; x < to; ++x) dq[x] += src[x];
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// Packed variable-length batches (feature "varlen"; Args.nseq > 0). Sequence n is an
+// ordinary call of its own (B = 1, T = len_q, S = len_k, pointers moved to its first token,
+// the band shifted by its alignment): the kernel never reads another sequence's keys.
+// ---------------------------------------------------------------------------------------
+
+Code check_varlen(const Args &a) {
+  if (a.D <= 0 || a.DV <= 0 || a.DV % 16 || a.bq <= 0 || a.HKV <= 0 || a.H % a.HKV ||
+      a.B != 1 || a.threads <= 0 || !a.cu_q || !a.cu_k || a.bm_kind || a.mask)
+    return BAD_SHAPE;
+  if (a.dtype != DT_F32 && a.dtype != DT_BF16) return BAD_DTYPE;
+  for (int64_t n = 0; n < a.nseq; ++n)
+    if (a.cu_q[n + 1] < a.cu_q[n] || a.cu_k[n + 1] < a.cu_k[n]) return BAD_SHAPE;
+  return OK;
+}
+
+template <class T>
+T *moved(T *p, int64_t elements, int64_t elem_bytes) {
+  using Byte = std::conditional_t<std::is_const_v<T>, const char, char>;
+  return reinterpret_cast<T *>(reinterpret_cast<Byte *>(p) + elements * elem_bytes);
+}
+
+// Sequence n of a varlen call as a call of its own.
+Args sequence(const Args &a, int64_t n) {
+  Args s = a;
+  const int64_t q0 = a.cu_q[n], k0 = a.cu_k[n], el = a.dtype == DT_BF16 ? 2 : 4;
+  s.T = a.cu_q[n + 1] - q0;
+  s.S = a.cu_k[n + 1] - k0;
+  s.q = moved(a.q, q0 * a.sq_t, el);
+  s.k = moved(a.k, k0 * a.sk_t, el);
+  s.v = moved(a.v, k0 * a.sv_t, el);
+  if (a.out) s.out = a.out + q0 * a.so_t;
+  s.lse = a.lse + a.H * q0;
+  const int64_t shift = a.varlen_align ? s.S - s.T : 0;
+  s.band_lo += shift;
+  s.band_hi += shift;
+  s.nseq = 0;
+  s.kv_splits = 1;
+  return s;
+}
+
+Code forward_varlen(const Args &a) {
+  std::vector<Args> seq(a.nseq);
+  std::vector<Operands> ops(a.nseq);
+  std::vector<int64_t> first(a.nseq + 1, 0);  // the first work item of each sequence
+  for (int64_t n = 0; n < a.nseq; ++n) {
+    seq[n] = sequence(a, n);
+    if (Code err = pack_forward(seq[n], ops[n])) return err;
+    first[n + 1] = first[n] + a.H * ((seq[n].T + a.bq - 1) / a.bq);
+  }
+  return parallel<Scratch>(a, first[a.nseq], [&](Scratch &w, int64_t it) {
+    const int64_t n = std::upper_bound(first.begin(), first.end(), it) - first.begin() - 1;
+    const Args &s = seq[n];
+    const int64_t nq = (s.T + a.bq - 1) / a.bq, at = it - first[n];
+    const int64_t i0 = (at % nq) * a.bq, i1 = std::min(s.T, i0 + a.bq);
+    forward_block(s, ops[n], 0, at / nq, i0, i1, w, 0, ops[n].chunks() - 1);
+  });
+}
+
+Code backward_varlen(const Args &a, const Grads &g) {
+  const int64_t el = a.dtype == DT_BF16 ? 2 : 4;
+  for (int64_t n = 0; n < a.nseq; ++n) {
+    const Args s = sequence(a, n);
+    const int64_t q0 = a.cu_q[n], k0 = a.cu_k[n];
+    const Grads gs{moved(g.dout, a.H * q0 * a.DV, el), g.delta + a.H * q0,
+                   g.dq + a.H * q0 * a.D, g.dk + a.HKV * k0 * a.D, g.dv + a.HKV * k0 * a.DV};
+    if (Code err = backward_call(s, gs)) return err;
+  }
+  return OK;
+}
+
 }  // namespace
 
 #define ATTNKIT_EXPORT __attribute__((visibility("default")))
@@ -774,73 +994,26 @@ ATTNKIT_EXPORT int attnkit_bf16() {
 
 ATTNKIT_EXPORT int attnkit_forward(const Args *args) {
   const Args &a = *args;
+  if (a.nseq > 0) {
+    if (Code bad = check_varlen(a)) return bad;
+    return guarded([&] { return int(forward_varlen(a)); });
+  }
   if (Code bad = check(a)) return bad;
-  return guarded([&] {
-    Operands ops;
-    if (a.dtype == DT_BF16) {
-#if defined(ATTNKIT_BF16)
-      if (a.D % 2) return int(BAD_SHAPE);
-      if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, dim_pairs, ops.kp))
-        return int(err);
-      if (Code err = pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, key_pairs, ops.vp))
-        return int(err);
-#else
-      return int(BAD_DTYPE);
-#endif
-    } else if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, transposed, ops.kt)) {
-      return int(err);
-    }
-    const int64_t nq = (a.T + a.bq - 1) / a.bq;  // query blocks per (batch, head)
-    return int(parallel<Scratch>(a, a.B * a.H * nq, [&](Scratch &w, int64_t it) {
-      const int64_t qi = it % nq, bh = it / nq;
-      const int64_t i0 = qi * a.bq, i1 = std::min(a.T, i0 + a.bq);
-      forward_block(a, ops, bh / a.H, bh % a.H, i0, i1, w);
-    }));
-  });
+  return guarded([&] { return int(forward_call(a)); });
 }
 
 // dq, dk, dv from dout, delta and the forward's lse (Args.lse, +inf on dead rows).
 ATTNKIT_EXPORT int attnkit_backward(const Args *args, const Grads *grads) {
   const Args &a = *args;
   const Grads &g = *grads;
+  if (a.nseq > 0) {
+    if (Code bad = check_varlen(a)) return bad;
+    if (a.D % 16) return BAD_HEAD_DIM;
+    return guarded([&] { return int(backward_varlen(a, g)); });
+  }
   if (Code bad = check(a)) return bad;
   if (a.D % 16) return BAD_HEAD_DIM;
-  return guarded([&] {
-    BackOperands ops;
-    if (a.dtype == DT_BF16) {
-#if defined(ATTNKIT_BF16)
-      if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, dim_pairs, ops.kp)) return int(err);
-      if (Code err = pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, dim_pairs, ops.vp)) return int(err);
-      if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, key_pairs, ops.kj)) return int(err);
-      ops.chunks = ops.kp.chunks;
-#else
-      return int(BAD_DTYPE);
-#endif
-    } else {
-      if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, transposed, ops.kt)) return int(err);
-      if (Code err = pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, transposed, ops.vt)) return int(err);
-      ops.chunks = ops.kt.chunks;
-    }
-    const int64_t groups = key_groups(a, ops.chunks);
-    std::unique_ptr<float[]> dq_part(new float[groups * a.B * a.H * a.T * a.D]);
-    Code err = parallel<BackScratch>(a, a.B * a.HKV * groups, [&](BackScratch &w, int64_t it) {
-      const int64_t grp = it % groups, bh = it / groups;
-      backward_group(a, g, ops, bh / a.HKV, bh % a.HKV, grp, groups, dq_part.get(), w);
-    });
-    if (err) return int(err);
-    // dQ = the groups' partials summed in group order, rows in parallel
-    const int64_t rows = a.B * a.H * a.T, per = 256, n = (rows + per - 1) / per;
-    const int64_t stride = a.B * a.H * a.T * a.D;
-    return int(parallel<NoState>(a, n, [&](NoState &, int64_t it) {
-      const int64_t from = it * per * a.D, to = std::min(rows, (it + 1) * per) * a.D;
-      float *dq = g.dq;
-      std::copy(dq_part.get() + from, dq_part.get() + to, dq + from);
-      for (int64_t grp = 1; grp < groups; ++grp) {
-        const float *src = dq_part.get() + grp * stride;
-        for (int64_t x = from; x < to; ++x) dq[x] += src[x];
-      }
-    }));
-  });
+  return guarded([&] { return int(backward_call(a, g)); });
 }
 
 // Keeps `threads` threads on FMAs for `iters` rounds of CHAINS independent vectors (the
