@@ -436,6 +436,7 @@ struct Scratch {
 // packed in bf16 pairs.
 struct Operands {
   Packed<float> kt;
+  bool direct = false;  // (varlen) few rows: float32 keys read in place, kt not packed
 #if defined(ATTNKIT_BF16)
   Packed<uint16_t> kp, vp;
 #endif
@@ -507,6 +508,33 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
   }
 }
 
+// (feature "varlen": split-KV decoding) The chunk's scores of `rows` query rows as dot
+// products with the keys where they are (kh: the head's keys): a decode step reads each
+// key once, so packing the keys first would cost as much as the product. Columns outside
+// [lo, hi) are 0 (the mask drops them).
+constexpr int64_t DIRECT_MAX_ROWS = 8;  // query rows per kv head up to which keys stay in place
+
+void direct_scores(const Args &a, const float *kh, const float *q, int64_t rows, const Chunk &c,
+                   float *s) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *qr = q + r * a.sq_t;
+    float *sr = s + r * KC;
+    for (int64_t j = 0; j < KC; ++j) {
+      if (j < c.lo || j >= c.hi) {
+        sr[j] = 0.0f;
+        continue;
+      }
+      const float *kr = kh + (c.c0 + j) * a.sk_t;
+      vf acc = simd::splat(0.0f);
+      int64_t d = 0;
+      for (; d + W <= a.D; d += W) acc += simd::load(qr + d) * simd::load(kr + d);
+      float x = simd::hsum(acc);
+      for (; d < a.D; ++d) x += qr[d] * kr[d];
+      sr[j] = x;
+    }
+  }
+}
+
 // One block of query rows [i0, i1) of batch b, head h.
 // (Split-KV: only the key chunks [cmin, cmax], normalised over them.)
 void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int64_t i0,
@@ -546,8 +574,11 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       return;
     }
 #endif
-    simd::gemm<false>(s, KC, nr, KC, qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1,
-                      ops.kt.chunk(a, b, hk, c.ci), KC, a.D, nullptr);
+    if (ops.direct)
+      direct_scores(a, a.k + b * a.sk_b + hk * a.sk_h, qh + (i0 + c.r0) * a.sq_t, nr, c, s);
+    else
+      simd::gemm<false>(s, KC, nr, KC, qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1,
+                        ops.kt.chunk(a, b, hk, c.ci), KC, a.D, nullptr);
     softmax(a, b, h, i0, c, w);
     simd::gemm<true>(w.o_blk.data() + c.r0 * a.DV, a.DV, nr, a.DV, s + c.lo, KC, 1,
                      vh + (c.c0 + c.lo) * a.sv_t, a.sv_t, c.hi - c.lo, w.alpha.data() + c.r0);
@@ -772,6 +803,11 @@ Code pack_forward(const Args &a, Operands &ops) {
 #else
     return BAD_DTYPE;
 #endif
+  }
+  if (a.T * (a.H / a.HKV) <= DIRECT_MAX_ROWS) {  // a decode step: keys read in place
+    ops.direct = true;
+    ops.kt.chunks = (a.S + KC - 1) / KC;
+    return OK;
   }
   return pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, transposed, ops.kt);
 }
