@@ -9,6 +9,7 @@ from attnkit import backends, masks, trace
 from attnkit.attention import attention
 from attnkit.backends import available_backends, register_backend
 from attnkit.block_mask import BlockMask, create_block_mask
+from attnkit.document_mask import document_block_mask
 from attnkit.kv_cache import KVCache
 from attnkit.masks import causal_mask
 from attnkit.modules import (
@@ -38,6 +39,7 @@ __all__ = [
     "backends",
     "causal_mask",
     "create_block_mask",
+    "document_block_mask",
     "load_seed_state_dict",
     "masks",
     "register_backend",

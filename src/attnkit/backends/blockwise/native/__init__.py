@@ -50,6 +50,10 @@ BLOCK_Q = 128
 #: Keys per chunk inside the kernel (``KC`` in attention.cpp); the relative bias vector
 #: is padded to whole chunks.
 KEY_CHUNK = 64
+#: Split-KV decoding (attention.cpp's ``kv_splits``): 0 = the kernel cuts the keys of a
+#: call with few query blocks into ranges chosen from the shapes alone (every thread count
+#: gives the same bits), 1 = never; tests set it to compare the two.
+KV_SPLITS = 0
 #: ``mask_kind`` of attention.cpp.
 _MASK_BOOL, _MASK_FLOAT = 1, 2
 
@@ -207,6 +211,7 @@ def _args(plan: TilePlan, q, k, v, out, lse) -> tuple[abi.Args, list[torch.Tenso
         )
     args.threads = torch.get_num_threads()
     args.dtype = abi.DT_BF16 if q.dtype == torch.bfloat16 else abi.DT_F32
+    args.kv_splits = KV_SPLITS
     return args, keep_alive
 
 
