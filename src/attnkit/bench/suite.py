@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from attnkit.backends.blockwise import native
-from attnkit.bench import kernel_layer, peers
+from attnkit.bench import kernel_layer, peers, varlen
 from attnkit.bench.timing import DTYPES, Case, time_case, time_cases
 
 
@@ -234,7 +234,7 @@ def run_suite(
     todo = [c for group in "abce" for c in targets[group]]
     grid_list = grid_cases(quick) if grid else []
     bar = tqdm(
-        total=len(todo) + len(grid_list) + 4,
+        total=len(todo) + len(grid_list) + 5,
         desc="attnkit bench" + (" (smoke run)" if quick else ""),
         unit="case",
         disable=quiet,
@@ -253,6 +253,10 @@ def run_suite(
     bar.set_postfix_str("kernel layer targets f-j")
     layer_rows = kernel_layer.time_targets(layer, reps)
     bar.update(2)
+    packed = varlen.target_cases(quick)  # packed batches, split-KV decoding, document masks
+    bar.set_postfix_str("packed batches, split-KV decoding, document masks")
+    layer_rows += varlen.time_targets(packed, reps, quick)
+    bar.update()
     for case in grid_list:
         bar.set_postfix_str(f"{case.impl} t={case.t}{' bwd' if case.backward else ''}")
         time_case(case, 1 if case.t >= 8192 else reps, _build)
@@ -263,7 +267,9 @@ def run_suite(
         "note": note,
         "quick": quick,
         "targets": ratios(targets) + layer_rows,
-        "target_cases": {g: [asdict(c) for c in cs] for g, cs in {**targets, **layer}.items()},
+        "target_cases": {
+            g: [asdict(c) for c in cs] for g, cs in {**targets, **layer, **packed}.items()
+        },
         "grid": [asdict(c) for c in grid_list],
     }
     out.mkdir(parents=True, exist_ok=True)
