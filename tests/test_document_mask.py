@@ -83,8 +83,11 @@ def test_as_a_call_mask_equals_the_packed_call():
     "kwargs, err, match",
     [
         (dict(), ValueError, "exactly one of cu_seqlens and ids"),
-        (dict(cu_seqlens=offsets([2]), ids=torch.zeros(2, dtype=torch.int64)), ValueError,
-         "exactly one"),
+        (
+            dict(cu_seqlens=offsets([2]), ids=torch.zeros(2, dtype=torch.int64)),
+            ValueError,
+            "exactly one",
+        ),
         (dict(cu_seqlens=torch.tensor([0, 5, 3])), ValueError, "non-decreasing"),
         (dict(cu_seqlens=torch.tensor([0.0, 2.0])), TypeError, "int32 or int64"),
         (dict(ids=torch.zeros(4)), TypeError, "integer tensor"),

@@ -94,7 +94,9 @@ def check_close(out, lse, ref_out, ref_lse, atol=2e-5):
 def grads(out, lse, inputs, seed=1):
     """Gradients of a random projection of ``out`` and of the finite ``lse``."""
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    gl = torch.randn(lse.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64)
+    gl = torch.randn(
+        lse.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64
+    )
     loss = (out.double() * g).sum() + torch.where(torch.isfinite(lse), lse.double() * gl, 0.0).sum()
     if not loss.requires_grad:
         return [torch.zeros_like(x) for x in inputs]
@@ -125,9 +127,12 @@ def test_native_equals_each_sequence_alone(
     h = h_kv * groups
     q, k, v, cu_q, cu_k = pack(lens, lens_k, h, h_kv, 32, 16)
     sinks = torch.randn(h, requires_grad=True) if with_sinks else None
-    assert why_not_native(
-        q, k, v, backend="auto", dropout_p=0.0, mask_mod=None, score_mod=None, window=window
-    ) is None
+    assert (
+        why_not_native(
+            q, k, v, backend="auto", dropout_p=0.0, mask_mod=None, score_mod=None, window=window
+        )
+        is None
+    )
     out, lse = attention(
         q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal or False,
         window=window, sinks=sinks, return_lse=True,
@@ -137,7 +142,7 @@ def test_native_equals_each_sequence_alone(
     inputs = (q, k, v) + ((sinks,) if sinks is not None else ())
     got = grads(out, lse, inputs)
     want = grads(ref_out, ref_lse, inputs)
-    for name, a, b in zip("q k v sinks".split(), got, want, strict=False):
+    for name, a, b in zip(["q", "k", "v", "sinks"], got, want, strict=False):
         torch.testing.assert_close(a.double(), b.double(), atol=1e-4, rtol=1e-4, msg=name)
 
 
@@ -146,9 +151,12 @@ def test_fallback_engines_give_the_same_answer(backend):
     """The per-sequence loop (any backend) equals the native path and the reference."""
     q, k, v, cu_q, cu_k = pack([7, 0, 1, 130, 33], [9, 3, 1, 130, 0], 4, 2, 32, 32)
     kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, window=20, return_lse=True)
-    assert why_not_native(
-        q, k, v, backend=backend, dropout_p=0.0, mask_mod=None, score_mod=None, window=20
-    ) == f"backend={backend!r} (the kernel is blockwise's)"
+    assert (
+        why_not_native(
+            q, k, v, backend=backend, dropout_p=0.0, mask_mod=None, score_mod=None, window=20
+        )
+        == f"backend={backend!r} (the kernel is blockwise's)"
+    )
     out, lse = attention(q, k, v, backend=backend, **kw)
     nat_out, nat_lse = attention(q, k, v, **kw)
     ref_out, ref_lse = reference(q, k, v, cu_q, cu_k, causal="bottom_right", window=20)
@@ -197,9 +205,12 @@ def test_relative_bias_runs_natively(isa):
 
     q, k, v, cu_q, cu_k = pack([70, 3, 129], [70, 10, 129], 4, 2, 16, 16)
     alibi = M.alibi(4)
-    assert why_not_native(
-        q, k, v, backend="auto", dropout_p=0.0, mask_mod=None, score_mod=alibi, window=None
-    ) is None
+    assert (
+        why_not_native(
+            q, k, v, backend="auto", dropout_p=0.0, mask_mod=None, score_mod=alibi, window=None
+        )
+        is None
+    )
     out, lse = attention(
         q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, score_mod=alibi, causal=True,
         return_lse=True,
@@ -275,7 +286,11 @@ def _bad(**over):
 @pytest.mark.parametrize(
     "over, err, match",
     [
-        (dict(cu_seqlens_q=torch.tensor([0.0, 3.0, 7.0])), TypeError, "cu_seqlens_q must be an int32"),
+        (
+            dict(cu_seqlens_q=torch.tensor([0.0, 3.0, 7.0])),
+            TypeError,
+            "cu_seqlens_q must be an int32",
+        ),
         (dict(cu_seqlens_k=[0, 3, 7]), TypeError, "cu_seqlens_k must be a torch.Tensor"),
         (dict(cu_seqlens_q=torch.tensor([[0, 3, 7]])), ValueError, "cu_seqlens_q must be 1-D"),
         (dict(cu_seqlens_q=torch.tensor([1, 3, 7])), ValueError, "must start at 0, got 1"),

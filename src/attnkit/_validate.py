@@ -7,6 +7,7 @@ returns the value, normalised, or raises ``TypeError`` (wrong type) / ``ValueErr
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
 from typing import Any, Literal, TypeVar, cast, overload
@@ -223,7 +224,7 @@ def check_cu_seqlens(value: Any, name: str, total: int) -> list[int]:
     offsets = [int(x) for x in value.tolist()]
     if offsets[0] != 0:
         raise ValueError(f"{name} must start at 0, got {offsets[0]}")
-    for i, (a, b) in enumerate(zip(offsets, offsets[1:], strict=False)):
+    for i, (a, b) in enumerate(itertools.pairwise(offsets)):
         if b < a:
             raise ValueError(
                 f"{name} must be non-decreasing, got {name}[{i}] = {a} > {name}[{i + 1}] = {b}"
@@ -237,7 +238,7 @@ def check_cu_seqlens(value: Any, name: str, total: int) -> list[int]:
 
 def check_max_seqlen(value: Any, name: str, offsets: list[int]) -> int:
     """``max_seqlen``: None (computed) or an int at least every length of ``offsets``."""
-    longest = max((b - a for a, b in zip(offsets, offsets[1:], strict=False)), default=0)
+    longest = max((b - a for a, b in itertools.pairwise(offsets)), default=0)
     if value is None:
         return longest
     value = check_int(value, name, minimum=0)

@@ -19,7 +19,8 @@ import torch
 
 from attnkit._validate import check_bool, check_cu_seqlens, check_int
 from attnkit.block_mask import EMPTY, FULL, PARTIAL, BlockMask, create_block_mask
-from attnkit.masks import MaskMod, and_masks, causal as causal_mod, document
+from attnkit.masks import MaskMod, and_masks, document
+from attnkit.masks import causal as causal_mod
 
 __all__ = ["document_block_mask"]
 
@@ -67,9 +68,7 @@ def document_block_mask(
         batch = None
     else:
         if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dim() not in (1, 2):
-            raise TypeError(
-                f"ids must be a (seq,) or (batch, seq) integer tensor, got {ids!r}"
-            )
+            raise TypeError(f"ids must be a (seq,) or (batch, seq) integer tensor, got {ids!r}")
         doc = ids.to(torch.int64).reshape(-1, ids.shape[-1])  # (b, seq)
         batch = doc.shape[0] if ids.dim() == 2 else None
     mod = _mod(doc if ids is None else ids, causal)
@@ -85,7 +84,9 @@ def _mod(ids: torch.Tensor, causal: bool) -> MaskMod:
     return and_masks(same, causal_mod("top_left")) if causal else same
 
 
-def _sorted(doc: torch.Tensor, causal: bool, size: int, mod: MaskMod, batch: int | None) -> BlockMask:
+def _sorted(
+    doc: torch.Tensor, causal: bool, size: int, mod: MaskMod, batch: int | None
+) -> BlockMask:
     """The block mask of non-decreasing ids ``doc (b, seq)``: kinds from each block's
     first and last id; a partial tile's row ``r`` keeps the columns ``[lo_r, hi_r)`` (its
     document's span, cut by causality), and tiles with the same spans share one mask."""

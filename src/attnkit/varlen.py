@@ -92,8 +92,10 @@ def why_not_native(
         return f"{query.dtype} (the kernel computes float32, and bf16)"
     if value.shape[-1] % 16:
         return "value heads not a multiple of 16 wide"
-    if torch.is_grad_enabled() and query.shape[-1] % 16 and any(
-        t.requires_grad for t in (query, key, value)
+    if (
+        torch.is_grad_enabled()
+        and query.shape[-1] % 16
+        and any(t.requires_grad for t in (query, key, value))
     ):
         return "query heads not a multiple of 16 wide (the native backward)"
     if mask_mod is not None:
@@ -161,9 +163,7 @@ def varlen_attention(
     max_q = check_max_seqlen(max_seqlen_q, "max_seqlen_q", offsets_q)
     max_k = check_max_seqlen(max_seqlen_k, "max_seqlen_k", offsets_k)
     causal_mode = normalize_causal(causal)
-    scale_value = (
-        1.0 / math.sqrt(query.shape[-1]) if scale is None else check_float(scale, "scale")
-    )
+    scale_value = 1.0 / math.sqrt(query.shape[-1]) if scale is None else check_float(scale, "scale")
     dropout_p = check_probability(dropout_p, "dropout_p")
     window = check_window(window)
     return_lse = check_bool(return_lse, "return_lse")

@@ -44,8 +44,15 @@ def target_cases(quick: bool) -> dict[str, list[Case]]:
             )
         for threads in (1, 2):
             cases["split-kv"].append(
-                Case("split-kv", f"{threads} thread", "decode", length, dtype, False,
-                     {**decode, "threads": threads})  # fmt: skip
+                Case(
+                    "split-kv",
+                    f"{threads} thread",
+                    "decode",
+                    length,
+                    dtype,
+                    False,
+                    {**decode, "threads": threads},
+                )
             )
     return cases
 
@@ -151,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     cases = target_cases(args.quick)
     rows = time_targets(cases, args.reps, args.quick)
-    print(f"threads: {torch.get_num_threads()}, torch {torch.__version__}, native: {native.status()}")
+    print(
+        f"threads: {torch.get_num_threads()}, torch {torch.__version__}, native: {native.status()}"
+    )
     for cs in cases.values():
         for c in cs:
             secs = "-" if c.seconds is None else f"{c.seconds * 1e3:.2f} ms"

@@ -185,7 +185,9 @@ def backward(
     if grad_lse is not None:
         delta = delta - grad_lse.to(torch.float32)
     rows_q = spec.pos_q.reshape(-1)
-    dout_seq = torch.empty(tq * h, dv_, dtype=q.dtype if q.dtype == torch.bfloat16 else torch.float32)
+    dout_seq = torch.empty(
+        tq * h, dv_, dtype=q.dtype if q.dtype == torch.bfloat16 else torch.float32
+    )
     dout_seq[rows_q] = grad_out.reshape(-1, dv_).to(dout_seq.dtype)
     delta_seq = torch.empty(tq * h, dtype=torch.float32)
     delta_seq[rows_q] = delta.reshape(-1)
