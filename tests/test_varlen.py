@@ -320,3 +320,23 @@ def test_bad_packed_shapes():
     out = attention(q, q, q, cu_seqlens_q=cu.int(), cu_seqlens_k=cu, max_seqlen_q=4,
                     max_seqlen_k=9)  # fmt: skip
     assert out.shape == (7, 2, 16)
+
+
+def test_strided_expanded_and_half_inputs():
+    """q, k, v sliced from one packed qkv tensor, keys expanded over heads (stride 0),
+    float16 (upcast) and odd bf16 heads: the same as contiguous float32."""
+    cu = offsets([33, 1, 70])
+    qkv = torch.randn(104, 3, 4, 32)
+    q, k, v = qkv[:, 0], qkv[:, 1, :1].expand(104, 2, 32), qkv[:, 2, :1].expand(104, 2, 32)
+    out = attention(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+    kc, vc = k[:, :1].contiguous(), v[:, :1].contiguous()
+    want = attention(q.contiguous(), kc, vc, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+    torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    half = attention(q.half(), k.half(), v.half(), cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True)
+    assert half.dtype == torch.float16
+    torch.testing.assert_close(half.float(), want, atol=5e-3, rtol=5e-3)
+    odd = torch.randn(104, 2, 17).bfloat16()
+    got = attention(odd, odd, odd[..., :16], cu_seqlens_q=cu, cu_seqlens_k=cu)
+    ref = attention(odd.float(), odd.float(), odd[..., :16].float(), cu_seqlens_q=cu,
+                    cu_seqlens_k=cu)  # fmt: skip
+    torch.testing.assert_close(got.float(), ref, atol=3e-2, rtol=3e-2)

@@ -27,6 +27,7 @@ import torch
 
 from attnkit import trace
 from attnkit._validate import (
+    check_backend,
     check_bool,
     check_cu_seqlens,
     check_float,
@@ -92,6 +93,8 @@ def why_not_native(
         return f"{query.dtype} (the kernel computes float32, and bf16)"
     if value.shape[-1] % 16:
         return "value heads not a multiple of 16 wide"
+    if query.dtype == torch.bfloat16 and query.shape[-1] % 2 and native.bf16():
+        return "bf16 query heads of odd width (bf16 products read pairs)"
     if (
         torch.is_grad_enabled()
         and query.shape[-1] % 16
@@ -167,6 +170,7 @@ def varlen_attention(
     dropout_p = check_probability(dropout_p, "dropout_p")
     window = check_window(window)
     return_lse = check_bool(return_lse, "return_lse")
+    backend = check_backend(backend)
     h = query.shape[1]
     if sinks is not None and (
         not isinstance(sinks, torch.Tensor)
