@@ -19,6 +19,11 @@ cannot be, nothing changes but speed. float32 arithmetic; bf16 inputs on an avx5
 build compute every product with bf16 products (float32 softmax and sums), forward and
 backward, and are upcast on other builds; float16 is upcast, float64 runs on torch's
 kernel.
+
+A decode step (at most 8 query rows per key/value head) reads the keys and values where
+they are (bf16 ones converted as read, products in float32) instead of packing them, and
+a call with few query blocks splits its keys into ranges merged by their log-sum-exps
+(split-KV decoding; :data:`KV_SPLITS`; docs/serving.md).
 """
 
 from __future__ import annotations

@@ -514,23 +514,62 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
 // [lo, hi) are 0 (the mask drops them).
 constexpr int64_t DIRECT_MAX_ROWS = 8;  // query rows per kv head up to which keys stay in place
 
-void direct_scores(const Args &a, const float *kh, const float *q, int64_t rows, const Chunk &c,
+inline float as_f32(float x) { return x; }
+inline float as_f32(uint16_t x) {  // bf16: the high half of a float32
+  const uint32_t bits = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+template <class T>
+inline vf load_f32(const T *p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return simd::load(p);
+  } else {
+    float buf[W];
+    for (int i = 0; i < W; ++i) buf[i] = as_f32(p[i]);
+    return simd::load(buf);
+  }
+}
+
+// T: float, or uint16_t for bf16 inputs (computed in float32).
+template <class T>
+void direct_scores(const Args &a, const T *kh, const T *q, int64_t rows, const Chunk &c,
                    float *s) {
   for (int64_t r = 0; r < rows; ++r) {
-    const float *qr = q + r * a.sq_t;
+    const T *qr = q + r * a.sq_t;
     float *sr = s + r * KC;
     for (int64_t j = 0; j < KC; ++j) {
       if (j < c.lo || j >= c.hi) {
         sr[j] = 0.0f;
         continue;
       }
-      const float *kr = kh + (c.c0 + j) * a.sk_t;
+      const T *kr = kh + (c.c0 + j) * a.sk_t;
       vf acc = simd::splat(0.0f);
       int64_t d = 0;
-      for (; d + W <= a.D; d += W) acc += simd::load(qr + d) * simd::load(kr + d);
+      for (; d + W <= a.D; d += W) acc += load_f32(qr + d) * load_f32(kr + d);
       float x = simd::hsum(acc);
-      for (; d < a.D; ++d) x += qr[d] * kr[d];
+      for (; d < a.D; ++d) x += as_f32(qr[d]) * as_f32(kr[d]);
       sr[j] = x;
+    }
+  }
+}
+
+// o (rows x DV) = alpha o + P V over the chunk's columns [lo, hi), bf16 values where they
+// are (p: the float32 weights, rows of KC).
+void direct_pv_bf16(const Args &a, const uint16_t *vh, const float *p, int64_t rows,
+                    const Chunk &c, float *o, const float *alpha) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float *orow = o + r * a.DV;
+    const vf al = simd::splat(alpha[r]);
+    for (int64_t d = 0; d < a.DV; d += W) simd::store(orow + d, simd::load(orow + d) * al);
+    for (int64_t j = c.lo; j < c.hi; ++j) {
+      const float pj = p[r * KC + j];
+      if (pj == 0.0f) continue;
+      const vf pv = simd::splat(pj);
+      const uint16_t *vr = vh + (c.c0 + j) * a.sv_t;
+      for (int64_t d = 0; d < a.DV; d += W)
+        simd::store(orow + d, simd::load(orow + d) + pv * load_f32(vr + d));
     }
   }
 }
@@ -549,6 +588,8 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
   std::fill(w.l.begin(), w.l.begin() + rows * W, 0.0f);
   std::fill(w.l_blk.begin(), w.l_blk.begin() + rows * W, 0.0f);
   int64_t seen = 0;
+  Args as_float32 = a;  // (a bf16 decode step: its softmax leaves float32 weights)
+  as_float32.dtype = DT_F32;
   auto gather = [&]() {  // o += o_blk, l += l_blk
     for (int64_t n = 0; n < rows * a.DV; ++n) w.o[n] += w.o_blk[n];
     std::fill(w.o_blk.begin(), w.o_blk.begin() + rows * a.DV, 0.0f);
@@ -558,6 +599,16 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
   for_each_chunk(a, b, h, i0, i1, cmin, cmax, w.keep.data(), [&](const Chunk &c) {
     const int64_t nr = c.r1 - c.r0;
     float *s = w.s.data() + c.r0 * KC;
+    if (ops.direct && a.dtype == DT_BF16) {  // a decode step's bf16: float32 products
+      const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
+      const uint16_t *k16 = reinterpret_cast<const uint16_t *>(a.k) + b * a.sk_b + hk * a.sk_h;
+      const uint16_t *v16 = reinterpret_cast<const uint16_t *>(a.v) + b * a.sv_b + hk * a.sv_h;
+      direct_scores(a, k16, q16 + (i0 + c.r0) * a.sq_t, nr, c, s);
+      softmax(as_float32, b, h, i0, c, w);
+      direct_pv_bf16(a, v16, s, nr, c, w.o_blk.data() + c.r0 * a.DV, w.alpha.data() + c.r0);
+      if (++seen % SUPER == 0) gather();
+      return;
+    }
 #if defined(ATTNKIT_BF16)
     if (a.dtype == DT_BF16) {
       const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
@@ -795,6 +846,14 @@ int guarded(F f) {
 
 // The keys and values a forward reads, packed (per call, or per sequence of a varlen call).
 Code pack_forward(const Args &a, Operands &ops) {
+#if !defined(ATTNKIT_BF16)
+  if (a.dtype == DT_BF16) return BAD_DTYPE;
+#endif
+  if (a.T * (a.H / a.HKV) <= DIRECT_MAX_ROWS) {  // a decode step: keys read in place
+    ops.direct = true;
+    ops.kt.chunks = (a.S + KC - 1) / KC;
+    return OK;
+  }
   if (a.dtype == DT_BF16) {
 #if defined(ATTNKIT_BF16)
     if (a.D % 2) return BAD_SHAPE;
@@ -803,11 +862,6 @@ Code pack_forward(const Args &a, Operands &ops) {
 #else
     return BAD_DTYPE;
 #endif
-  }
-  if (a.T * (a.H / a.HKV) <= DIRECT_MAX_ROWS) {  // a decode step: keys read in place
-    ops.direct = true;
-    ops.kt.chunks = (a.S + KC - 1) / KC;
-    return OK;
   }
   return pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, transposed, ops.kt);
 }
