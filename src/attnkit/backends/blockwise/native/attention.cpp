@@ -1033,9 +1033,18 @@ Code forward_varlen(const Args &a) {
   std::vector<int64_t> first(a.nseq + 1, 0);  // the first work item of each sequence
   for (int64_t n = 0; n < a.nseq; ++n) {
     seq[n] = sequence(a, n);
-    if (Code err = pack_forward(seq[n], ops[n])) return err;
     first[n + 1] = first[n] + a.H * ((seq[n].T + a.bq - 1) / a.bq);
   }
+  // the sequences' keys packed side by side, each on one thread (many short sequences
+  // would otherwise cost a parallel call each)
+  std::atomic<int> packed{OK};
+  if (Code err = parallel<NoState>(a, a.nseq, [&](NoState &, int64_t n) {
+        Args one = seq[n];
+        one.threads = 1;
+        if (Code e = pack_forward(one, ops[n])) packed = e;
+      }))
+    return err;
+  if (packed.load() != OK) return Code(packed.load());
   return parallel<Scratch>(a, first[a.nseq], [&](Scratch &w, int64_t it) {
     const int64_t n = std::upper_bound(first.begin(), first.end(), it) - first.begin() - 1;
     const Args &s = seq[n];
