@@ -84,6 +84,24 @@ def _mod(ids: torch.Tensor, causal: bool) -> MaskMod:
     return and_masks(same, causal_mod("top_left")) if causal else same
 
 
+def _unique_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(unique rows, index of each row's)`` of an int ``(n, m)`` tensor: rows hashed to one
+    int64 each (``torch.unique(dim=0)`` compares rows one pair at a time), the hash checked
+    against the rows themselves (a collision falls back to the exact unique)."""
+    weights = torch.randint(
+        -(2**62), 2**62, (rows.shape[1],), generator=torch.Generator().manual_seed(0)
+    ).to(rows.device)
+    keys = (rows.to(torch.int64) * weights).sum(1)  # wraps around: a hash
+    _, which = torch.unique(keys, return_inverse=True)
+    first = torch.full((int(which.max()) + 1 if which.numel() else 0,), rows.shape[0],
+                       dtype=torch.int64, device=rows.device)  # fmt: skip
+    first.scatter_reduce_(0, which, torch.arange(rows.shape[0], device=rows.device), "amin")
+    unique = rows[first]
+    if not torch.equal(unique[which], rows):  # pragma: no cover - a hash collision
+        unique, which = torch.unique(rows, dim=0, return_inverse=True)
+    return unique, which
+
+
 def _sorted(
     doc: torch.Tensor, causal: bool, size: int, mod: MaskMod, batch: int | None
 ) -> BlockMask:
@@ -122,8 +140,9 @@ def _sorted(
     if causal:
         hi = torch.minimum(hi, rows - k0 + 1)
     lo, hi = lo.clamp(0, size), torch.where(real, hi.clamp(0, size), 0)
-    spans, which = torch.unique(torch.cat([lo, hi], 1).to(torch.int16), dim=0, return_inverse=True)
-    cols = torch.arange(size, device=dev, dtype=torch.int16)
+    spans, which = _unique_rows(torch.cat([lo, hi], 1))  # tiles with the same spans share
+    spans = spans.to(torch.int16 if size < 2**15 else torch.int64)  # (narrow: less to read)
+    cols = torch.arange(size, device=dev, dtype=spans.dtype)
     masks = (cols >= spans[:, :size, None]) & (cols < spans[:, size:, None])  # (u, qb, kb)
     index = torch.full((b, n, n), -1, dtype=torch.int64, device=dev)
     index[bi, qi, ki] = which
