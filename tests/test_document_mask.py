@@ -99,3 +99,16 @@ def test_as_a_call_mask_equals_the_packed_call():
 def test_bad_arguments(kwargs, err, match):
     with pytest.raises(err, match=match):
         document_block_mask(**kwargs)
+
+
+def test_unique_rows_checks_its_hash(monkeypatch):
+    """Partial tiles are deduplicated by a hash of their spans, checked against the spans:
+    a collision (forced here: every hash 0) falls back to the exact unique."""
+    from attnkit import document_mask
+
+    rows = torch.tensor([[1, 2], [3, 4], [1, 2], [0, 0]])
+    unique, which = document_mask._unique_rows(rows)
+    assert torch.equal(unique[which], rows) and unique.shape[0] == 3
+    monkeypatch.setattr(torch, "randint", lambda *a, **k: torch.zeros(2, dtype=torch.int64))
+    unique, which = document_mask._unique_rows(rows)
+    assert torch.equal(unique[which], rows) and unique.shape[0] == 3

@@ -97,7 +97,7 @@ def _unique_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                        dtype=torch.int64, device=rows.device)  # fmt: skip
     first.scatter_reduce_(0, which, torch.arange(rows.shape[0], device=rows.device), "amin")
     unique = rows[first]
-    if not torch.equal(unique[which], rows):  # pragma: no cover - a hash collision
+    if not torch.equal(unique[which], rows):  # a hash collision
         unique, which = torch.unique(rows, dim=0, return_inverse=True)
     return unique, which
 
