@@ -15,6 +15,8 @@ def test_quick_bench_writes_json_markdown(tmp_path, capsys):
     assert main(["bench", "--quick", "--reps", "1", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "results.json").read_text())
     assert {row["target"] for row in result["targets"]} == set("abcdefghij") | {
+        "cascade",
+        "tree",
         "varlen",
         "split-kv",
         "doc-mask",

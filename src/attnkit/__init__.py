@@ -9,6 +9,7 @@ from attnkit import backends, masks, trace
 from attnkit.attention import attention
 from attnkit.backends import available_backends, register_backend
 from attnkit.block_mask import BlockMask, create_block_mask
+from attnkit.cascade import cascade_attention
 from attnkit.document_mask import document_block_mask
 from attnkit.kv_cache import KVCache
 from attnkit.masks import causal_mask
@@ -21,12 +22,14 @@ from attnkit.modules import (
     SimplifiedSelfAttention,
     load_seed_state_dict,
 )
+from attnkit.tree import DraftTree, build_tree, tree_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BlockMask",
     "CausalAttention",
+    "DraftTree",
     "KVCache",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
@@ -37,6 +40,8 @@ __all__ = [
     "attention",
     "available_backends",
     "backends",
+    "build_tree",
+    "cascade_attention",
     "causal_mask",
     "create_block_mask",
     "document_block_mask",
@@ -44,4 +49,5 @@ __all__ = [
     "masks",
     "register_backend",
     "trace",
+    "tree_attention",
 ]
