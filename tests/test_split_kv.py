@@ -98,3 +98,29 @@ def test_decode_gradients_through_split_forward():
     want = torch.autograd.grad((ref * g).sum(), (q, k, v))
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a.double(), b.double(), atol=2e-5, rtol=1e-4)
+
+
+def test_auto_sends_long_decode_steps_to_the_kernel(monkeypatch):
+    """``auto`` runs a decode step against >= DECODE_MIN_KEYS keys on the native kernel
+    (split-KV), and leaves short caches, gradients and prefills to the others."""
+    from attnkit.backends import blockwise
+
+    seen: list[tuple] = []
+    original = native.forward
+
+    def spy(plan, q, k, v):
+        seen.append((plan.t, plan.s))
+        return original(plan, q, k, v)
+
+    monkeypatch.setattr(native, "forward", spy)
+    long_keys = blockwise.DECODE_MIN_KEYS
+    q, k, v = decode_case(1, 8, 2, long_keys)  # 4 rows per kv head: a decode step
+    out = attention(q, k, v)
+    assert seen == [(1, long_keys)]
+    ref, _ = ref_attention_lse(q, k, v)
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
+    seen.clear()
+    attention(*decode_case(1, 8, 2, 1024))  # a short cache: SDPA
+    attention(q.requires_grad_(), k, v)  # gradients wanted: as before
+    attention(*decode_case(4, 8, 2, long_keys))  # 16 rows per kv head: as before
+    assert seen == []
