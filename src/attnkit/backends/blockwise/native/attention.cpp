@@ -948,9 +948,8 @@ Code forward_call(const Args &a) {
   });
 }
 
-// The backward of one call (see the file's head).
-Code backward_call(const Args &a, const Grads &g) {
-  BackOperands ops;
+// The keys and values a backward reads, packed (per call, or per sequence of a varlen call).
+Code pack_backward(const Args &a, BackOperands &ops) {
   if (a.dtype == DT_BF16) {
 #if defined(ATTNKIT_BF16)
     if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, dim_pairs, ops.kp)) return err;
@@ -965,6 +964,13 @@ Code backward_call(const Args &a, const Grads &g) {
     if (Code err = pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, transposed, ops.vt)) return err;
     ops.chunks = ops.kt.chunks;
   }
+  return OK;
+}
+
+// The backward of one call (see the file's head).
+Code backward_call(const Args &a, const Grads &g) {
+  BackOperands ops;
+  if (Code err = pack_backward(a, ops)) return err;
   const int64_t groups = key_groups(a, ops.chunks);
   std::unique_ptr<float[]> dq_part(new float[groups * a.B * a.H * a.T * a.D]);
   Code err = parallel<BackScratch>(a, a.B * a.HKV * groups, [&](BackScratch &w, int64_t it) {
@@ -1054,16 +1060,58 @@ Code forward_varlen(const Args &a) {
   });
 }
 
+// As forward_varlen: every sequence's keys packed in one parallel call, then one call over
+// the (sequence, kv head, key group) items, then the dQ partials summed in group order;
+// the groups of a sequence depend on its shapes alone.
 Code backward_varlen(const Args &a, const Grads &g) {
-  const int64_t el = a.dtype == DT_BF16 ? 2 : 4;
-  for (int64_t n = 0; n < a.nseq; ++n) {
-    const Args s = sequence(a, n);
-    const int64_t q0 = a.cu_q[n], k0 = a.cu_k[n];
-    const Grads gs{moved(g.dout, a.H * q0 * a.DV, el), g.delta + a.H * q0,
-                   g.dq + a.H * q0 * a.D, g.dk + a.HKV * k0 * a.D, g.dv + a.HKV * k0 * a.DV};
-    if (Code err = backward_call(s, gs)) return err;
+  const int64_t n = a.nseq, el = a.dtype == DT_BF16 ? 2 : 4;
+  std::vector<Args> seq(n);
+  std::vector<Grads> grads(n);
+  std::vector<BackOperands> ops(n);
+  for (int64_t i = 0; i < n; ++i) {
+    seq[i] = sequence(a, i);
+    const int64_t q0 = a.cu_q[i], k0 = a.cu_k[i];
+    grads[i] = Grads{moved(g.dout, a.H * q0 * a.DV, el), g.delta + a.H * q0,
+                     g.dq + a.H * q0 * a.D, g.dk + a.HKV * k0 * a.D, g.dv + a.HKV * k0 * a.DV};
   }
-  return OK;
+  std::atomic<int> packed{OK};
+  if (Code err = parallel<NoState>(a, n, [&](NoState &, int64_t i) {
+        Args one = seq[i];
+        one.threads = 1;
+        if (Code e = pack_backward(one, ops[i])) packed = e;
+      }))
+    return err;
+  if (packed.load() != OK) return Code(packed.load());
+  // per sequence: its groups, its first work item, its dQ partials' offset and row blocks
+  constexpr int64_t PER = 256;  // dQ rows summed per item
+  std::vector<int64_t> groups(n), first(n + 1, 0), part(n + 1, 0), rows_first(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t rows = a.H * seq[i].T;
+    groups[i] = key_groups(seq[i], ops[i].chunks);
+    first[i + 1] = first[i] + a.HKV * groups[i];
+    part[i + 1] = part[i] + groups[i] * rows * a.D;
+    rows_first[i + 1] = rows_first[i] + (rows + PER - 1) / PER;
+  }
+  std::unique_ptr<float[]> dq_part(new float[part[n]]);
+  auto which = [](const std::vector<int64_t> &starts, int64_t it) {
+    return int64_t(std::upper_bound(starts.begin(), starts.end(), it) - starts.begin() - 1);
+  };
+  Code err = parallel<BackScratch>(a, first[n], [&](BackScratch &w, int64_t it) {
+    const int64_t i = which(first, it), at = it - first[i];
+    backward_group(seq[i], grads[i], ops[i], 0, at / groups[i], at % groups[i], groups[i],
+                   dq_part.get() + part[i], w);
+  });
+  if (err) return err;
+  return parallel<NoState>(a, rows_first[n], [&](NoState &, int64_t it) {
+    const int64_t i = which(rows_first, it), block = it - rows_first[i];
+    const int64_t rows = a.H * seq[i].T, stride = rows * a.D;
+    const int64_t from = block * PER * a.D, to = std::min(rows, (block + 1) * PER) * a.D;
+    const float *src = dq_part.get() + part[i];
+    float *dq = grads[i].dq;
+    std::copy(src + from, src + to, dq + from);
+    for (int64_t grp = 1; grp < groups[i]; ++grp)
+      for (int64_t x = from; x < to; ++x) dq[x] += src[grp * stride + x];
+  });
 }
 
 }  // namespace
