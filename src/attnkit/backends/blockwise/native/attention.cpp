@@ -145,6 +145,10 @@ class Pool {
     wake_.notify_all();
     body();
     std::unique_lock<std::mutex> lock(mu_);
+    // (varlen) slots no worker has taken yet are withdrawn: the work is done, so a worker
+    // the OS has not scheduled (a busy machine) is not waited for
+    running_ -= slots_;
+    slots_ = 0;
     done_.wait(lock, [this] { return running_ == 0; });
     body_ = nullptr;
   }
