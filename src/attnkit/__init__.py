@@ -10,6 +10,7 @@ from attnkit.attention import attention, explain_dispatch
 from attnkit.backends import available_backends, register_backend
 from attnkit.block_mask import BlockMask, create_block_mask
 from attnkit.cascade import cascade_attention
+from attnkit.document_mask import document_block_mask
 from attnkit.kv_cache import KVCache
 from attnkit.masks import causal_mask
 from attnkit.modules import (
@@ -44,6 +45,7 @@ __all__ = [
     "causal_mask",
     "create_block_mask",
     "explain_dispatch",
+    "document_block_mask",
     "load_seed_state_dict",
     "masks",
     "register_backend",

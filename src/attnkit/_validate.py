@@ -7,6 +7,7 @@ returns the value, normalised, or raises ``TypeError`` (wrong type) / ``ValueErr
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable
 from typing import Any, Literal, TypeVar, cast, overload
@@ -20,10 +21,13 @@ __all__ = [
     "check_backend",
     "check_bool",
     "check_choice",
+    "check_cu_seqlens",
     "check_float",
     "check_float_dtype",
     "check_int",
+    "check_max_seqlen",
     "check_optional_int",
+    "check_packed_qkv",
     "check_parents",
     "check_positions",
     "check_probability",
@@ -245,3 +249,75 @@ def check_parents(value: Any, name: str = "parents") -> list[int]:
                 "-1 marks a root)"
             )
     return parents
+
+
+def check_cu_seqlens(value: Any, name: str, total: int) -> list[int]:
+    """Cumulative sequence lengths of a packed batch (flash-attn's ``cu_seqlens``): a 1-D
+    int32/int64 tensor ``[0, l_0, l_0 + l_1, ..., total]`` of at least two entries,
+    non-decreasing, starting at 0 and ending at ``total`` (the packed tensor's first dim).
+    Returns the offsets as Python ints (read once)."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be an int32 or int64 tensor, got {value.dtype}")
+    if value.dim() != 1 or value.numel() < 2:
+        raise ValueError(
+            f"{name} must be 1-D with at least 2 entries (batch + 1), got shape "
+            f"{tuple(value.shape)}"
+        )
+    offsets = [int(x) for x in value.tolist()]
+    if offsets[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {offsets[0]}")
+    for i, (a, b) in enumerate(itertools.pairwise(offsets)):
+        if b < a:
+            raise ValueError(
+                f"{name} must be non-decreasing, got {name}[{i}] = {a} > {name}[{i + 1}] = {b}"
+            )
+    if offsets[-1] != total:
+        raise ValueError(
+            f"{name}[-1] ({offsets[-1]}) must equal the packed tensor's total tokens ({total})"
+        )
+    return offsets
+
+
+def check_max_seqlen(value: Any, name: str, offsets: list[int]) -> int:
+    """``max_seqlen``: None (computed) or an int at least every length of ``offsets``."""
+    longest = max((b - a for a, b in itertools.pairwise(offsets)), default=0)
+    if value is None:
+        return longest
+    value = check_int(value, name, minimum=0)
+    if value < longest:
+        raise ValueError(f"{name} ({value}) is less than the longest sequence ({longest})")
+    return value
+
+
+def check_packed_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Packed ``(total, heads, head_dim)`` query, key and value of a variable-length call:
+    float tensors of one dtype and device, key/value heads dividing the query heads."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must have a floating dtype, got {t.dtype}")
+        if t.dim() != 3:
+            raise ValueError(
+                f"with cu_seqlens, {name} must be packed (total_tokens, heads, head_dim), got "
+                f"shape {tuple(t.shape)}"
+            )
+        if t.dtype != query.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but query has {query.dtype}")
+        if t.device != query.device:
+            raise ValueError(f"{name} is on {t.device} but query is on {query.device}")
+    if query.shape[-1] != key.shape[-1] or query.shape[-1] == 0 or value.shape[-1] == 0:
+        raise ValueError(
+            f"query head_dim ({query.shape[-1]}) must equal key head_dim ({key.shape[-1]}) "
+            f"and be >= 1, value head_dim >= 1 (got {value.shape[-1]})"
+        )
+    if key.shape[:2] != value.shape[:2]:
+        raise ValueError(
+            f"key and value must agree in tokens and heads, got {tuple(key.shape)} and "
+            f"{tuple(value.shape)}"
+        )
+    h_q, h_kv = query.shape[1], key.shape[1]
+    if h_kv == 0 or h_q % h_kv:
+        raise ValueError(f"query heads ({h_q}) must be a multiple of key/value heads ({h_kv})")

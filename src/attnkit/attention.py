@@ -33,6 +33,7 @@ from attnkit.masks import (
     reachable_keys,
     removed_keys,
 )
+from attnkit.varlen import varlen_attention
 
 __all__ = ["attention", "explain_dispatch"]
 
@@ -56,6 +57,10 @@ def attention(
     sinks: torch.Tensor | None = ...,
     return_lse: Literal[False] = ...,
     backend: str = ...,
+    cu_seqlens_q: torch.Tensor | None = ...,
+    cu_seqlens_k: torch.Tensor | None = ...,
+    max_seqlen_q: int | None = ...,
+    max_seqlen_k: int | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -77,6 +82,10 @@ def attention(
     sinks: torch.Tensor | None = ...,
     return_lse: Literal[False] = ...,
     backend: str = ...,
+    cu_seqlens_q: torch.Tensor | None = ...,
+    cu_seqlens_k: torch.Tensor | None = ...,
+    max_seqlen_q: int | None = ...,
+    max_seqlen_k: int | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -98,6 +107,10 @@ def attention(
     sinks: torch.Tensor | None = ...,
     return_lse: Literal[True],
     backend: str = ...,
+    cu_seqlens_q: torch.Tensor | None = ...,
+    cu_seqlens_k: torch.Tensor | None = ...,
+    max_seqlen_q: int | None = ...,
+    max_seqlen_k: int | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
@@ -119,6 +132,10 @@ def attention(
     sinks: torch.Tensor | None = ...,
     return_lse: Literal[True],
     backend: str = ...,
+    cu_seqlens_q: torch.Tensor | None = ...,
+    cu_seqlens_k: torch.Tensor | None = ...,
+    max_seqlen_q: int | None = ...,
+    max_seqlen_k: int | None = ...,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
@@ -140,6 +157,10 @@ def attention(
     sinks: torch.Tensor | None = ...,
     return_lse: bool = ...,
     backend: str = ...,
+    cu_seqlens_q: torch.Tensor | None = ...,
+    cu_seqlens_k: torch.Tensor | None = ...,
+    max_seqlen_q: int | None = ...,
+    max_seqlen_k: int | None = ...,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]: ...
 
 
@@ -160,6 +181,10 @@ def attention(
     sinks: torch.Tensor | None = None,
     return_lse: bool = False,
     backend: str = "auto",
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Scaled dot-product attention: ``softmax(query @ key^T * scale + mask) @ value``.
 
@@ -198,6 +223,16 @@ def attention(
             masked scores ``(..., h_q, l_q)`` (sinks included; ``-inf`` on a row with
             no key and no sink), float32 for half inputs; differentiable.
         backend: ``"auto"`` or a name from :func:`attnkit.backends.available_backends`.
+        cu_seqlens_q: a packed batch of variable-length sequences (flash-attn's
+            ``flash_attn_varlen_func``): int32/int64 ``(n + 1,)`` offsets of each
+            sequence's queries in a packed ``query (total_q, h_q, d)`` (``key``/``value``
+            then ``(total_k, h_kv, d)``). Each sequence attends to its own keys only, as a
+            call of its own (causal aligned per sequence; mods see per-sequence positions
+            and ``b`` = the sequence index); ``mask``, ``block_mask`` and ``need_weights``
+            are not taken. See :mod:`attnkit.varlen`.
+        cu_seqlens_k: the same for the keys (given together with ``cu_seqlens_q``).
+        max_seqlen_q, max_seqlen_k: the longest query / key sequence (checked against
+            the offsets; computed when None).
 
     Returns:
         The context tensor ``(..., h_q, l_q, d_v)``; with ``need_weights`` and/or
@@ -212,6 +247,14 @@ def attention(
             that does not broadcast, a bad ``dropout_p``, ``scale`` or backend name, or a
             backend that cannot honour the request.
     """
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        return _packed(
+            query, key, value, mask=mask, need_weights=need_weights, block_mask=block_mask,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, causal=causal, scale=scale, dropout_p=dropout_p,
+            window=window, mask_mod=mask_mod, score_mod=score_mod, sinks=sinks,
+            return_lse=return_lse, backend=backend,
+        )  # fmt: skip
     call, name = _make_call(
         query, key, value, mask=mask, causal=causal, scale=scale, dropout_p=dropout_p,
         need_weights=need_weights, window=window, mask_mod=mask_mod, score_mod=score_mod,
@@ -324,6 +367,35 @@ def explain_dispatch(
     lines.append(f"backend: {chosen.name}")
     lines += explain_call(call, chosen.name)
     return "\n".join(lines)
+
+
+def _packed(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    mask: torch.Tensor | None,
+    need_weights: bool,
+    block_mask: BlockMask | None,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    **kwargs: Any,
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """A packed variable-length call (:mod:`attnkit.varlen`): what it does not take refused."""
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        missing = "cu_seqlens_k" if cu_seqlens_k is None else "cu_seqlens_q"
+        raise ValueError(f"{missing} is None: cu_seqlens_q and cu_seqlens_k go together")
+    for name, given in (("mask", mask), ("block_mask", block_mask)):
+        if given is not None:
+            raise ValueError(
+                f"{name} is not taken with cu_seqlens (a packed batch): write it as a "
+                "mask_mod, which sees each sequence's own positions"
+            )
+    if check_bool(need_weights, "need_weights"):
+        raise ValueError("need_weights=True is not taken with cu_seqlens (a packed batch)")
+    return varlen_attention(
+        query, key, value, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, **kwargs
+    )
 
 
 def _check_qkv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:

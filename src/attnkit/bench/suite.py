@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from attnkit.backends.blockwise import native
-from attnkit.bench import cascade_tree, kernel_layer, peers
+from attnkit.bench import cascade_tree, kernel_layer, peers, varlen
 from attnkit.bench.timing import DTYPES, Case, time_case, time_cases
 
 
@@ -236,7 +236,7 @@ def run_suite(
     todo = [c for group in "abce" for c in targets[group]]
     grid_list = grid_cases(quick) if grid else []
     bar = tqdm(
-        total=len(todo) + len(grid_list) + 6,
+        total=len(todo) + len(grid_list) + 7,
         desc="attnkit bench" + (" (smoke run)" if quick else ""),
         unit="case",
         disable=quiet,
@@ -259,6 +259,10 @@ def run_suite(
     bar.set_postfix_str("cascade and tree verification targets")
     layer_rows += cascade_tree.time_targets(serving, reps)
     bar.update(2)
+    packed = varlen.target_cases(quick)  # packed batches, split-KV decoding, document masks
+    bar.set_postfix_str("packed batches, split-KV decoding, document masks")
+    layer_rows += varlen.time_targets(packed, reps, quick)
+    bar.update()
     for case in grid_list:
         bar.set_postfix_str(f"{case.impl} t={case.t}{' bwd' if case.backward else ''}")
         time_case(case, 1 if case.t >= 8192 else reps, _build)
@@ -270,7 +274,8 @@ def run_suite(
         "quick": quick,
         "targets": ratios(targets) + layer_rows,
         "target_cases": {
-            g: [asdict(c) for c in cs] for g, cs in {**targets, **layer, **serving}.items()
+            g: [asdict(c) for c in cs]
+            for g, cs in {**targets, **layer, **serving, **packed}.items()
         },
         "grid": [asdict(c) for c in grid_list],
     }

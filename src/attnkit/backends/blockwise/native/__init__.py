@@ -21,6 +21,11 @@ cannot be, nothing changes but speed. float32 arithmetic; bf16 inputs on an avx5
 build compute every product with bf16 products (float32 softmax and sums), forward and
 backward, and are upcast on other builds; float16 is upcast, float64 runs on torch's
 kernel.
+
+A decode step (at most 8 query rows per key/value head) reads the keys and values where
+they are (bf16 ones converted as read, products in float32) instead of packing them, and
+a call with few query blocks splits its keys into ranges merged by their log-sum-exps
+(split-KV decoding; :data:`KV_SPLITS`; docs/serving.md).
 """
 
 from __future__ import annotations
@@ -54,6 +59,10 @@ BLOCK_Q = 128
 #: Keys per chunk inside the kernel (``KC`` in attention.cpp); the relative bias vector
 #: is padded to whole chunks.
 KEY_CHUNK = 64
+#: Split-KV decoding (attention.cpp's ``kv_splits``): 0 = the kernel cuts the keys of a
+#: call with few query blocks into ranges chosen from the shapes alone (every thread count
+#: gives the same bits), 1 = never; tests set it to compare the two.
+KV_SPLITS = 0
 #: ``mask_kind`` of attention.cpp.
 _MASK_BOOL, _MASK_FLOAT = 1, 2
 
@@ -250,6 +259,7 @@ def _args(plan: TilePlan, q, k, v, out, lse) -> tuple[abi.Args, list[object]]:
         args.mod_ctx = call.address
     args.threads = torch.get_num_threads()
     args.dtype = abi.DT_BF16 if q.dtype == torch.bfloat16 else abi.DT_F32
+    args.kv_splits = KV_SPLITS
     return args, keep_alive
 
 

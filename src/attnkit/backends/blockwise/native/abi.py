@@ -14,7 +14,7 @@ import ctypes
 __all__ = ["ABI_VERSION", "CODES", "DT_BF16", "DT_F32", "Args", "Grads", "check", "typed"]
 
 #: ``ABI_VERSION`` of attention.cpp: bumped whenever ``Args`` or ``Grads`` change.
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 #: attention.cpp's return codes (``enum Code``) that the binding treats apart.
 OK, NO_MEMORY = 0, 4
@@ -65,6 +65,12 @@ class Args(ctypes.Structure):
         ("mod_ctx", _P),
         ("mod_ngrad", _I),
         ("mod_dgrad", _P),
+        # packed variable-length batches and split-KV decoding (attention.cpp, "varlen")
+        ("cu_q", _P),
+        ("cu_k", _P),
+        ("nseq", _I),
+        ("varlen_align", _I),
+        ("kv_splits", _I),
     ]
 
 

@@ -43,6 +43,7 @@
 #include <pthread.h>
 #include <system_error>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "simd.h"
@@ -60,7 +61,7 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int8_t EMPTY = 0, PARTIAL = 1, FULL = 2;  // attnkit.block_mask's kinds
 
 // Bumped whenever Args or Grads change; native/__init__.py checks it and the sizes at load.
-constexpr int64_t ABI_VERSION = 4;
+constexpr int64_t ABI_VERSION = 5;
 
 enum Code : int {
   OK = 0,
@@ -110,6 +111,19 @@ struct Args {
   const void *mod_ctx;
   int64_t mod_ngrad;
   double *mod_dgrad;
+  // -- packed variable-length batches and split-KV decoding (feature "varlen") --
+  // nseq > 0: q, k, v, out hold nseq sequences packed along t (B = 1): sequence n has the
+  // queries cu_q[n] .. cu_q[n + 1] and the keys cu_k[n] .. cu_k[n + 1], attends only to its
+  // own keys, and sees the band shifted by len_k - len_q when varlen_align is 1 (causal
+  // aligned bottom-right per sequence). lse, Grads.dout, delta and dq are laid out
+  // sequence by sequence, each (H, len_q[, D]) block at H * cu_q[n] rows; dk, dv likewise
+  // (HKV, len_k, D) at HKV * cu_k[n]. Work items are (sequence, head, query block).
+  const int64_t *cu_q, *cu_k;
+  int64_t nseq, varlen_align;
+  // Split-KV (flash-decoding): the forward's keys cut into kv_splits ranges computed as
+  // separate work items and merged by their log-sum-exps in a fixed order (0: chosen from
+  // the shapes alone, so every thread count gives the same bits; 1: no split).
+  int64_t kv_splits;
 };
 
 // The gradients' tensors (contiguous: (B, H, T, DV), (B, H, T), (B, H, T, D),
@@ -146,6 +160,10 @@ class Pool {
     wake_.notify_all();
     body();
     std::unique_lock<std::mutex> lock(mu_);
+    // (varlen) slots no worker has taken yet are withdrawn: the work is done, so a worker
+    // the OS has not scheduled (a busy machine) is not waited for
+    running_ -= slots_;
+    slots_ = 0;
     done_.wait(lock, [this] { return running_ == 0; });
     body_ = nullptr;
   }
@@ -444,6 +462,7 @@ struct Scratch {
 // packed in bf16 pairs.
 struct Operands {
   Packed<float> kt;
+  bool direct = false;  // (varlen) few rows: float32 keys read in place, kt not packed
 #if defined(ATTNKIT_BF16)
   Packed<uint16_t> kp, vp;
 #endif
@@ -515,9 +534,76 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
   }
 }
 
+// (feature "varlen": split-KV decoding) The chunk's scores of `rows` query rows as dot
+// products with the keys where they are (kh: the head's keys): a decode step reads each
+// key once, so packing the keys first would cost as much as the product. Columns outside
+// [lo, hi) are 0 (the mask drops them).
+constexpr int64_t DIRECT_MAX_ROWS = 8;  // query rows per kv head up to which keys stay in place
+
+inline float as_f32(float x) { return x; }
+inline float as_f32(uint16_t x) {  // bf16: the high half of a float32
+  const uint32_t bits = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+template <class T>
+inline vf load_f32(const T *p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return simd::load(p);
+  } else {
+    float buf[W];
+    for (int i = 0; i < W; ++i) buf[i] = as_f32(p[i]);
+    return simd::load(buf);
+  }
+}
+
+// T: float, or uint16_t for bf16 inputs (computed in float32).
+template <class T>
+void direct_scores(const Args &a, const T *kh, const T *q, int64_t rows, const Chunk &c,
+                   float *s) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T *qr = q + r * a.sq_t;
+    float *sr = s + r * KC;
+    for (int64_t j = 0; j < KC; ++j) {
+      if (j < c.lo || j >= c.hi) {
+        sr[j] = 0.0f;
+        continue;
+      }
+      const T *kr = kh + (c.c0 + j) * a.sk_t;
+      vf acc = simd::splat(0.0f);
+      int64_t d = 0;
+      for (; d + W <= a.D; d += W) acc += load_f32(qr + d) * load_f32(kr + d);
+      float x = simd::hsum(acc);
+      for (; d < a.D; ++d) x += as_f32(qr[d]) * as_f32(kr[d]);
+      sr[j] = x;
+    }
+  }
+}
+
+// o (rows x DV) = alpha o + P V over the chunk's columns [lo, hi), bf16 values where they
+// are (p: the float32 weights, rows of KC).
+void direct_pv_bf16(const Args &a, const uint16_t *vh, const float *p, int64_t rows,
+                    const Chunk &c, float *o, const float *alpha) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float *orow = o + r * a.DV;
+    const vf al = simd::splat(alpha[r]);
+    for (int64_t d = 0; d < a.DV; d += W) simd::store(orow + d, simd::load(orow + d) * al);
+    for (int64_t j = c.lo; j < c.hi; ++j) {
+      const float pj = p[r * KC + j];
+      if (pj == 0.0f) continue;
+      const vf pv = simd::splat(pj);
+      const uint16_t *vr = vh + (c.c0 + j) * a.sv_t;
+      for (int64_t d = 0; d < a.DV; d += W)
+        simd::store(orow + d, simd::load(orow + d) + pv * load_f32(vr + d));
+    }
+  }
+}
+
 // One block of query rows [i0, i1) of batch b, head h.
+// (Split-KV: only the key chunks [cmin, cmax], normalised over them.)
 void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int64_t i0,
-                   int64_t i1, Scratch &w) {
+                   int64_t i1, Scratch &w, int64_t cmin, int64_t cmax) {
   const int64_t rows = i1 - i0;
   const int64_t hk = h / (a.H / a.HKV);
   const float *qh = a.q + b * a.sq_b + h * a.sq_h;
@@ -528,15 +614,27 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
   std::fill(w.l.begin(), w.l.begin() + rows * W, 0.0f);
   std::fill(w.l_blk.begin(), w.l_blk.begin() + rows * W, 0.0f);
   int64_t seen = 0;
+  Args as_float32 = a;  // (a bf16 decode step: its softmax leaves float32 weights)
+  as_float32.dtype = DT_F32;
   auto gather = [&]() {  // o += o_blk, l += l_blk
     for (int64_t n = 0; n < rows * a.DV; ++n) w.o[n] += w.o_blk[n];
     std::fill(w.o_blk.begin(), w.o_blk.begin() + rows * a.DV, 0.0f);
     for (int64_t n = 0; n < rows * W; ++n) w.l[n] += w.l_blk[n];
     std::fill(w.l_blk.begin(), w.l_blk.begin() + rows * W, 0.0f);
   };
-  for_each_chunk(a, b, h, i0, i1, 0, ops.chunks() - 1, w.keep.data(), [&](const Chunk &c) {
+  for_each_chunk(a, b, h, i0, i1, cmin, cmax, w.keep.data(), [&](const Chunk &c) {
     const int64_t nr = c.r1 - c.r0;
     float *s = w.s.data() + c.r0 * KC;
+    if (ops.direct && a.dtype == DT_BF16) {  // a decode step's bf16: float32 products
+      const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
+      const uint16_t *k16 = reinterpret_cast<const uint16_t *>(a.k) + b * a.sk_b + hk * a.sk_h;
+      const uint16_t *v16 = reinterpret_cast<const uint16_t *>(a.v) + b * a.sv_b + hk * a.sv_h;
+      direct_scores(a, k16, q16 + (i0 + c.r0) * a.sq_t, nr, c, s);
+      softmax(as_float32, b, h, i0, c, w);
+      direct_pv_bf16(a, v16, s, nr, c, w.o_blk.data() + c.r0 * a.DV, w.alpha.data() + c.r0);
+      if (++seen % SUPER == 0) gather();
+      return;
+    }
 #if defined(ATTNKIT_BF16)
     if (a.dtype == DT_BF16) {
       const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
@@ -553,8 +651,11 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       return;
     }
 #endif
-    simd::gemm<false>(s, KC, nr, KC, qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1,
-                      ops.kt.chunk(a, b, hk, c.ci), KC, a.D, nullptr);
+    if (ops.direct)
+      direct_scores(a, a.k + b * a.sk_b + hk * a.sk_h, qh + (i0 + c.r0) * a.sq_t, nr, c, s);
+    else
+      simd::gemm<false>(s, KC, nr, KC, qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1,
+                        ops.kt.chunk(a, b, hk, c.ci), KC, a.D, nullptr);
     softmax(a, b, h, i0, c, w);
     simd::gemm<true>(w.o_blk.data() + c.r0 * a.DV, a.DV, nr, a.DV, s + c.lo, KC, 1,
                      vh + (c.c0 + c.lo) * a.sv_t, a.sv_t, c.hi - c.lo, w.alpha.data() + c.r0);
@@ -777,6 +878,292 @@ int guarded(F f) {
   }
 }
 
+// The keys and values a forward reads, packed (per call, or per sequence of a varlen call).
+Code pack_forward(const Args &a, Operands &ops) {
+#if !defined(ATTNKIT_BF16)
+  if (a.dtype == DT_BF16) return BAD_DTYPE;
+#endif
+  if (a.T * (a.H / a.HKV) <= DIRECT_MAX_ROWS) {  // a decode step: keys read in place
+    ops.direct = true;
+    ops.kt.chunks = (a.S + KC - 1) / KC;
+    return OK;
+  }
+  if (a.dtype == DT_BF16) {
+#if defined(ATTNKIT_BF16)
+    if (a.D % 2) return BAD_SHAPE;
+    if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, dim_pairs, ops.kp)) return err;
+    return pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, key_pairs, ops.vp);
+#else
+    return BAD_DTYPE;
+#endif
+  }
+  return pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, transposed, ops.kt);
+}
+
+// ---------------------------------------------------------------------------------------
+// Split-KV decoding (feature "varlen"). A call with few query blocks (a decode step: one
+// or a few queries against a long cache) has fewer work items than cores: its key chunks
+// are cut into `splits` ranges, each (batch, head, query block, range) is one work item
+// normalised over its own keys, and the partial rows are merged by their log-sum-exps in
+// range order (the merge of backends/blockwise/merge.py, written out per row). The number
+// of ranges depends on the shapes alone, never on the threads: every thread count gives
+// the same bits.
+// ---------------------------------------------------------------------------------------
+
+constexpr int64_t SPLIT_ITEMS = 32;        // work items a split call aims at
+constexpr int64_t SPLIT_MIN_CHUNKS = 16;   // key chunks per range at least (1024 keys)
+
+int64_t kv_splits(const Args &a, int64_t work, int64_t chunks) {
+  int64_t splits = a.kv_splits;
+  if (splits <= 0)
+    splits = work >= SPLIT_ITEMS ? 1 : std::min((SPLIT_ITEMS + work - 1) / work, chunks / SPLIT_MIN_CHUNKS);
+  return std::max<int64_t>(1, std::min(splits, chunks));
+}
+
+Code forward_split(const Args &a, const Operands &ops, int64_t nq, int64_t splits) {
+  const int64_t chunks = ops.chunks(), work = a.B * a.H * nq, rows = a.B * a.H * a.T;
+  std::unique_ptr<float[]> po(new float[splits * rows * a.DV]), pl(new float[splits * rows]);
+  std::vector<Args> part(splits, a);  // range r writes its rows to po, pl (B, H, T[, DV])
+  for (int64_t r = 0; r < splits; ++r) {
+    part[r].out = po.get() + r * rows * a.DV;
+    part[r].so_b = a.H * a.T * a.DV, part[r].so_h = a.T * a.DV, part[r].so_t = a.DV;
+    part[r].lse = pl.get() + r * rows;
+  }
+  Code err = parallel<Scratch>(a, splits * work, [&](Scratch &w, int64_t it) {
+    const int64_t r = it / work, qi = (it % work) % nq, bh = (it % work) / nq;
+    const int64_t i0 = qi * a.bq, i1 = std::min(a.T, i0 + a.bq);
+    forward_block(part[r], ops, bh / a.H, bh % a.H, i0, i1, w, r * chunks / splits,
+                  (r + 1) * chunks / splits - 1);
+  });
+  if (err) return err;
+  return parallel<NoState>(a, rows, [&](NoState &, int64_t row) {
+    const int64_t b = row / (a.H * a.T), h = (row / a.T) % a.H, i = row % a.T;
+    float *o = a.out + b * a.so_b + h * a.so_h + i * a.so_t;
+    float m = NEG_INF;
+    bool nan = false;
+    for (int64_t r = 0; r < splits; ++r) {
+      const float x = pl[r * rows + row];
+      nan |= std::isnan(x);
+      m = std::max(m, x);
+    }
+    if (nan || m == NEG_INF) {  // a NaN stays NaN; no key anywhere: zeros and -inf
+      const float fill = nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
+      std::fill(o, o + a.DV, fill);
+      a.lse[row] = nan ? fill : NEG_INF;
+      return;
+    }
+    float l = 0.0f;
+    std::fill(o, o + a.DV, 0.0f);
+    for (int64_t r = 0; r < splits; ++r) {
+      const float e = std::exp(pl[r * rows + row] - m);  // 0 for an empty range
+      if (e == 0.0f) continue;
+      l += e;
+      const float *src = po.get() + (r * rows + row) * a.DV;
+      for (int64_t d = 0; d < a.DV; ++d) o[d] += e * src[d];
+    }
+    const float inv = 1.0f / l;
+    for (int64_t d = 0; d < a.DV; ++d) o[d] *= inv;
+    a.lse[row] = m + std::log(l);
+  });
+}
+
+// One forward call (B, H, T) x (B, HKV, S): pack, then (batch, head, query block) items,
+// or split-KV items where those are too few.
+Code forward_call(const Args &a) {
+  Operands ops;
+  if (Code err = pack_forward(a, ops)) return err;
+  const int64_t nq = (a.T + a.bq - 1) / a.bq;  // query blocks per (batch, head)
+  const int64_t splits = kv_splits(a, a.B * a.H * nq, ops.chunks());
+  if (splits > 1) return forward_split(a, ops, nq, splits);
+  return parallel<Scratch>(a, a.B * a.H * nq, [&](Scratch &w, int64_t it) {
+    const int64_t qi = it % nq, bh = it / nq;
+    const int64_t i0 = qi * a.bq, i1 = std::min(a.T, i0 + a.bq);
+    forward_block(a, ops, bh / a.H, bh % a.H, i0, i1, w, 0, ops.chunks() - 1);
+  });
+}
+
+// The keys and values a backward reads, packed (per call, or per sequence of a varlen call).
+Code pack_backward(const Args &a, BackOperands &ops) {
+  if (a.dtype == DT_BF16) {
+#if defined(ATTNKIT_BF16)
+    if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, dim_pairs, ops.kp)) return err;
+    if (Code err = pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, dim_pairs, ops.vp)) return err;
+    if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, key_pairs, ops.kj)) return err;
+    ops.chunks = ops.kp.chunks;
+#else
+    return BAD_DTYPE;
+#endif
+  } else {
+    if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, transposed, ops.kt)) return err;
+    if (Code err = pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, transposed, ops.vt)) return err;
+    ops.chunks = ops.kt.chunks;
+  }
+  return OK;
+}
+
+// The backward of one call (see the file's head).
+Code backward_call(const Args &a, const Grads &g) {
+  BackOperands ops;
+  if (Code err = pack_backward(a, ops)) return err;
+  const int64_t groups = key_groups(a, ops.chunks);
+  std::unique_ptr<float[]> dq_part(new float[groups * a.B * a.H * a.T * a.D]);
+  const int64_t tasks = a.B * a.HKV * groups;
+  const int64_t ngrad = a.mod_backward && a.mod_dgrad ? a.mod_ngrad : 0;
+  std::unique_ptr<double[]> dgrad_part(ngrad ? new double[tasks * ngrad] : nullptr);
+  Code err = parallel<BackScratch>(a, tasks, [&](BackScratch &w, int64_t it) {
+    const int64_t grp = it % groups, bh = it / groups;
+    backward_group(a, g, ops, bh / a.HKV, bh % a.HKV, grp, groups, dq_part.get(), w,
+                   ngrad ? dgrad_part.get() + it * ngrad : nullptr);
+  });
+  if (err) return err;
+  if (ngrad) {  // a compiled score_mod's captured-tensor gradients: tasks summed in order
+    const int64_t per = 4096, n = (ngrad + per - 1) / per;
+    err = parallel<NoState>(a, n, [&](NoState &, int64_t it) {
+      const int64_t from = it * per, to = std::min(ngrad, from + per);
+      for (int64_t x = from; x < to; ++x) {
+        double total = 0.0;
+        for (int64_t t = 0; t < tasks; ++t) total += dgrad_part[t * ngrad + x];
+        a.mod_dgrad[x] = total;
+      }
+    });
+    if (err) return err;
+  }
+  // dQ = the groups' partials summed in group order, rows in parallel
+  const int64_t rows = a.B * a.H * a.T, per = 256, n = (rows + per - 1) / per;
+  const int64_t stride = a.B * a.H * a.T * a.D;
+  return parallel<NoState>(a, n, [&](NoState &, int64_t it) {
+    const int64_t from = it * per * a.D, to = std::min(rows, (it + 1) * per) * a.D;
+    float *dq = g.dq;
+    std::copy(dq_part.get() + from, dq_part.get() + to, dq + from);
+    for (int64_t grp = 1; grp < groups; ++grp) {
+      const float *src = dq_part.get() + grp * stride;
+      for (int64_t x = from; x < to; ++x) dq[x] += src[x];
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// Packed variable-length batches (feature "varlen"; Args.nseq > 0). Sequence n is an
+// ordinary call of its own (B = 1, T = len_q, S = len_k, pointers moved to its first token,
+// the band shifted by its alignment): the kernel never reads another sequence's keys.
+// ---------------------------------------------------------------------------------------
+
+Code check_varlen(const Args &a) {
+  if (a.D <= 0 || a.DV <= 0 || a.DV % 16 || a.bq <= 0 || a.HKV <= 0 || a.H % a.HKV ||
+      a.B != 1 || a.threads <= 0 || !a.cu_q || !a.cu_k || a.bm_kind || a.mask)
+    return BAD_SHAPE;
+  if (a.dtype != DT_F32 && a.dtype != DT_BF16) return BAD_DTYPE;
+  for (int64_t n = 0; n < a.nseq; ++n)
+    if (a.cu_q[n + 1] < a.cu_q[n] || a.cu_k[n + 1] < a.cu_k[n]) return BAD_SHAPE;
+  return OK;
+}
+
+template <class T>
+T *moved(T *p, int64_t elements, int64_t elem_bytes) {
+  using Byte = std::conditional_t<std::is_const_v<T>, const char, char>;
+  return reinterpret_cast<T *>(reinterpret_cast<Byte *>(p) + elements * elem_bytes);
+}
+
+// Sequence n of a varlen call as a call of its own.
+Args sequence(const Args &a, int64_t n) {
+  Args s = a;
+  const int64_t q0 = a.cu_q[n], k0 = a.cu_k[n], el = a.dtype == DT_BF16 ? 2 : 4;
+  s.T = a.cu_q[n + 1] - q0;
+  s.S = a.cu_k[n + 1] - k0;
+  s.q = moved(a.q, q0 * a.sq_t, el);
+  s.k = moved(a.k, k0 * a.sk_t, el);
+  s.v = moved(a.v, k0 * a.sv_t, el);
+  if (a.out) s.out = a.out + q0 * a.so_t;
+  s.lse = a.lse + a.H * q0;
+  const int64_t shift = a.varlen_align ? s.S - s.T : 0;
+  s.band_lo += shift;
+  s.band_hi += shift;
+  s.nseq = 0;
+  s.kv_splits = 1;
+  return s;
+}
+
+Code forward_varlen(const Args &a) {
+  std::vector<Args> seq(a.nseq);
+  std::vector<Operands> ops(a.nseq);
+  std::vector<int64_t> first(a.nseq + 1, 0);  // the first work item of each sequence
+  for (int64_t n = 0; n < a.nseq; ++n) {
+    seq[n] = sequence(a, n);
+    first[n + 1] = first[n] + a.H * ((seq[n].T + a.bq - 1) / a.bq);
+  }
+  // the sequences' keys packed side by side, each on one thread (many short sequences
+  // would otherwise cost a parallel call each)
+  std::atomic<int> packed{OK};
+  if (Code err = parallel<NoState>(a, a.nseq, [&](NoState &, int64_t n) {
+        Args one = seq[n];
+        one.threads = 1;
+        if (Code e = pack_forward(one, ops[n])) packed = e;
+      }))
+    return err;
+  if (packed.load() != OK) return Code(packed.load());
+  return parallel<Scratch>(a, first[a.nseq], [&](Scratch &w, int64_t it) {
+    const int64_t n = std::upper_bound(first.begin(), first.end(), it) - first.begin() - 1;
+    const Args &s = seq[n];
+    const int64_t nq = (s.T + a.bq - 1) / a.bq, at = it - first[n];
+    const int64_t i0 = (at % nq) * a.bq, i1 = std::min(s.T, i0 + a.bq);
+    forward_block(s, ops[n], 0, at / nq, i0, i1, w, 0, ops[n].chunks() - 1);
+  });
+}
+
+// As forward_varlen: every sequence's keys packed in one parallel call, then one call over
+// the (sequence, kv head, key group) items, then the dQ partials summed in group order;
+// the groups of a sequence depend on its shapes alone.
+Code backward_varlen(const Args &a, const Grads &g) {
+  const int64_t n = a.nseq, el = a.dtype == DT_BF16 ? 2 : 4;
+  std::vector<Args> seq(n);
+  std::vector<Grads> grads(n);
+  std::vector<BackOperands> ops(n);
+  for (int64_t i = 0; i < n; ++i) {
+    seq[i] = sequence(a, i);
+    const int64_t q0 = a.cu_q[i], k0 = a.cu_k[i];
+    grads[i] = Grads{moved(g.dout, a.H * q0 * a.DV, el), g.delta + a.H * q0,
+                     g.dq + a.H * q0 * a.D, g.dk + a.HKV * k0 * a.D, g.dv + a.HKV * k0 * a.DV};
+  }
+  std::atomic<int> packed{OK};
+  if (Code err = parallel<NoState>(a, n, [&](NoState &, int64_t i) {
+        Args one = seq[i];
+        one.threads = 1;
+        if (Code e = pack_backward(one, ops[i])) packed = e;
+      }))
+    return err;
+  if (packed.load() != OK) return Code(packed.load());
+  // per sequence: its groups, its first work item, its dQ partials' offset and row blocks
+  constexpr int64_t PER = 256;  // dQ rows summed per item
+  std::vector<int64_t> groups(n), first(n + 1, 0), part(n + 1, 0), rows_first(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t rows = a.H * seq[i].T;
+    groups[i] = key_groups(seq[i], ops[i].chunks);
+    first[i + 1] = first[i] + a.HKV * groups[i];
+    part[i + 1] = part[i] + groups[i] * rows * a.D;
+    rows_first[i + 1] = rows_first[i] + (rows + PER - 1) / PER;
+  }
+  std::unique_ptr<float[]> dq_part(new float[part[n]]);
+  auto which = [](const std::vector<int64_t> &starts, int64_t it) {
+    return int64_t(std::upper_bound(starts.begin(), starts.end(), it) - starts.begin() - 1);
+  };
+  Code err = parallel<BackScratch>(a, first[n], [&](BackScratch &w, int64_t it) {
+    const int64_t i = which(first, it), at = it - first[i];
+    backward_group(seq[i], grads[i], ops[i], 0, at / groups[i], at % groups[i], groups[i],
+                   dq_part.get() + part[i], w, nullptr);
+  });
+  if (err) return err;
+  return parallel<NoState>(a, rows_first[n], [&](NoState &, int64_t it) {
+    const int64_t i = which(rows_first, it), block = it - rows_first[i];
+    const int64_t rows = a.H * seq[i].T, stride = rows * a.D;
+    const int64_t from = block * PER * a.D, to = std::min(rows, (block + 1) * PER) * a.D;
+    const float *src = dq_part.get() + part[i];
+    float *dq = grads[i].dq;
+    std::copy(src + from, src + to, dq + from);
+    for (int64_t grp = 1; grp < groups[i]; ++grp)
+      for (int64_t x = from; x < to; ++x) dq[x] += src[grp * stride + x];
+  });
+}
+
 }  // namespace
 
 #define ATTNKIT_EXPORT __attribute__((visibility("default")))
@@ -804,89 +1191,26 @@ ATTNKIT_EXPORT int attnkit_bf16() {
 
 ATTNKIT_EXPORT int attnkit_forward(const Args *args) {
   const Args &a = *args;
+  if (a.nseq > 0) {
+    if (Code bad = check_varlen(a)) return bad;
+    return guarded([&] { return int(forward_varlen(a)); });
+  }
   if (Code bad = check(a)) return bad;
-  return guarded([&] {
-    Operands ops;
-    if (a.dtype == DT_BF16) {
-#if defined(ATTNKIT_BF16)
-      if (a.D % 2) return int(BAD_SHAPE);
-      if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, dim_pairs, ops.kp))
-        return int(err);
-      if (Code err = pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, key_pairs, ops.vp))
-        return int(err);
-#else
-      return int(BAD_DTYPE);
-#endif
-    } else if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, transposed, ops.kt)) {
-      return int(err);
-    }
-    const int64_t nq = (a.T + a.bq - 1) / a.bq;  // query blocks per (batch, head)
-    return int(parallel<Scratch>(a, a.B * a.H * nq, [&](Scratch &w, int64_t it) {
-      const int64_t qi = it % nq, bh = it / nq;
-      const int64_t i0 = qi * a.bq, i1 = std::min(a.T, i0 + a.bq);
-      forward_block(a, ops, bh / a.H, bh % a.H, i0, i1, w);
-    }));
-  });
+  return guarded([&] { return int(forward_call(a)); });
 }
 
 // dq, dk, dv from dout, delta and the forward's lse (Args.lse, +inf on dead rows).
 ATTNKIT_EXPORT int attnkit_backward(const Args *args, const Grads *grads) {
   const Args &a = *args;
   const Grads &g = *grads;
+  if (a.nseq > 0) {
+    if (Code bad = check_varlen(a)) return bad;
+    if (a.D % 16) return BAD_HEAD_DIM;
+    return guarded([&] { return int(backward_varlen(a, g)); });
+  }
   if (Code bad = check(a)) return bad;
   if (a.D % 16) return BAD_HEAD_DIM;
-  return guarded([&] {
-    BackOperands ops;
-    if (a.dtype == DT_BF16) {
-#if defined(ATTNKIT_BF16)
-      if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, dim_pairs, ops.kp)) return int(err);
-      if (Code err = pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, dim_pairs, ops.vp)) return int(err);
-      if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, key_pairs, ops.kj)) return int(err);
-      ops.chunks = ops.kp.chunks;
-#else
-      return int(BAD_DTYPE);
-#endif
-    } else {
-      if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, transposed, ops.kt)) return int(err);
-      if (Code err = pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, transposed, ops.vt)) return int(err);
-      ops.chunks = ops.kt.chunks;
-    }
-    const int64_t groups = key_groups(a, ops.chunks);
-    std::unique_ptr<float[]> dq_part(new float[groups * a.B * a.H * a.T * a.D]);
-    const int64_t tasks = a.B * a.HKV * groups;
-    const int64_t ngrad = a.mod_backward && a.mod_dgrad ? a.mod_ngrad : 0;
-    std::unique_ptr<double[]> dgrad_part(ngrad ? new double[tasks * ngrad] : nullptr);
-    Code err = parallel<BackScratch>(a, tasks, [&](BackScratch &w, int64_t it) {
-      const int64_t grp = it % groups, bh = it / groups;
-      backward_group(a, g, ops, bh / a.HKV, bh % a.HKV, grp, groups, dq_part.get(), w,
-                     ngrad ? dgrad_part.get() + it * ngrad : nullptr);
-    });
-    if (err) return int(err);
-    if (ngrad) {  // a compiled score_mod's captured-tensor gradients: tasks summed in order
-      const int64_t per = 4096, n = (ngrad + per - 1) / per;
-      err = parallel<NoState>(a, n, [&](NoState &, int64_t it) {
-        const int64_t from = it * per, to = std::min(ngrad, from + per);
-        for (int64_t x = from; x < to; ++x) {
-          double total = 0.0;
-          for (int64_t t = 0; t < tasks; ++t) total += dgrad_part[t * ngrad + x];
-          a.mod_dgrad[x] = total;
-        }
-      });
-      if (err) return int(err);
-    }
-    // dQ = the groups' partials summed in group order, rows in parallel
-    const int64_t rows = a.B * a.H * a.T, per = 256, n = (rows + per - 1) / per;
-    const int64_t stride = a.B * a.H * a.T * a.D;
-    return int(parallel<NoState>(a, n, [&](NoState &, int64_t it) {
-      const int64_t from = it * per * a.D, to = std::min(rows, (it + 1) * per) * a.D;
-      float *dq = g.dq;
-      std::copy(dq_part.get() + from, dq_part.get() + to, dq + from);
-      for (int64_t grp = 1; grp < groups; ++grp) {
-        const float *src = dq_part.get() + grp * stride;
-        for (int64_t x = from; x < to; ++x) dq[x] += src[x];
-      }
-    }));
-  });
+  return guarded([&] { return int(backward_call(a, g)); });
 }
 
 // Keeps `threads` threads on FMAs for `iters` rounds of CHAINS independent vectors (the

@@ -1,0 +1,126 @@
+"""Split-KV decoding in the native kernel (flash-decoding): a call with few query blocks
+(a decode step against a long cache) cuts its keys into ranges computed apart and merged
+by their log-sum-exps in a fixed order. Checked against float64 (causal, windows that
+leave whole ranges empty, GQA, sinks, bf16), against the unsplit kernel, and bit for bit
+across thread counts (the ranges depend on the shapes alone)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attnkit import attention
+from attnkit.backends.blockwise import native
+from tests.reference import plain_attention, ref_attention_lse, ref_band_keep
+from tests.test_varlen import isa  # noqa: F401  (the fixture: once per native build)
+
+pytestmark = pytest.mark.usefixtures("one_thread", "isa")
+
+
+def decode_case(t, h, h_kv, length, d=64, dtype=torch.float32):
+    q = torch.randn(1, h, t, d, dtype=dtype)
+    k = torch.randn(1, h_kv, length, d, dtype=dtype)
+    v = torch.randn(1, h_kv, length, d, dtype=dtype)
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    "t, h, h_kv, length, causal, window",
+    [
+        (1, 2, 2, 5000, False, None),  # keys read in place, 4 ranges
+        (1, 4, 2, 3001, True, 700),  # a window: most ranges empty
+        (3, 2, 1, 2500, True, None),  # a few queries, bottom-right
+        (8, 4, 1, 4100, "top_left", 2000),  # keys packed (32 rows per kv head), ranges split
+    ],
+)
+def test_split_decode_matches_float64(t, h, h_kv, length, causal, window):
+    q, k, v = decode_case(t, h, h_kv, length)
+    sinks = torch.randn(h)
+    out, lse = attention(q, k, v, causal=causal, window=window, sinks=sinks, return_lse=True,
+                         backend="blockwise")  # fmt: skip
+    align = None if not causal else ("top_left" if causal == "top_left" else "bottom_right")
+    keep = ref_band_keep(t, length, align, window)
+    ref_out, ref_lse = ref_attention_lse(q, k, v, keep, None, sinks)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=2e-5)
+
+
+def test_split_equals_unsplit_and_threads_agree_bitwise(monkeypatch):
+    """The split result is the unsplit one up to rounding, and 1 or 2 threads (or 3) give
+    the same bits."""
+    q, k, v = decode_case(1, 4, 2, 6000)
+    results = []
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        results.append(attention(q, k, v, backend="blockwise", return_lse=True))
+    torch.set_num_threads(1)
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+    monkeypatch.setattr(native, "KV_SPLITS", 1)
+    unsplit = attention(q, k, v, backend="blockwise", return_lse=True)
+    torch.testing.assert_close(unsplit[0], results[0][0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(unsplit[1], results[0][1], atol=1e-6, rtol=1e-5)
+    monkeypatch.setattr(native, "KV_SPLITS", 7)  # forced: 7 uneven ranges
+    forced = attention(q, k, v, backend="blockwise", return_lse=True)
+    torch.testing.assert_close(forced[0], results[0][0], atol=1e-6, rtol=1e-5)
+
+
+def test_split_decode_nan_and_dead_rows():
+    """A NaN key reaches its rows as NaN through the merge; a row no key reaches gets zeros
+    and -inf."""
+    q, k, v = decode_case(1, 2, 2, 4096)
+    k[0, 0, 3000] = float("nan")
+    mask = torch.ones(1, 2, 1, 4096, dtype=torch.bool)
+    mask[0, 1] = False
+    out, lse = attention(q, k, v, mask=mask, backend="blockwise", return_lse=True)
+    assert torch.isnan(out[0, 0]).all()
+    assert torch.equal(out[0, 1], torch.zeros(1, 64)) and torch.isneginf(lse[0, 1]).all()
+
+
+def test_split_decode_bf16_rule():
+    q, k, v = decode_case(1, 2, 2, 4096, dtype=torch.bfloat16)
+    out = attention(q, k, v, backend="blockwise")
+    ref_out, _ = ref_attention_lse(q, k, v)
+    plain = plain_attention(q, k, v, torch.ones(1, 4096, dtype=torch.bool))
+    err = (out.double() - ref_out).abs().max()
+    assert err <= 2 * (plain.double() - ref_out).abs().max() + 1e-3
+
+
+def test_decode_gradients_through_split_forward():
+    """The backward reads the merged output and log-sum-exp: gradients as float64's."""
+    q, k, v = decode_case(2, 2, 1, 3000, d=32)
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    out = attention(q, k, v, causal=True, backend="blockwise")
+    ref, _ = ref_attention_lse(q, k, v, ref_band_keep(2, 3000, "bottom_right", None))
+    g = torch.randn_like(ref)
+    got = torch.autograd.grad((out.double() * g).sum(), (q, k, v))
+    want = torch.autograd.grad((ref * g).sum(), (q, k, v))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), b.double(), atol=2e-5, rtol=1e-4)
+
+
+def test_auto_sends_long_decode_steps_to_the_kernel(monkeypatch):
+    """``auto`` runs a decode step against >= DECODE_MIN_KEYS keys on the native kernel
+    (split-KV), and leaves short caches, gradients and prefills to the others."""
+    from attnkit.backends import blockwise
+
+    seen: list[tuple] = []
+    original = native.forward
+
+    def spy(plan, q, k, v):
+        seen.append((plan.t, plan.s))
+        return original(plan, q, k, v)
+
+    monkeypatch.setattr(native, "forward", spy)
+    long_keys = blockwise.DECODE_MIN_KEYS
+    q, k, v = decode_case(1, 8, 2, long_keys)  # 4 rows per kv head: a decode step
+    out = attention(q, k, v)
+    assert seen == [(1, long_keys)]
+    ref, _ = ref_attention_lse(q, k, v)
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
+    seen.clear()
+    attention(*decode_case(1, 8, 2, 1024))  # a short cache: SDPA
+    attention(q.requires_grad_(), k, v)  # gradients wanted: as before
+    attention(*decode_case(4, 8, 2, long_keys))  # 16 rows per kv head: as before
+    assert seen == []
