@@ -39,6 +39,7 @@ __all__ = [
     "backward",
     "bf16",
     "forward",
+    "forward_paged",
     "isa",
     "status",
     "why_not",
@@ -82,12 +83,16 @@ def available() -> bool:
     return library() is not None
 
 
-def why_not(plan: TilePlan, dtype: torch.dtype, d: int, d_v: int) -> str | None:
+def why_not(
+    plan: TilePlan, dtype: torch.dtype, d: int, d_v: int, *, paged: bool = False
+) -> str | None:
     """Why the kernel cannot run this fused plan (CPU tensors) on the engine's views of
     ``dtype`` (None when it can): it takes float32 (bf16 on an avx512-bf16 build), value
     heads a multiple of 16 wide, causal/window bounds, a block mask, a ``mask`` tensor and
     a relative bias, but no other ``score_mod``, and not under ``torch.compile``. Asked
-    once per call, by :mod:`..engines`."""
+    once per call, by :mod:`..engines` (and by :mod:`attnkit.paged_attention` with
+    ``paged``: no torch kernel reads paged keys, so the speed measured against torch's
+    does not apply)."""
     if dtype not in (torch.float32, torch.bfloat16):
         return "the native kernel runs float32 (and bf16) tensors"
     if dtype == torch.bfloat16 and not bf16():
@@ -113,7 +118,7 @@ def why_not(plan: TilePlan, dtype: torch.dtype, d: int, d_v: int) -> str | None:
     if not available():
         warn_once()
         return status()
-    if _dense(plan) and not calibrate.measuring() and not calibrate.speed().forward_ok:
+    if not paged and _dense(plan) and not calibrate.measuring() and not calibrate.speed().forward_ok:
         return _slower("forward", calibrate.speed().forward)
     return None
 
@@ -216,6 +221,33 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty(plan.b, plan.h, plan.t, v.shape[-1], dtype=torch.float32)
     lse = torch.empty(plan.b, plan.h, plan.t, dtype=torch.float32)
     args, keep_alive = _args(plan, q, k, v, out, lse)
+    _check_code(_kernel("attnkit_forward")(ctypes.byref(args)))
+    del keep_alive
+    return out, lse
+
+
+def forward_paged(
+    plan: TilePlan, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`forward` with keys and values read through a page table (the forward only).
+
+    Args:
+        plan: the call's plan, with ``s`` the keys each row attends to.
+        q: ``(b, h, t, d)`` (last dim contiguous), the kernel's dtype.
+        k_pages: ``(num_pages, h_kv, page_size, d)`` key pages (last dim contiguous).
+        v_pages: ``(num_pages, h_kv, page_size, d_v)`` value pages.
+        page_table: int64 ``(b, n)``, row ``i`` the pages of batch row ``i`` in order
+            (checked by the caller: ``n * page_size >= s``, ids in range).
+    """
+    out = torch.empty(plan.b, plan.h, plan.t, v_pages.shape[-1], dtype=torch.float32)
+    lse = torch.empty(plan.b, plan.h, plan.t, dtype=torch.float32)
+    args, keep_alive = _args(plan, q, k_pages, v_pages, out, lse)
+    table = page_table.to(torch.int64).contiguous()
+    keep_alive.append(table)
+    # _args read the pages' strides as (b, h, t): the first is a page's stride here
+    args.sk_page, args.sv_page, args.sk_b, args.sv_b = args.sk_b, args.sv_b, 0, 0
+    args.pages, args.pages_sb, args.page_size = table.data_ptr(), table.stride(0), k_pages.shape[2]
     _check_code(_kernel("attnkit_forward")(ctypes.byref(args)))
     del keep_alive
     return out, lse

@@ -60,7 +60,7 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int8_t EMPTY = 0, PARTIAL = 1, FULL = 2;  // attnkit.block_mask's kinds
 
 // Bumped whenever Args or Grads change; native/__init__.py checks it and the sizes at load.
-constexpr int64_t ABI_VERSION = 3;
+constexpr int64_t ABI_VERSION = 4;
 
 enum Code : int {
   OK = 0,
@@ -71,6 +71,7 @@ enum Code : int {
   NO_THREAD = 5,
   INTERNAL = 6,
   BAD_DTYPE = 7,        // bf16 inputs to a build without bf16 products
+  PAGED_BACKWARD = 8,   // paged keys/values: the kernel runs their forward only
 };
 
 constexpr int64_t DT_F32 = 0, DT_BF16 = 1;  // Args.dtype: what q, k, v point to
@@ -95,6 +96,12 @@ struct Args {
   int64_t sm_b, sm_h, sm_t, sm_s;
   int64_t threads;
   int64_t dtype;             // DT_F32, or DT_BF16 (q, k, v and Grads.dout are then bf16)
+  // Paged keys and values (attnkit.PagedKVCache): with `pages` set, key j of batch row b
+  // is row j % page_size of page pages[b * pages_sb + j / page_size], i.e. at
+  // k + page * sk_page + h * sk_h + (j % page_size) * sk_t (values: sv_page, sv_h, sv_t);
+  // sk_b, sv_b are unused. Read where keys are packed and where P V reads the values.
+  const int64_t *pages;
+  int64_t pages_sb, page_size, sk_page, sv_page;
 };
 
 // The gradients' tensors (contiguous: (B, H, T, DV), (B, H, T), (B, H, T, D),
@@ -233,13 +240,18 @@ Code pack(const Args &a, const void *x_, int64_t sb, int64_t sh, int64_t st, int
   pk.chunks = (a.S + KC - 1) / KC;
   pk.depth = depth;
   pk.t.reset(new T[a.B * a.HKV * pk.chunks * depth * KC]);
+  const int64_t sp = x_ == a.v ? a.sv_page : a.sk_page;  // paged: one page's stride
   return parallel<NoState>(a, a.B * a.HKV * pk.chunks, [&](NoState &, int64_t it) {
-    const int64_t ci = it % pk.chunks, bh = it / pk.chunks;
-    const T *src = x + (bh / a.HKV) * sb + (bh % a.HKV) * sh;
+    const int64_t ci = it % pk.chunks, bh = it / pk.chunks, b = bh / a.HKV;
+    const T *src = x + (a.pages ? 0 : b * sb) + (bh % a.HKV) * sh;
     T *dst = pk.t.get() + it * depth * KC;
     for (int64_t j = 0; j < KC; ++j) {
       const int64_t key = ci * KC + j;
-      for (int64_t d = 0; d < depth; ++d) dst[at(j, d, depth)] = key < a.S ? src[key * st + d] : T(0);
+      const T *row = key >= a.S   ? nullptr
+                     : !a.pages ? src + key * st
+                                : src + a.pages[b * a.pages_sb + key / a.page_size] * sp +
+                                      (key % a.page_size) * st;  // through the page table
+      for (int64_t d = 0; d < depth; ++d) dst[at(j, d, depth)] = row ? row[d] : T(0);
     }
   });
 }
@@ -493,6 +505,22 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
   }
 }
 
+// Paged values (PagedKVCache): O += P V over the chunk's columns one page's run of keys
+// at a time (the first run applies O's rescale, the others add).
+void paged_pv(const Args &a, int64_t b, int64_t hk, const Chunk &c, int64_t nr, const float *s,
+              Scratch &w) {
+  const float *alpha = w.alpha.data() + c.r0;
+  for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi; j < end;) {
+    const int64_t off = j % a.page_size, n = std::min(end - j, a.page_size - off);
+    const float *vp = a.v + a.pages[b * a.pages_sb + j / a.page_size] * a.sv_page +
+                      hk * a.sv_h + off * a.sv_t;
+    simd::gemm<true>(w.o_blk.data() + c.r0 * a.DV, a.DV, nr, a.DV, s + (j - c.c0), KC, 1, vp,
+                     a.sv_t, n, alpha);
+    alpha = nullptr;
+    j += n;
+  }
+}
+
 // One block of query rows [i0, i1) of batch b, head h.
 void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int64_t i0,
                    int64_t i1, Scratch &w) {
@@ -534,8 +562,11 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
     simd::gemm<false>(s, KC, nr, KC, qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1,
                       ops.kt.chunk(a, b, hk, c.ci), KC, a.D, nullptr);
     softmax(a, b, h, i0, c, w);
-    simd::gemm<true>(w.o_blk.data() + c.r0 * a.DV, a.DV, nr, a.DV, s + c.lo, KC, 1,
-                     vh + (c.c0 + c.lo) * a.sv_t, a.sv_t, c.hi - c.lo, w.alpha.data() + c.r0);
+    if (a.pages)
+      paged_pv(a, b, hk, c, nr, s, w);
+    else
+      simd::gemm<true>(w.o_blk.data() + c.r0 * a.DV, a.DV, nr, a.DV, s + c.lo, KC, 1,
+                       vh + (c.c0 + c.lo) * a.sv_t, a.sv_t, c.hi - c.lo, w.alpha.data() + c.r0);
     if (++seen % SUPER == 0) gather();
   });
   gather();
@@ -730,6 +761,7 @@ Code check(const Args &a) {
     return BAD_SHAPE;
   if (a.bm_kind && a.bq != a.bm_qb) return BAD_BLOCK_ROWS;
   if (a.dtype != DT_F32 && a.dtype != DT_BF16) return BAD_DTYPE;
+  if (a.pages && a.page_size <= 0) return BAD_SHAPE;
   return OK;
 }
 
@@ -804,6 +836,7 @@ ATTNKIT_EXPORT int attnkit_backward(const Args *args, const Grads *grads) {
   const Args &a = *args;
   const Grads &g = *grads;
   if (Code bad = check(a)) return bad;
+  if (a.pages) return PAGED_BACKWARD;
   if (a.D % 16) return BAD_HEAD_DIM;
   return guarded([&] {
     BackOperands ops;
