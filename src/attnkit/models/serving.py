@@ -150,6 +150,11 @@ class Server:
         return r.prompt + r.tokens
 
     @property
+    def running(self) -> tuple[int, ...]:
+        """The ids of the requests admitted and not finished."""
+        return tuple(self._running)
+
+    @property
     def pending(self) -> int:
         """Requests waiting or running."""
         return len(self._waiting) + len(self._running)
