@@ -434,6 +434,7 @@ struct Scratch {
 // packed in bf16 pairs.
 struct Operands {
   Packed<float> kt;
+  bool direct = false;  // paged decoding: keys read in place (direct_keys), not packed
 #if defined(ATTNKIT_BF16)
   Packed<uint16_t> kp, vp;
 #endif
@@ -505,6 +506,47 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
   }
 }
 
+// Paged decoding (PagedKVCache): where few query rows read each kv head (a decode step),
+// their scores are dot products with the keys read in place through the page table, one
+// key at a time: packing every key first would cost as much as the products themselves.
+constexpr int64_t DIRECT_ROWS = 4;  // most query rows per kv head read this way
+
+bool direct_keys(const Args &a) {
+  return a.pages && a.dtype == DT_F32 && a.T * (a.H / a.HKV) <= DIRECT_ROWS;
+}
+
+// s (nr rows of KC) = the rows q (stride sq_t) . the chunk's keys [c0 + lo, c0 + hi); the
+// other columns 0 (the softmax drops them).
+void paged_scores(const Args &a, int64_t b, int64_t hk, const float *q, int64_t nr,
+                  const Chunk &c, float *s) {
+  constexpr int U = 4;  // keys at once: independent sums keep the FMA units busy
+  std::fill(s, s + nr * KC, 0.0f);
+  const float *kj[U];
+  for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi; j < end; j += U) {
+    const int u = int(std::min<int64_t>(U, end - j));
+    for (int x = 0; x < U; ++x) {
+      const int64_t key = j + std::min(x, u - 1);  // past the end: the last key again
+      kj[x] = a.k + a.pages[b * a.pages_sb + key / a.page_size] * a.sk_page + hk * a.sk_h +
+              (key % a.page_size) * a.sk_t;
+    }
+    for (int64_t r = 0; r < nr; ++r) {
+      const float *qr = q + r * a.sq_t;
+      vf acc[U];
+      for (int x = 0; x < U; ++x) acc[x] = simd::splat(0.0f);
+      int64_t d = 0;
+      for (; d + W <= a.D; d += W) {
+        const vf qv = simd::load(qr + d);
+        for (int x = 0; x < U; ++x) acc[x] += qv * simd::load(kj[x] + d);
+      }
+      for (int x = 0; x < u; ++x) {
+        float dot = simd::hsum(acc[x]);
+        for (int64_t e = d; e < a.D; ++e) dot += qr[e] * kj[x][e];
+        s[r * KC + (j + x - c.c0)] = dot;
+      }
+    }
+  }
+}
+
 // Paged values (PagedKVCache): O += P V over the chunk's columns one page's run of keys
 // at a time (the first run applies O's rescale, the others add).
 void paged_pv(const Args &a, int64_t b, int64_t hk, const Chunk &c, int64_t nr, const float *s,
@@ -540,7 +582,8 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
     for (int64_t n = 0; n < rows * W; ++n) w.l[n] += w.l_blk[n];
     std::fill(w.l_blk.begin(), w.l_blk.begin() + rows * W, 0.0f);
   };
-  for_each_chunk(a, b, h, i0, i1, 0, ops.chunks() - 1, w.keep.data(), [&](const Chunk &c) {
+  const int64_t chunks = ops.direct ? (a.S + KC - 1) / KC : ops.chunks();
+  for_each_chunk(a, b, h, i0, i1, 0, chunks - 1, w.keep.data(), [&](const Chunk &c) {
     const int64_t nr = c.r1 - c.r0;
     float *s = w.s.data() + c.r0 * KC;
 #if defined(ATTNKIT_BF16)
@@ -559,8 +602,11 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       return;
     }
 #endif
-    simd::gemm<false>(s, KC, nr, KC, qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1,
-                      ops.kt.chunk(a, b, hk, c.ci), KC, a.D, nullptr);
+    if (ops.direct)
+      paged_scores(a, b, hk, qh + (i0 + c.r0) * a.sq_t, nr, c, s);
+    else
+      simd::gemm<false>(s, KC, nr, KC, qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1,
+                        ops.kt.chunk(a, b, hk, c.ci), KC, a.D, nullptr);
     softmax(a, b, h, i0, c, w);
     if (a.pages)
       paged_pv(a, b, hk, c, nr, s, w);
@@ -819,6 +865,8 @@ ATTNKIT_EXPORT int attnkit_forward(const Args *args) {
 #else
       return int(BAD_DTYPE);
 #endif
+    } else if (direct_keys(a)) {
+      ops.direct = true;
     } else if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, transposed, ops.kt)) {
       return int(err);
     }
