@@ -20,6 +20,8 @@ from attnkit.modules import (
     SimplifiedSelfAttention,
     load_seed_state_dict,
 )
+from attnkit.paged_attention import paged_attention
+from attnkit.paged_kv_cache import PagedKVCache
 
 __version__ = "0.1.0"
 
@@ -29,6 +31,7 @@ __all__ = [
     "KVCache",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
+    "PagedKVCache",
     "SelfAttentionV1",
     "SelfAttentionV2",
     "SimplifiedSelfAttention",
@@ -40,6 +43,7 @@ __all__ = [
     "create_block_mask",
     "load_seed_state_dict",
     "masks",
+    "paged_attention",
     "register_backend",
     "trace",
 ]
