@@ -72,7 +72,9 @@ def _pages(cache, seq):
 @given(
     page_size=st.integers(1, 5),
     ops=st.lists(
-        st.tuples(st.sampled_from(["new", "grow", "fork", "free"]), st.integers(0, 9), st.integers(1, 7)),
+        st.tuples(
+            st.sampled_from(["new", "grow", "fork", "free"]), st.integers(0, 9), st.integers(1, 7)
+        ),
         min_size=1,
         max_size=14,
     ),
@@ -81,7 +83,9 @@ def test_pages_hold_what_each_sequence_wrote(page_size, ops):
     """A shadow of contiguous float64 tensors: after every allocate / write / fork (then
     copy-on-write) / free, each live sequence gathers exactly what it wrote, whatever
     pages it was given (freed pages come back, in any order)."""
-    cache = PagedKVCache(40, page_size, num_kv_heads=2, head_dim=3, num_layers=2, dtype=torch.float64)
+    cache = PagedKVCache(
+        40, page_size, num_kv_heads=2, head_dim=3, num_layers=2, dtype=torch.float64
+    )
     shadow: dict[int, list[torch.Tensor]] = {}  # seq -> [k (2 layers, h, n, d), v]
     gen = torch.Generator().manual_seed(0)
 
@@ -94,8 +98,13 @@ def test_pages_hold_what_each_sequence_wrote(page_size, ops):
         k = torch.randn(2, 1, 2, n, 3, generator=gen, dtype=torch.float64)
         v = torch.randn(2, 1, 2, n, 3, generator=gen, dtype=torch.float64)
         for layer in range(2):
-            cache.write(layer, _pages(cache, seq), torch.arange(start, start + n), k[layer], v[layer])
-        shadow[seq] = [torch.cat((shadow[seq][0], k[:, 0]), 2), torch.cat((shadow[seq][1], v[:, 0]), 2)]
+            cache.write(
+                layer, _pages(cache, seq), torch.arange(start, start + n), k[layer], v[layer]
+            )
+        shadow[seq] = [
+            torch.cat((shadow[seq][0], k[:, 0]), 2),
+            torch.cat((shadow[seq][1], v[:, 0]), 2),
+        ]
 
     for op, pick, n in ops:
         live = sorted(shadow)
@@ -170,7 +179,9 @@ def test_gathered_paged_attention_equals_the_contiguous_reference(
     assert torch.equal(gather_pages(k_pages, v_pages, table, length)[1], v)
     keep = ref_band_keep(t, length, "bottom_right", window)
     want, want_lse = ref_attention_lse(q, k, v, keep=keep, sinks=s)
-    out, lse = paged_attention(q, k_pages, v_pages, table, length, window=window, sinks=s, return_lse=True)
+    out, lse = paged_attention(
+        q, k_pages, v_pages, table, length, window=window, sinks=s, return_lse=True
+    )
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(lse, want_lse.to(lse.dtype), rtol=1e-10, atol=1e-10)
 

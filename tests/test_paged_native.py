@@ -62,7 +62,9 @@ def _check(out, q, k, v, keep, bias=None, sinks=None):
     assert err <= 2 * err_plain + eps, (err, err_plain)
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     b=st.integers(1, 2),
     h_kv=st.sampled_from([1, 2]),
@@ -100,9 +102,10 @@ def test_padding_masks_relative_bias_block_masks_and_mods(paged_calls, t):
     _check(out, q, k, v, real & ref_band_keep(t, length, None, None))
     slopes = M.alibi_slopes(4)
     # ALiBi as a mod sees the call (query i at q_idx i, as on a contiguous cache)
-    bias = -slopes.view(1, 4, 1, 1).double() * (
-        torch.arange(t).view(-1, 1) - torch.arange(length)
-    ).abs().double()
+    bias = (
+        -slopes.view(1, 4, 1, 1).double()
+        * (torch.arange(t).view(-1, 1) - torch.arange(length)).abs().double()
+    )
     with torch.no_grad():
         out = paged_attention(q, k_pages, v_pages, table, length, score_mod=M.alibi(4))
     _check(out, q, k, v, keep, bias=bias)
@@ -137,10 +140,23 @@ def test_a_gradient_takes_the_gathered_path(paged_calls):
     assert paged_calls == []  # the kernel reads pages in its forward only
     assert "gradient" in (
         native_reason(
-            q, k_pages, v_pages, 40, "auto", mask=None, causal=True, scale=0.25, window=None,
-            mask_mod=None, score_mod=None, block_mask=None, sinks=None, return_lse=False,
-        ) or ""
-    )  # fmt: skip
+            q,
+            k_pages,
+            v_pages,
+            40,
+            "auto",
+            mask=None,
+            causal=True,
+            scale=0.25,
+            window=None,
+            mask_mod=None,
+            score_mod=None,
+            block_mask=None,
+            sinks=None,
+            return_lse=False,
+        )
+        or ""
+    )
     (dq,) = torch.autograd.grad(out.sum(), q)
     qd = q.detach().double().requires_grad_(True)
     want, _ = ref_attention_lse(qd, k, v, keep=ref_band_keep(3, 40, "bottom_right", None))

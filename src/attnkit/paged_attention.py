@@ -20,7 +20,7 @@ mods. Two ways, one answer:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, overload
 
 import torch
 
@@ -40,6 +40,48 @@ if TYPE_CHECKING:
     from attnkit.backends.blockwise.plan import TilePlan
 
 __all__ = ["native_reason", "paged_attention"]
+
+
+@overload
+def paged_attention(
+    query: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    key_len: int,
+    *,
+    mask: torch.Tensor | None = ...,
+    causal: bool | str = ...,
+    scale: float | None = ...,
+    window: int | None = ...,
+    mask_mod: MaskMod | None = ...,
+    score_mod: ScoreMod | None = ...,
+    block_mask: BlockMask | None = ...,
+    sinks: torch.Tensor | None = ...,
+    return_lse: Literal[False] = ...,
+    backend: str = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def paged_attention(
+    query: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    key_len: int,
+    *,
+    mask: torch.Tensor | None = ...,
+    causal: bool | str = ...,
+    scale: float | None = ...,
+    window: int | None = ...,
+    mask_mod: MaskMod | None = ...,
+    score_mod: ScoreMod | None = ...,
+    block_mask: BlockMask | None = ...,
+    sinks: torch.Tensor | None = ...,
+    return_lse: Literal[True],
+    backend: str = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def paged_attention(
@@ -93,9 +135,16 @@ def paged_attention(
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else check_float(scale, "scale")
     check_sinks(sinks, query)
     kwargs = dict(
-        mask=mask, causal=causal, scale=scale, window=window, mask_mod=mask_mod,
-        score_mod=score_mod, block_mask=block_mask, sinks=sinks, return_lse=return_lse,
-    )  # fmt: skip
+        mask=mask,
+        causal=causal,
+        scale=scale,
+        window=window,
+        mask_mod=mask_mod,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        sinks=sinks,
+        return_lse=return_lse,
+    )
     plan, _ = _route(query, k_pages, v_pages, key_len, backend, **kwargs)
     if plan is not None:
         return _native(plan, query, k_pages, v_pages, page_table, **kwargs)
@@ -133,8 +182,9 @@ def _check_page_table(
     page_table: torch.Tensor, b: int, num_pages: int, page_size: int, key_len: int
 ) -> None:
     if not isinstance(page_table, torch.Tensor) or page_table.dtype not in (
-        torch.int64, torch.int32,
-    ):  # fmt: skip
+        torch.int64,
+        torch.int32,
+    ):
         raise TypeError(f"page_table must be an int64 (or int32) tensor, got {page_table!r:.60}")
     if page_table.dim() != 2 or page_table.shape[0] != b:
         raise ValueError(

@@ -27,6 +27,7 @@ pages in place; elsewhere the pages are gathered (:meth:`PagedKVCache.gather`) a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -51,12 +52,18 @@ class PagedBatch:
             (``idx`` ``(1, sum(counts))``, sequence after sequence); None when ``idx`` is
             ``(len(seq_ids), t)``, row ``i`` the new tokens of sequence ``i`` (all
             starting at ``starts[0]``).
+        token_pos: with ``counts``, ``(sum(counts),)`` the time index of every packed
+            token (computed once by :meth:`PagedKVCache.batch`, read by every layer).
+        token_table: with ``counts``, ``(sum(counts), max_pages)`` the page table of the
+            sequence each packed token belongs to.
     """
 
     seq_ids: tuple[int, ...]
     page_table: torch.Tensor
     starts: tuple[int, ...]
     counts: tuple[int, ...] | None = None
+    token_pos: torch.Tensor | None = None
+    token_table: torch.Tensor | None = None
 
     def ends(self, t: int) -> tuple[int, ...]:
         """Keys each sequence attends to once this forward's ``t`` tokens (a ``(b, t)``
@@ -69,8 +76,13 @@ class PagedBatch:
         """``(sum(counts),)`` the time index of every packed token (``counts`` set)."""
         if self.counts is None:
             raise ValueError("positions() is for a packed batch (counts set)")
+        if self.token_pos is not None:
+            return self.token_pos.to(device)
         return torch.cat(
-            [torch.arange(s, s + c, device=device) for s, c in zip(self.starts, self.counts, strict=True)]
+            [
+                torch.arange(s, s + c, device=device)
+                for s, c in zip(self.starts, self.counts, strict=True)
+            ]
         )
 
 
@@ -164,7 +176,9 @@ class PagedKVCache(nn.Module):
             raise TypeError(f"seq must be an int sequence id, got {type(seq).__name__} ({seq!r})")
         table = self._tables.get(seq)
         if table is None:
-            raise ValueError(f"seq {seq} is not a sequence of this cache (freed, or never allocated)")
+            raise ValueError(
+                f"seq {seq} is not a sequence of this cache (freed, or never allocated)"
+            )
         return table
 
     def _take(self, n: int, why: str) -> list[int]:
@@ -212,7 +226,11 @@ class PagedKVCache(nn.Module):
         end = check_int(end, "end", minimum=start)
         grow = max(0, self.pages_needed(end) - len(table))
         first = start // self.page_size
-        shared = [i for i in range(first, min(len(table), self.pages_needed(end))) if self._refcount[table[i]] > 1]
+        shared = [
+            i
+            for i in range(first, min(len(table), self.pages_needed(end)))
+            if self._refcount[table[i]] > 1
+        ]
         new = self._take(grow + len(shared), f"sequence {seq} up to {end} tokens")
         for i, page in zip(shared, new[: len(shared)], strict=True):
             self.k_pages[:, page] = self.k_pages[:, table[i]]
@@ -268,8 +286,14 @@ class PagedKVCache(nn.Module):
         rows = [t + [0] * (width - len(t)) for t in tables]
         device = self.k_pages.device
         page_table = torch.tensor(rows, dtype=torch.int64, device=device)  # (b, max_pages)
-        return PagedBatch(
-            seq_ids, page_table, tuple(starts), None if counts is None else tuple(counts)
+        if counts is None:
+            return PagedBatch(seq_ids, page_table, tuple(starts))
+        batch = PagedBatch(seq_ids, page_table, tuple(starts), tuple(counts))
+        owner = torch.repeat_interleave(
+            torch.arange(len(counts), device=device), torch.tensor(counts, device=device)
+        )  # (N,) the sequence of every packed token
+        return dataclasses.replace(
+            batch, token_pos=batch.positions(device), token_table=page_table[owner]
         )
 
     def write(
@@ -350,6 +374,7 @@ class PagedLayer(nn.Module):
     sink_tokens = 0
     static = False
     max_seq_len = None
+    cache: PagedKVCache
 
     def __init__(self, cache: PagedKVCache, layer: int) -> None:
         super().__init__()
@@ -393,23 +418,43 @@ class PagedLayer(nn.Module):
             pos = torch.arange(start, start + t, device=q.device)
             cache.write(layer, table, pos, k, v)
             return paged_attention(
-                q, kp, vp, table, start + t, mask=mask, causal=causal, window=window,
-                sinks=sinks, backend=backend,
-            )  # fmt: skip
-        pos = batch.positions(q.device)
-        owner = torch.repeat_interleave(
-            torch.arange(len(batch.counts), device=q.device),
-            torch.tensor(batch.counts, device=q.device),
-        )  # (N,) the sequence of every packed token
-        cache.write(layer, table[owner], pos[:, None], k[0].transpose(0, 1)[:, :, None], v[0].transpose(0, 1)[:, :, None])
+                q,
+                kp,
+                vp,
+                table,
+                start + t,
+                mask=mask,
+                causal=causal,
+                window=window,
+                sinks=sinks,
+                backend=backend,
+            )
+        pos = batch.positions(q.device)  # (N,)
+        tables = batch.token_table
+        if tables is None:  # a PagedBatch built by hand
+            owner = torch.repeat_interleave(
+                torch.arange(len(batch.counts), device=q.device),
+                torch.tensor(batch.counts, device=q.device),
+            )  # (N,) the sequence of every packed token
+            tables = table[owner]
+        # every packed token a row of one: (N, h_kv, 1, d)
+        k_rows, v_rows = k[0].transpose(0, 1)[:, :, None], v[0].transpose(0, 1)[:, :, None]
+        cache.write(layer, tables, pos[:, None], k_rows, v_rows)
         outs = []
         at = 0
         for i, (s, c) in enumerate(zip(batch.starts, batch.counts, strict=True)):
             outs.append(
                 paged_attention(
-                    q[:, :, at : at + c], kp, vp, table[i : i + 1], s + c, causal=c > 1,
-                    window=window, sinks=sinks, backend=backend,
-                )  # fmt: skip
+                    q[:, :, at : at + c],
+                    kp,
+                    vp,
+                    table[i : i + 1],
+                    s + c,
+                    causal=c > 1,
+                    window=window,
+                    sinks=sinks,
+                    backend=backend,
+                )
             )
             at += c
         return torch.cat(outs, dim=2)  # (1, h, N, d_v)

@@ -59,13 +59,17 @@ def paged_decode(
     k_pages = torch.zeros(n, h, page_size, d, dtype=dtype)
     v_pages = torch.zeros(n, h, page_size, d, dtype=dtype)
     pad = n * page_size - length
-    k_pages[order] = torch.nn.functional.pad(k[0], (0, 0, 0, pad)).view(h, n, page_size, d).transpose(0, 1)
-    v_pages[order] = torch.nn.functional.pad(v[0], (0, 0, 0, pad)).view(h, n, page_size, d).transpose(0, 1)
+    k_pages[order] = (
+        torch.nn.functional.pad(k[0], (0, 0, 0, pad)).view(h, n, page_size, d).transpose(0, 1)
+    )
+    v_pages[order] = (
+        torch.nn.functional.pad(v[0], (0, 0, 0, pad)).view(h, n, page_size, d).transpose(0, 1)
+    )
     table = order[None]  # (1, n)
     with torch.inference_mode():
         ref = attention(q, k, v)
         out = paged_attention(q, k_pages, v_pages, table, length, causal=False)
-        err = (out.float() - ref.float()).abs().max().item()
+        err = (out.float() - ref.float()).abs().max().item()  # type: ignore[union-attr]
         sec = _interleaved(
             {
                 "contiguous": lambda: attention(q, k, v),
@@ -101,7 +105,7 @@ def continuous_batching(
     from attnkit.models.serving import Server
 
     torch.manual_seed(0)
-    shape = dict(n_layer=2, n_embd=128, n_head=4, vocab_size=512) if small else {}
+    shape: dict[str, Any] = dict(n_layer=2, n_embd=128, n_head=4, vocab_size=512) if small else {}
     hf_cfg = GPT2Config(**shape, bos_token_id=0, eos_token_id=0)
     hf = GPT2LMHeadModel(hf_cfg).eval()
     hf.set_attn_implementation("sdpa")
@@ -116,12 +120,16 @@ def continuous_batching(
     pages = sum(-(-(n + new_tokens) // page) for n in lengths)
 
     def run_ours() -> list[list[int]]:
-        server = Server(ours, page_size=page, num_pages=pages, max_batch=requests, prefill_chunk=256)
+        server = Server(
+            ours, page_size=page, num_pages=pages, max_batch=requests, prefill_chunk=256
+        )
         ids = [server.submit(p, new_tokens) for p in prompts]
         server.run()
         return [server.result(r)[len(p) :] for r, p in zip(ids, prompts, strict=True)]
 
-    gcfg = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    gcfg = GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
     cb = ContinuousBatchingConfig(
         num_blocks=2 * pages, page_size=page, max_batch_tokens=512, max_requests_per_batch=requests
     )
@@ -129,9 +137,11 @@ def continuous_batching(
     def run_hf() -> list[list[int]]:
         with torch.inference_mode():
             out = hf.generate_batch(
-                inputs=prompts, generation_config=gcfg, continuous_batching_config=cb,
+                inputs=prompts,
+                generation_config=gcfg,
+                continuous_batching_config=cb,
                 progress_bar=False,
-            )  # fmt: skip
+            )
         return [list(out[f"req_{i}"].generated_tokens) for i in range(requests)]
 
     best = {"attnkit": float("inf"), "transformers": float("inf")}

@@ -102,8 +102,10 @@ def run(args: argparse.Namespace) -> int:
             print(" ".join(parts) + f"  (free pages {server.cache.num_free_pages})")
         running = now
     dt = time.perf_counter() - t0
-    print(f"{args.requests} requests, {tokens} new tokens in {steps} steps, {dt:.2f} s "
-          f"({tokens / dt:.0f} tokens/s)")  # fmt: skip
+    print(
+        f"{args.requests} requests, {tokens} new tokens in {steps} steps, {dt:.2f} s "
+        f"({tokens / dt:.0f} tokens/s)"
+    )
     for rid, p in zip(ids, prompts, strict=True):
         new = server.result(rid)[len(p) :]
         print(f"  #{rid}: prompt {len(p):3d} tokens -> {new[:8]}{' ...' if len(new) > 8 else ''}")

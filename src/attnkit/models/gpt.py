@@ -265,9 +265,11 @@ class GPT(nn.Module):
                 (latent attention, StreamingLLM).
         """
         if self.cfg.mla_kv_rank is not None:
-            raise ValueError("a paged cache serves GQA/MHA layers; this model uses latent attention")
-        att = self.trf_blocks[0].att
-        heads, k_dim, v_dim = att.cache_shape()  # type: ignore[operator]
+            raise ValueError(
+                "a paged cache serves GQA/MHA layers; this model uses latent attention"
+            )
+        att: CausalSelfAttention = self.trf_blocks[0].att  # type: ignore[assignment]
+        heads, k_dim, v_dim = att.cache_shape()
         ref = self.tok_emb.weight
         cache = PagedKVCache(
             num_pages,

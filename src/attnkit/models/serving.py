@@ -91,12 +91,16 @@ class Server:
         self.max_batch = check_int(max_batch, "max_batch")
         self.prefill_chunk = check_int(prefill_chunk, "prefill_chunk")
         self.max_step_tokens = check_int(max_step_tokens, "max_step_tokens", minimum=self.max_batch)
-        self.eos_id = check_optional_int(eos_id, "eos_id", minimum=0, maximum=model.cfg.vocab_size - 1)
+        self.eos_id = check_optional_int(
+            eos_id, "eos_id", minimum=0, maximum=model.cfg.vocab_size - 1
+        )
         if num_pages is None:
             num_pages = self.max_batch * -(-ctx // page_size)
         model.eval()
         model.pack_weights()
-        self.cache: PagedKVCache = model.setup_paged_cache(check_int(num_pages, "num_pages"), page_size)
+        self.cache: PagedKVCache = model.setup_paged_cache(
+            check_int(num_pages, "num_pages"), page_size
+        )
         self._requests: dict[int, _Request] = {}
         self._waiting: deque[int] = deque()
         self._running: list[int] = []
@@ -251,14 +255,20 @@ class Server:
 def _check_prompt(prompt_ids: Sequence[int] | torch.Tensor, vocab_size: int) -> list[int]:
     """The prompt as a list of ids, checked."""
     if isinstance(prompt_ids, torch.Tensor):
-        if prompt_ids.is_floating_point() or prompt_ids.is_complex() or prompt_ids.dtype == torch.bool:
+        if (
+            prompt_ids.is_floating_point()
+            or prompt_ids.is_complex()
+            or prompt_ids.dtype == torch.bool
+        ):
             raise TypeError(f"prompt_ids must hold integer token ids, got dtype {prompt_ids.dtype}")
         if prompt_ids.dim() != 1:
             raise ValueError(f"prompt_ids must be 1-D, got shape {tuple(prompt_ids.shape)}")
         ids = [int(x) for x in prompt_ids.tolist()]
     else:
         if isinstance(prompt_ids, (str, bytes)) or not isinstance(prompt_ids, Sequence):
-            raise TypeError(f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}")
+            raise TypeError(
+                f"prompt_ids must be a list of token ids, got {type(prompt_ids).__name__}"
+            )
         for x in prompt_ids:
             if isinstance(x, bool) or not isinstance(x, int):
                 raise TypeError(f"prompt_ids must hold ints, got {x!r}")

@@ -51,6 +51,9 @@ BLOCK_Q = 128
 #: Keys per chunk inside the kernel (``KC`` in attention.cpp); the relative bias vector
 #: is padded to whole chunks.
 KEY_CHUNK = 64
+#: Below this many multiply-adds a paged call runs on the calling thread alone (continuous
+#: batching makes one call per sequence and layer, most of them short decode steps).
+PAGED_ONE_THREAD = 2**20
 #: ``mask_kind`` of attention.cpp.
 _MASK_BOOL, _MASK_FLOAT = 1, 2
 
@@ -118,7 +121,12 @@ def why_not(
     if not available():
         warn_once()
         return status()
-    if not paged and _dense(plan) and not calibrate.measuring() and not calibrate.speed().forward_ok:
+    if (
+        not paged
+        and _dense(plan)
+        and not calibrate.measuring()
+        and not calibrate.speed().forward_ok
+    ):
         return _slower("forward", calibrate.speed().forward)
     return None
 
@@ -227,7 +235,10 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def forward_paged(
-    plan: TilePlan, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+    plan: TilePlan,
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
     page_table: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`forward` with keys and values read through a page table (the forward only).
@@ -248,6 +259,8 @@ def forward_paged(
     # _args read the pages' strides as (b, h, t): the first is a page's stride here
     args.sk_page, args.sv_page, args.sk_b, args.sv_b = args.sk_b, args.sv_b, 0, 0
     args.pages, args.pages_sb, args.page_size = table.data_ptr(), table.stride(0), k_pages.shape[2]
+    if plan.b * plan.h * plan.t * plan.s * (q.shape[-1] + v_pages.shape[-1]) < PAGED_ONE_THREAD:
+        args.threads = 1  # a short decode step: waking a thread costs more than it saves
     _check_code(_kernel("attnkit_forward")(ctypes.byref(args)))
     del keep_alive
     return out, lse
