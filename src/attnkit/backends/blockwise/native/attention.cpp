@@ -521,29 +521,32 @@ void paged_scores(const Args &a, int64_t b, int64_t hk, const float *q, int64_t 
                   const Chunk &c, float *s) {
   constexpr int U = 4;  // keys at once: independent sums keep the FMA units busy
   std::fill(s, s + nr * KC, 0.0f);
-  const float *kj[U];
-  for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi; j < end; j += U) {
-    const int u = int(std::min<int64_t>(U, end - j));
-    for (int x = 0; x < U; ++x) {
-      const int64_t key = j + std::min(x, u - 1);  // past the end: the last key again
-      kj[x] = a.k + a.pages[b * a.pages_sb + key / a.page_size] * a.sk_page + hk * a.sk_h +
-              (key % a.page_size) * a.sk_t;
-    }
-    for (int64_t r = 0; r < nr; ++r) {
-      const float *qr = q + r * a.sq_t;
-      vf acc[U];
-      for (int x = 0; x < U; ++x) acc[x] = simd::splat(0.0f);
-      int64_t d = 0;
-      for (; d + W <= a.D; d += W) {
-        const vf qv = simd::load(qr + d);
-        for (int x = 0; x < U; ++x) acc[x] += qv * simd::load(kj[x] + d);
+  for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi; j < end;) {
+    // a page's run of keys: j .. j + n - 1 at k0 + x * sk_t (one division a run)
+    const int64_t off = j % a.page_size, n = std::min(end - j, a.page_size - off);
+    const float *k0 = a.k + a.pages[b * a.pages_sb + j / a.page_size] * a.sk_page +
+                      hk * a.sk_h + off * a.sk_t;
+    for (int64_t x0 = 0; x0 < n; x0 += U) {
+      const int u = int(std::min<int64_t>(U, n - x0));
+      const float *kj[U];
+      for (int x = 0; x < U; ++x) kj[x] = k0 + (x0 + std::min(x, u - 1)) * a.sk_t;
+      for (int64_t r = 0; r < nr; ++r) {
+        const float *qr = q + r * a.sq_t;
+        vf acc[U];
+        for (int x = 0; x < U; ++x) acc[x] = simd::splat(0.0f);
+        int64_t d = 0;
+        for (; d + W <= a.D; d += W) {
+          const vf qv = simd::load(qr + d);
+          for (int x = 0; x < U; ++x) acc[x] += qv * simd::load(kj[x] + d);
+        }
+        for (int x = 0; x < u; ++x) {
+          float dot = simd::hsum(acc[x]);
+          for (int64_t e = d; e < a.D; ++e) dot += qr[e] * kj[x][e];
+          s[r * KC + (j + x0 + x - c.c0)] = dot;
+        }
       }
-      for (int x = 0; x < u; ++x) {
-        float dot = simd::hsum(acc[x]);
-        for (int64_t e = d; e < a.D; ++e) dot += qr[e] * kj[x][e];
-        s[r * KC + (j + x - c.c0)] = dot;
-      }
     }
+    j += n;
   }
 }
 
