@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from attnkit import create_block_mask
 from attnkit import masks as M
 from attnkit.backends.blockwise import native
-from attnkit.paged_attention import native_reason, paged_attention
+from attnkit.paged_attention import native_reason, paged_attention, paged_decode
 from tests.reference import plain_attention, ref_attention_lse, ref_band_keep
 from tests.test_blockwise_native import isa  # noqa: F401  (the per-build fixture)
 from tests.test_paged_kv_cache import _table, _to_pages
@@ -162,3 +162,34 @@ def test_a_gradient_takes_the_gathered_path(paged_calls):
     want, _ = ref_attention_lse(qd, k, v, keep=ref_band_keep(3, 40, "bottom_right", None))
     (want_dq,) = torch.autograd.grad(want.sum(), qd)
     torch.testing.assert_close(dq.double(), want_dq, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("groups", [1, 4, 6])
+def test_a_decode_step_of_sequences_of_different_lengths(paged_calls, groups):
+    """paged_decode: one call, each row to its own number of keys; the pool's other rows
+    and pages hold NaN, which no row may read (groups of 6 query heads a kv head: the
+    kernel declines, the gathered path runs)."""
+    lens = [1, 70, 16, 33]
+    gen = torch.Generator().manual_seed(groups)
+    b, h_kv, d, ps = len(lens), 2, 32, 16
+    q = torch.randn(b, h_kv * groups, 1, d, generator=gen)
+    k_pages = torch.full((30, h_kv, ps, d), float("nan"))
+    v_pages = torch.full((30, h_kv, ps, d), float("nan"))
+    table = torch.randperm(30, generator=gen)[: b * 5].view(b, 5)
+    keys = []
+    for i, n in enumerate(lens):
+        k = torch.randn(1, h_kv, n, d, generator=gen)
+        v = torch.randn(1, h_kv, n, d, generator=gen)
+        for j in range(n):
+            k_pages[table[i, j // ps], :, j % ps] = k[0, :, j]
+            v_pages[table[i, j // ps], :, j % ps] = v[0, :, j]
+        keys.append((k, v))
+    with torch.no_grad():
+        out = paged_decode(q, k_pages, v_pages, table, lens)
+    assert paged_calls == ([(1, 70)] if groups <= 4 else [])
+    for i, (k, v) in enumerate(keys):
+        _check(out[i : i + 1], q[i : i + 1], k, v, torch.ones(1, lens[i], dtype=torch.bool))
+    with pytest.raises(ValueError, match="key_lens has 3 lengths for a batch of 4"):
+        paged_decode(q, k_pages, v_pages, table, lens[:3])
+    with pytest.raises(ValueError, match="one query a row"):
+        paged_decode(q.expand(-1, -1, 2, -1), k_pages, v_pages, table, lens)

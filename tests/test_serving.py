@@ -59,10 +59,12 @@ def test_float32_on_the_native_kernel_gives_the_same_tokens():
         assert server.result(rid) == model.generate(torch.tensor([p]), 12)[0].tolist()
 
 
-def test_no_sequence_reads_pages_it_did_not_write():
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_no_sequence_reads_pages_it_did_not_write(dtype):
     """The pool starts full of NaN: a key read from a page a sequence never wrote (another
-    request's, a freed one, a page's unwritten tail) would turn its logits to NaN."""
-    model = _model()
+    request's, a freed one, a page's unwritten tail) would turn its logits to NaN (float32:
+    the native kernel, decode tokens in one call; float64: the gathered path)."""
+    model = _model(dtype)
     server = Server(model, page_size=5, max_batch=2, prefill_chunk=4)
     server.cache.k_pages.fill_(float("nan"))
     server.cache.v_pages.fill_(float("nan"))

@@ -20,6 +20,7 @@ mods. Two ways, one answer:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, overload
 
 import torch
@@ -39,7 +40,7 @@ from attnkit.paged_kv_cache import gather_pages
 if TYPE_CHECKING:
     from attnkit.backends.blockwise.plan import TilePlan
 
-__all__ = ["native_reason", "paged_attention"]
+__all__ = ["native_reason", "paged_attention", "paged_decode"]
 
 
 @overload
@@ -147,9 +148,74 @@ def paged_attention(
     )
     plan, _ = _route(query, k_pages, v_pages, key_len, backend, **kwargs)
     if plan is not None:
-        return _native(plan, query, k_pages, v_pages, page_table, **kwargs)
+        return _native(plan, query, k_pages, v_pages, page_table, None, **kwargs)
     k, v = gather_pages(k_pages, v_pages, page_table, key_len)  # (b, h_kv, s, d)
     return attention(query, k, v, backend=backend, **kwargs)  # type: ignore[call-overload]
+
+
+def paged_decode(
+    query: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    key_lens: Sequence[int],
+    *,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """One decode step of sequences of different lengths in one call: row ``i``'s query
+    ``(h, 1, d)`` attends to the first ``key_lens[i]`` keys of its pages (its newest token
+    and every one before it). What :func:`paged_attention` gives row by row, but one
+    kernel call for the whole batch (continuous batching's decode tokens).
+
+    Args:
+        query: ``(b, h, 1, d)``.
+        k_pages, v_pages, page_table, scale, sinks, backend: as :func:`paged_attention`.
+        key_lens: ``b`` ints >= 1, each within its row of the page table.
+
+    Returns:
+        ``(b, h, 1, d_v)``.
+    """
+    _check_pages(query, k_pages, v_pages)
+    if query.shape[2] != 1:
+        raise ValueError(f"paged_decode takes one query a row, got query {tuple(query.shape)}")
+    lens = [check_int(n, "key_lens[i]") for n in key_lens]
+    if len(lens) != query.shape[0]:
+        raise ValueError(f"key_lens has {len(lens)} lengths for a batch of {query.shape[0]}")
+    longest = max(lens)
+    _check_page_table(page_table, query.shape[0], k_pages.shape[0], k_pages.shape[2], longest)
+    backend = check_backend(backend)
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else check_float(scale, "scale")
+    check_sinks(sinks, query)
+    kwargs = dict(
+        mask=None,
+        causal=False,
+        scale=scale,
+        window=None,
+        mask_mod=None,
+        score_mod=None,
+        block_mask=None,
+        sinks=sinks,
+        return_lse=False,
+    )
+    lengths = torch.tensor(lens, dtype=torch.int64, device=query.device)
+    # the kernel reads float32 keys in place for up to DECODE_GROUPS query rows a kv head
+    direct = query.dtype == torch.float32 and query.shape[1] // k_pages.shape[1] <= DECODE_GROUPS
+    plan, _ = _route(query, k_pages, v_pages, longest, backend, **kwargs)
+    if plan is not None and direct:
+        out = _native(plan, query, k_pages, v_pages, page_table, key_lens=lengths, **kwargs)
+        return out  # type: ignore[return-value]
+    k, v = gather_pages(k_pages, v_pages, page_table, longest)  # (b, h_kv, s, d)
+    real = torch.arange(longest, device=query.device) < lengths[:, None]  # (b, s)
+    return attention(
+        query, k, v, mask=real[:, None, None], scale=scale, sinks=sinks, backend=backend
+    )
+
+
+#: Most query heads per kv head that :func:`paged_decode` sends to the kernel in one call
+#: (it reads keys in place for up to 4 query rows a kv head: ``DIRECT_ROWS`` in the C++).
+DECODE_GROUPS = 4
 
 
 def _check_pages(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
@@ -292,13 +358,14 @@ def _native(
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
     page_table: torch.Tensor,
+    key_lens: torch.Tensor | None = None,
     **kwargs,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     from attnkit.backends.blockwise import native
     from attnkit.backends.blockwise.autograd import add_sinks
 
     q = query if query.stride(-1) == 1 else query.contiguous()
-    out, lse = native.forward_paged(plan, q, k_pages, v_pages, page_table)
+    out, lse = native.forward_paged(plan, q, k_pages, v_pages, page_table, key_lens)
     if kwargs["sinks"] is not None:
         out, lse = add_sinks(out, lse, kwargs["sinks"], plan.h)
     out = out.to(query.dtype)

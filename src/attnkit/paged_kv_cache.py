@@ -440,6 +440,34 @@ class PagedLayer(nn.Module):
         # every packed token a row of one: (N, h_kv, 1, d)
         k_rows, v_rows = k[0].transpose(0, 1)[:, :, None], v[0].transpose(0, 1)[:, :, None]
         cache.write(layer, tables, pos[:, None], k_rows, v_rows)
+        offsets = [0]
+        for c in batch.counts:
+            offsets.append(offsets[-1] + c)
+        decoding = [i for i, c in enumerate(batch.counts) if c == 1]
+        if window is None and len(decoding) > 1:  # the decode tokens: one call for them all
+            from attnkit.paged_attention import paged_decode
+
+            out = torch.empty(*q.shape[:-1], vp.shape[-1], dtype=q.dtype, device=q.device)
+            rows = torch.tensor([offsets[i] for i in decoding], device=q.device)
+            lens = [batch.starts[i] + 1 for i in decoding]
+            q_dec = q[0, :, rows].transpose(0, 1)[:, :, None]  # (n, h, 1, d)
+            ctx = paged_decode(
+                q_dec, kp, vp, table[rows.new_tensor(decoding)], lens, sinks=sinks, backend=backend
+            )  # (n, h, 1, d_v)
+            out[0, :, rows] = ctx[:, :, 0].transpose(0, 1)
+            for i, (s, c) in enumerate(zip(batch.starts, batch.counts, strict=True)):
+                if c > 1:  # a prompt chunk: causal over its own keys
+                    at = offsets[i]
+                    out[:, :, at : at + c] = paged_attention(
+                        q[:, :, at : at + c],
+                        kp,
+                        vp,
+                        table[i : i + 1],
+                        s + c,
+                        sinks=sinks,
+                        backend=backend,
+                    )
+            return out
         outs = []
         at = 0
         for i, (s, c) in enumerate(zip(batch.starts, batch.counts, strict=True)):

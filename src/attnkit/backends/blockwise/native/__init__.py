@@ -240,6 +240,7 @@ def forward_paged(
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
     page_table: torch.Tensor,
+    key_lens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`forward` with keys and values read through a page table (the forward only).
 
@@ -250,6 +251,9 @@ def forward_paged(
         v_pages: ``(num_pages, h_kv, page_size, d_v)`` value pages.
         page_table: int64 ``(b, n)``, row ``i`` the pages of batch row ``i`` in order
             (checked by the caller: ``n * page_size >= s``, ids in range).
+        key_lens: int64 ``(b,)``, row ``i`` attending to its first ``key_lens[i] <= s``
+            keys: a decode step of sequences of different lengths (one query row per kv
+            head and few heads a group, no band); None = every row to ``s``.
     """
     out = torch.empty(plan.b, plan.h, plan.t, v_pages.shape[-1], dtype=torch.float32)
     lse = torch.empty(plan.b, plan.h, plan.t, dtype=torch.float32)
@@ -259,6 +263,10 @@ def forward_paged(
     # _args read the pages' strides as (b, h, t): the first is a page's stride here
     args.sk_page, args.sv_page, args.sk_b, args.sv_b = args.sk_b, args.sv_b, 0, 0
     args.pages, args.pages_sb, args.page_size = table.data_ptr(), table.stride(0), k_pages.shape[2]
+    if key_lens is not None:
+        key_lens = key_lens.to(torch.int64).contiguous()
+        keep_alive.append(key_lens)
+        args.key_lens = key_lens.data_ptr()
     if plan.b * plan.h * plan.t * plan.s * (q.shape[-1] + v_pages.shape[-1]) < PAGED_ONE_THREAD:
         args.threads = 1  # a short decode step: waking a thread costs more than it saves
     _check_code(_kernel("attnkit_forward")(ctypes.byref(args)))

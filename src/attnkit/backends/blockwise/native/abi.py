@@ -63,6 +63,7 @@ class Args(ctypes.Structure):
         # paged keys and values (attnkit.PagedKVCache): the page table and its geometry
         ("pages", _P),
         *((name, _I) for name in ("pages_sb", "page_size", "sk_page", "sv_page")),
+        ("key_lens", _P),
     ]
 
 

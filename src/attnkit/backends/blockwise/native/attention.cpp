@@ -102,6 +102,9 @@ struct Args {
   // sk_b, sv_b are unused. Read where keys are packed and where P V reads the values.
   const int64_t *pages;
   int64_t pages_sb, page_size, sk_page, sv_page;
+  // With pages, in a decode step (direct_keys): row b attends to its first key_lens[b]
+  // keys (sequences of different lengths in one call); null: every row to S.
+  const int64_t *key_lens;
 };
 
 // The gradients' tensors (contiguous: (B, H, T, DV), (B, H, T), (B, H, T, D),
@@ -279,7 +282,8 @@ void for_each_chunk(const Args &a, int64_t b, int64_t h, int64_t i0, int64_t i1,
   const int64_t rows = i1 - i0;
   // keys any row may see by the band, within the chunks asked for
   const int64_t lo = std::max({int64_t(0), i0 + a.band_lo, cmin * KC});
-  const int64_t hi = std::min({a.S, i1 - 1 + a.band_hi + 1, (cmax + 1) * KC});
+  const int64_t keys = a.key_lens ? a.key_lens[b] : a.S;  // paged: this row's keys
+  const int64_t hi = std::min({keys, i1 - 1 + a.band_hi + 1, (cmax + 1) * KC});
   if (lo >= hi) return;
   // keys [k0, k1), masked by `keep` (rows `width` long, key k0 at column keep_col0) or not
   auto run = [&](int64_t k0, int64_t k1, const uint8_t *keep, int64_t width, int64_t keep_col0) {
@@ -811,6 +815,7 @@ Code check(const Args &a) {
   if (a.bm_kind && a.bq != a.bm_qb) return BAD_BLOCK_ROWS;
   if (a.dtype != DT_F32 && a.dtype != DT_BF16) return BAD_DTYPE;
   if (a.pages && a.page_size <= 0) return BAD_SHAPE;
+  if (a.key_lens && !direct_keys(a)) return BAD_SHAPE;
   return OK;
 }
 
