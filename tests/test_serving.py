@@ -141,3 +141,14 @@ def test_serve_demo_cli(capsys):
     assert "pass --demo" in capsys.readouterr().err
     assert main(["serve", "--demo", "--page-size", "0"]) == 2
     assert "--page-size must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_paged_model_says_how_to_run_it():
+    model = _model()
+    cache = model.setup_paged_cache(8, 4)
+    assert cache.num_layers == model.cfg.n_layers and cache.num_pages == 8
+    with pytest.raises(ValueError, match=r"cache is paged .*paged=cache.batch"):
+        model(torch.tensor([[1, 2]]), input_pos=torch.arange(2))
+    model.delete_cache()
+    with pytest.raises(ValueError, match="latent attention"):
+        _model(mla_kv_rank=16, rope=True).setup_paged_cache(8, 4)

@@ -208,7 +208,10 @@ class CausalSelfAttention(nn.Module):
         """The rest of :meth:`forward` on a paged cache: the new keys/values are written
         to the sequences' pages and attention reads them there."""
         if inputs.paged is None:
-            raise ValueError("a paged cache needs the forward's PagedBatch (inputs.paged)")
+            raise ValueError(
+                "this layer's cache is paged (GPT.setup_paged_cache): run the forward with "
+                "GPT.step(..., paged=cache.batch(...)), which hands down its PagedBatch"
+            )
         b, t, _ = x.shape
         ctx = cache.attend(
             inputs.paged,
