@@ -14,7 +14,7 @@ from attnkit.cli import main
 def test_quick_bench_writes_json_markdown(tmp_path, capsys):
     assert main(["bench", "--quick", "--reps", "1", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "results.json").read_text())
-    assert {row["target"] for row in result["targets"]} == set("abcdefghij")
+    assert {row["target"] for row in result["targets"]} == set("abcdefghij") | {"cascade", "tree"}
     measured = [c for cs in result["target_cases"].values() for c in cs if c["seconds"]]
     assert len(measured) >= 12 and all(c["seconds"] > 0 for c in measured)
     flex_bwd = [

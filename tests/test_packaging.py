@@ -122,6 +122,12 @@ def test_wheel_ships_the_native_kernel_source(tmp_path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "attnkit/backends/blockwise/native/attention.cpp" in names
     assert "attnkit/py.typed" in names
+    # the tutorial page renders from its templates and language files
+    for name in ("templates/page.html.j2", "templates/page.css", "templates/page.js",
+                 "lang/en.json", "lang/ja.json", "lang/pt.json"):  # fmt: skip
+        assert f"attnkit/explain/page/{name}" in names, name
+    for asset in ("templates/page.html.j2", "static/views.js", "static/views.css"):
+        assert f"attnkit/viz/page/{asset}" in names  # the views page, inlined when written
 
 
 def _make_rules() -> dict[str, tuple[list[str], list[str]]]:

@@ -9,6 +9,7 @@ from attnkit import backends, masks, trace
 from attnkit.attention import attention
 from attnkit.backends import available_backends, register_backend
 from attnkit.block_mask import BlockMask, create_block_mask
+from attnkit.cascade import cascade_attention
 from attnkit.kv_cache import KVCache
 from attnkit.masks import causal_mask
 from attnkit.modules import (
@@ -22,12 +23,14 @@ from attnkit.modules import (
 )
 from attnkit.paged_attention import paged_attention
 from attnkit.paged_kv_cache import PagedKVCache
+from attnkit.tree import DraftTree, build_tree, tree_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BlockMask",
     "CausalAttention",
+    "DraftTree",
     "KVCache",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
@@ -39,6 +42,8 @@ __all__ = [
     "attention",
     "available_backends",
     "backends",
+    "build_tree",
+    "cascade_attention",
     "causal_mask",
     "create_block_mask",
     "load_seed_state_dict",
@@ -46,4 +51,5 @@ __all__ = [
     "paged_attention",
     "register_backend",
     "trace",
+    "tree_attention",
 ]

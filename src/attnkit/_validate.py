@@ -24,6 +24,7 @@ __all__ = [
     "check_float_dtype",
     "check_int",
     "check_optional_int",
+    "check_parents",
     "check_positions",
     "check_probability",
     "check_window",
@@ -201,3 +202,46 @@ def check_window(value: Any, name: str = "window", *, optional: bool = True) -> 
     if value is None and optional:
         return None
     return check_int(value, name, minimum=1)
+
+
+def check_parents(value: Any, name: str = "parents") -> list[int]:
+    """A draft tree's parent array: ``value[i]`` is node ``i``'s parent, ``-1`` for a root.
+
+    Parents precede their children (``-1 <= value[i] < i``), so node 0 is always a root
+    and the array describes a forest with no cycle.
+
+    Args:
+        value: a non-empty sequence of ints or a 1-D integer tensor.
+        name: the argument's name, for the message.
+
+    Returns:
+        The parents as a list of ints.
+
+    Raises:
+        TypeError: not a sequence of ints / integer tensor (``bool`` is not an int).
+        ValueError: empty, not 1-D, or a parent out of range (naming the node).
+    """
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integer node indices, got dtype {value.dtype}")
+        if value.dim() != 1:
+            raise ValueError(f"{name} must be 1-D, got shape {tuple(value.shape)}")
+        parents = [int(p) for p in value.tolist()]
+    elif isinstance(value, (list, tuple)):
+        if not all(_is_int(p) for p in value):
+            bad = next(p for p in value if not _is_int(p))
+            raise TypeError(f"{name} must hold ints, got {type(bad).__name__} ({bad!r})")
+        parents = [int(p) for p in value]
+    else:
+        raise TypeError(
+            f"{name} must be a list of ints or a 1-D integer tensor, got {type(value).__name__}"
+        )
+    if not parents:
+        raise ValueError(f"{name} is empty: a draft tree needs at least one node")
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(
+                f"{name}[{i}] = {p}: a parent must come before its child (-1 <= parent < {i}; "
+                "-1 marks a root)"
+            )
+    return parents

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from attnkit.backends.blockwise import native
-from attnkit.bench import kernel_layer, peers
+from attnkit.bench import cascade_tree, kernel_layer, peers
 from attnkit.bench.timing import DTYPES, Case, time_case, time_cases
 
 
@@ -33,6 +33,8 @@ def _build(case: Case) -> Callable[[], object]:
     dt = DTYPES[case.dtype]
     if case.group == "layer":  # the kernel layer's targets (attnkit.bench.kernel_layer)
         return kernel_layer.build(case)
+    if case.group == "serving":  # cascades and tree verification (attnkit.bench.cascade_tree)
+        return cascade_tree.build(case)
     if case.group == "module":
         return peers.module_runner(
             case.impl, t=case.t, dtype=dt, backward=case.backward, **case.shape
@@ -234,7 +236,7 @@ def run_suite(
     todo = [c for group in "abce" for c in targets[group]]
     grid_list = grid_cases(quick) if grid else []
     bar = tqdm(
-        total=len(todo) + len(grid_list) + 4,
+        total=len(todo) + len(grid_list) + 6,
         desc="attnkit bench" + (" (smoke run)" if quick else ""),
         unit="case",
         disable=quiet,
@@ -253,6 +255,10 @@ def run_suite(
     bar.set_postfix_str("kernel layer targets f-j")
     layer_rows = kernel_layer.time_targets(layer, reps)
     bar.update(2)
+    serving = cascade_tree.target_cases(quick)
+    bar.set_postfix_str("cascade and tree verification targets")
+    layer_rows += cascade_tree.time_targets(serving, reps)
+    bar.update(2)
     for case in grid_list:
         bar.set_postfix_str(f"{case.impl} t={case.t}{' bwd' if case.backward else ''}")
         time_case(case, 1 if case.t >= 8192 else reps, _build)
@@ -263,7 +269,9 @@ def run_suite(
         "note": note,
         "quick": quick,
         "targets": ratios(targets) + layer_rows,
-        "target_cases": {g: [asdict(c) for c in cs] for g, cs in {**targets, **layer}.items()},
+        "target_cases": {
+            g: [asdict(c) for c in cs] for g, cs in {**targets, **layer, **serving}.items()
+        },
         "grid": [asdict(c) for c in grid_list],
     }
     out.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from attnkit.cli import CliError, HelpFormatter
-from attnkit.explain import FORMATS, STAGES, explain, render
+from attnkit.explain import FORMATS, LANGS, STAGES, explain, render
 from attnkit.explain.inputs import resolve_sentence_source
 
 EXAMPLES = """\
@@ -16,6 +16,7 @@ examples:
   attnkit explain "the cat saw the dog" --query the#2   # the second "the"
   attnkit explain --embeddings vectors.csv          # tokens from the CSV's labels
   attnkit explain "a b c" --format json > run.json && attnkit viz run.json -o run.html
+  attnkit explain --format html --lang ja > tutorial.html   # the step-through page, offline
 
 Embeddings: the seeds' own for their two sentences; otherwise --embeddings FILE (JSON list
 of vectors, or CSV rows "token,x1,x2,...", an optional header row) or seeded random ones,
@@ -51,13 +52,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="TOKEN",
         help="follow one token step by step; TOKEN#n picks the n-th of a repeated token",
     )
-    p.add_argument("--format", choices=FORMATS, default="text", help="output format (text)")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="text",
+        help="output format (text); html: the offline step-through page",
+    )
+    p.add_argument(
+        "--lang",
+        default="en",
+        help=f"language of the html page: {', '.join(LANGS)} (default: en)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.stage != "all" and args.stage not in STAGES:
         raise CliError(f"unknown stage {args.stage!r}; choose from {', '.join(STAGES)} or all")
+    if args.lang not in LANGS:
+        raise CliError(f"unknown --lang {args.lang!r}; choose from {', '.join(LANGS)}")
     stages = STAGES if args.stage == "all" else (args.stage,)
     try:
         tokens, x, source = resolve_sentence_source(
@@ -76,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
         )
         expl.options["embeddings"] = source
-        text = render(expl, fmt=args.format, query=args.query)
+        text = render(expl, fmt=args.format, query=args.query, lang=args.lang)
     except (ValueError, TypeError) as err:
         raise CliError(str(err)) from None
     sys.stdout.write(text if text.endswith("\n") else text + "\n")

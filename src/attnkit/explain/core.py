@@ -19,6 +19,7 @@ from attnkit._validate import check_int, check_probability
 from attnkit.modules import (
     CausalAttention,
     MultiHeadAttention,
+    MultiHeadAttentionWrapper,
     SelfAttentionV2,
     SimplifiedSelfAttention,
 )
@@ -54,6 +55,16 @@ class Explanation:
             ``weights`` (after dropout in the dropout stage), ``context``. The
             multihead stage has ``weights (h, t, t)``, ``context (h, t, head_dim)``
             and ``output (t, d_out)``.
+
+            The tutorial page (:mod:`attnkit.explain.page`) also reads what the book shows
+            beside each stage: ``naive_weights``/``naive_context`` (simplified, normalised
+            by the row sum; absent where a row of scores sums to 0), the projection
+            matrices ``W_query``/``W_key``/``W_value`` as ``(d_in, d_out)`` (``x @
+            W_query``), the causal mask applied after the softmax (``unmasked_weights``,
+            ``zeroed_weights``, ``renormalized_weights``), ``out_proj_weight (d_out,
+            d_out)``/``out_proj_bias`` and the wrapper's heads (``wrapper_queries``,
+            ``wrapper_keys``, ``wrapper_values``, ``wrapper_masked_scores``, ``wrapper_weights``, ``wrapper_context``
+            ``(h, t, ...)`` and ``wrapper_output (t, h * d_out)``).
         options: the settings used (d_out, heads, dropout, seed).
     """
 
@@ -85,6 +96,12 @@ class Explanation:
         if "embeddings" in self.options:  # where the vectors came from ("random (seed 0, ...)")
             out["embeddings_source"] = str(self.options["embeddings"])
         return out
+
+    def _repr_html_(self) -> str:
+        """In a notebook: the tutorial page of these numbers (see :mod:`attnkit.explain.page`)."""
+        from attnkit.explain.page import TutorialPage
+
+        return TutorialPage(self)._repr_html_()
 
     def attention_maps(self) -> dict[str, torch.Tensor]:
         """``stage -> weights (heads, t, t)`` for the pictures (one head but in multihead)."""
@@ -158,10 +175,17 @@ def explain(
             if stage == "simplified":
                 rec = _record(SimplifiedSelfAttention(), x)
                 rec["scale"] = torch.tensor(1.0)
+                try:  # the naive normalisation the book shows first
+                    naive = _record(SimplifiedSelfAttention("sum"), x)
+                    rec["naive_weights"], rec["naive_context"] = naive["weights"], naive["context"]
+                except ValueError:  # a row of scores sums to 0: no naive weights to show
+                    pass
             elif stage == "trainable":
                 seeded(stage)
-                rec = _record(SelfAttentionV2(d_in, d_out), x)
+                sa_v2 = SelfAttentionV2(d_in, d_out)
+                rec = _record(sa_v2, x)
                 rec["scale"] = torch.tensor(1.0 / math.sqrt(d_out))
+                rec.update(_projections(sa_v2))
             elif stage in ("causal", "dropout"):
                 seeded(stage)
                 p = dropout if stage == "dropout" else 0.0
@@ -170,16 +194,45 @@ def explain(
                 seeded(stage)  # the dropout mask's seed, as the book seeds it before dropping
                 rec = _record(module, x)
                 rec["scale"] = torch.tensor(1.0 / math.sqrt(d_out))
+                rec.update(_projections(module))
                 if stage == "dropout":
                     rec["softmax_weights"] = rec["weights"]
                     rec["weights"] = rec.get("dropped_weights", rec["weights"])
+                else:  # the book's other way: softmax first, then zero the future and renormalise
+                    after = CausalAttention(
+                        d_in, d_out, context_length=t, dropout=0.0, masking="after_softmax"
+                    )
+                    after.load_state_dict(module.state_dict())
+                    rec_after = _record(after.eval(), x)
+                    rec["unmasked_weights"] = rec_after["weights"]
+                    rec["zeroed_weights"] = rec_after["zeroed_weights"]
+                    rec["renormalized_weights"] = rec_after["renormalized_weights"]
             else:
                 seeded(stage)
-                module = MultiHeadAttention(d_in, d_out, t, 0.0, num_heads=heads).eval()
-                rec = _record(module, x)
+                wrapper = MultiHeadAttentionWrapper(d_in, d_out, t, 0.0, num_heads=heads).eval()
+                wrapped = _record(wrapper, x)
+                seeded(stage)
+                mha = MultiHeadAttention(d_in, d_out, t, 0.0, num_heads=heads).eval()
+                rec = _record(mha, x)
                 rec["scale"] = torch.tensor(1.0 / math.sqrt(d_out // heads))
+                rec.update(_projections(mha))
+                rec["out_proj_weight"] = mha.out_proj.weight.detach().clone()  # (d_out, d_out)
+                rec["out_proj_bias"] = mha.out_proj.bias.detach().clone()  # (d_out,)
+                for name in ("queries", "keys", "values", "masked_scores", "weights", "context"):
+                    rec[f"wrapper_{name}"] = torch.stack(  # (h, t, ...)
+                        [wrapped[f"heads.{i}.{name}"] for i in range(heads)]
+                    )
+                rec["wrapper_output"] = wrapped["concat"]  # (t, h * d_out)
             result.stages[stage] = rec
     return result
+
+
+def _projections(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``W_query``/``W_key``/``W_value`` as the book writes them, ``(d_in, d_out)``."""
+    return {
+        name: getattr(module, name).weight.detach().T.clone()  # (d_in, d_out)
+        for name in ("W_query", "W_key", "W_value")
+    }
 
 
 def _record(module: torch.nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from attnkit.explain.core import Explanation
 
 __all__ = ["FORMATS", "find_token", "render"]
 
-FORMATS = ("text", "markdown", "json")
+FORMATS = ("text", "markdown", "json", "html")
 _CELL = 9  # width of one number column: " -12.3456"
 _LABEL = 10  # width of the row-label column
 
@@ -80,22 +80,34 @@ def find_token(tokens: Sequence[str], token: str) -> int:
 
 
 def render(
-    expl: Explanation, *, fmt: str = "text", query: str | None = None, width: int = 80
+    expl: Explanation,
+    *,
+    fmt: str = "text",
+    query: str | None = None,
+    width: int = 80,
+    lang: str = "en",
 ) -> str:
-    """Render ``expl`` as ``"text"``, ``"markdown"`` or ``"json"``.
+    """Render ``expl`` as ``"text"``, ``"markdown"``, ``"json"`` or ``"html"``.
 
     Args:
         expl: what :func:`~attnkit.explain.explain` computed.
-        fmt: output format; JSON follows the contract of :meth:`Explanation.to_dict`.
+        fmt: output format; JSON follows the contract of :meth:`Explanation.to_dict`;
+            HTML is the step-through page (:func:`~attnkit.explain.tutorial_page`).
         query: a token to follow step by step (dot products, softmax arithmetic,
-            weighted sum), as the seeds do for "journey" and "shiny".
+            weighted sum), as the seeds do for "journey" and "shiny"; the HTML page
+            opens on its row.
         width: text width in columns.
+        lang: the HTML page's language: ``"en"``, ``"ja"`` or ``"pt"``.
 
     Raises:
-        ValueError: unknown format, or ``query`` not in the sentence.
+        ValueError: unknown format or language, or ``query`` not in the sentence.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose from {list(FORMATS)}")
+    if fmt == "html":
+        from attnkit.explain.page import TutorialPage
+
+        return TutorialPage(expl, lang=lang, query=query).to_html()
     qi = None if query is None else find_token(expl.tokens, query)
     if fmt == "json":
         return json.dumps(expl.to_dict())

@@ -27,6 +27,10 @@ Layouts (as transformers passes them to every attention function):
 Keywords:
     ``scaling``, ``dropout``: passed on as ``scale`` / ``dropout_p``.
     ``softcap``: ``c * tanh(s / c)`` on the scaled scores, as an attnkit ``score_mod``.
+    Inside an :func:`attnkit.trace.record` block each layer also records its queries and keys
+    as it receives them (after RoPE) and its scale, as ``layers.<layer_idx>.queries`` /
+    ``.keys`` / ``.scale``, next to the reference backend's ``scores`` and ``weights``
+    (:func:`attnkit.viz.record_hf` reads them); outside one nothing is kept.
     ``output_attentions``: the weights are returned (attnkit's reference backend). When a
         model does not pass it down (GPT-2 in transformers 5), the request is read from
         transformers' output collector.
@@ -53,6 +57,7 @@ Minimum version: transformers 4.56, the first release with everything used here
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -71,6 +76,7 @@ try:  # transformers >= 5 records attentions with hooks and no longer tells ever
 except ImportError:  # pragma: no cover - older transformers pass output_attentions instead
     _active_collector = None  # type: ignore[assignment]
 
+from attnkit import trace
 from attnkit._validate import check_backend
 from attnkit.attention import attention
 
@@ -254,19 +260,28 @@ def make_attention_function(backend: str = "auto") -> Callable[..., tuple[torch.
             )
         if softcap is not None and softcap <= 0:
             raise ValueError(f"softcap must be positive, got {softcap}")
-        result = attention(
-            query,  # (b, h_q, l_q, d)
-            key,  # (b, h_kv, l_k, d)
-            value,  # (b, h_kv, l_k, d)
-            mask=attention_mask,  # (b, 1, l_q, l_k), True = may attend
-            causal=causal,
-            scale=scaling,
-            dropout_p=float(dropout),
-            need_weights=bool(output_attentions),
-            window=window,
-            score_mod=None if softcap is None else _softcap_mod(float(softcap)),
-            backend=backend,
-        )
+        # inside a trace.record() block only (attnkit.viz): this layer's q, k, scale and
+        # the reference backend's steps, named layers.<layer_idx>.*; else nothing at all
+        named: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if trace.is_recording():
+            layer = getattr(module, "layer_idx", None)
+            named = trace.scope(f"layers.{layer}" if isinstance(layer, int) else "layers")
+        with named:
+            if trace.is_recording():
+                _emit_inputs(query, key, scaling)
+            result = attention(
+                query,  # (b, h_q, l_q, d)
+                key,  # (b, h_kv, l_k, d)
+                value,  # (b, h_kv, l_k, d)
+                mask=attention_mask,  # (b, 1, l_q, l_k), True = may attend
+                causal=causal,
+                scale=scaling,
+                dropout_p=float(dropout),
+                need_weights=bool(output_attentions),
+                window=window,
+                score_mod=None if softcap is None else _softcap_mod(float(softcap)),
+                backend=backend,
+            )
         if isinstance(result, tuple):
             context, weights = result[0], result[1]
         else:
@@ -274,6 +289,16 @@ def make_attention_function(backend: str = "auto") -> Callable[..., tuple[torch.
         return context.transpose(1, 2).contiguous(), weights  # (b, l_q, h_q, d)
 
     return attnkit_attention_forward
+
+
+def _emit_inputs(query: torch.Tensor, key: torch.Tensor, scaling: float | None) -> None:
+    """Offer one layer's queries and keys (as the attention receives them: after RoPE, where
+    the model applies it) and its score scale to the active :func:`attnkit.trace.record`
+    blocks: ``queries`` ``(b, h_q, l_q, d)``, ``keys`` ``(b, h_kv, l_k, d)``, ``scale`` (0-d)."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    trace.emit("queries", query)
+    trace.emit("keys", key)
+    trace.emit("scale", torch.tensor(float(scale), dtype=torch.float64))
 
 
 def attnkit_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

@@ -18,6 +18,8 @@ Shapes: b batch, t tokens, s keys, d emb_dim, v vocab_size.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -429,3 +431,21 @@ class GPT(nn.Module):
             pack_weights=pack_weights,
             page_size=page_size,
         )
+
+    # -- speculative decoding --------------------------------------------------------------
+    def verify_tree(self, tokens: torch.Tensor, tree: Any, start: int) -> torch.Tensor:
+        """Logits ``(b, n, vocab_size)`` of every node of a draft tree, in one forward over
+        the caches holding ``start`` tokens; each equals decoding its branch token by token.
+
+        See :func:`attnkit.models.speculative.verify_tree`.
+        """
+        from attnkit.models.speculative import verify_tree
+
+        return verify_tree(self, tokens, tree, start)
+
+    def accept_tree_path(self, tree: Any, start: int, path: list[int]) -> None:
+        """Keep an accepted branch of the last verified tree in the caches (at time indices
+        ``start ..``); see :func:`attnkit.models.speculative.accept_path`."""
+        from attnkit.models.speculative import accept_path
+
+        accept_path(self, tree, start, path)

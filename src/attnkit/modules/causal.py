@@ -95,6 +95,7 @@ def _mask_after_softmax(
     _, weights = attention(queries, keys, values, need_weights=True, backend="reference")
     t = queries.shape[-2]
     weights = weights * causal_mask(t, t, device=weights.device)  # (b, t, t), future zeroed
+    trace.emit("zeroed_weights", weights)
     weights = weights / weights.sum(dim=-1, keepdim=True)  # rows sum to 1 again
     trace.emit("renormalized_weights", weights)
     if dropout_p > 0.0:

@@ -1,0 +1,293 @@
+"""Shared-prefix cascades: many requests attend to a common prefix once.
+
+``n`` requests share a prefix of ``p`` tokens (a system prompt) and each has its own
+suffix of ``s`` tokens, of which its last ``t`` are the new queries (``t = 1`` when
+decoding, ``t = s`` when prefilling the suffixes). Attention over ``prefix ++ suffix``
+splits into two partial results merged by their log-sum-exps
+(:func:`attnkit.backends.blockwise.merge.merge_partials`, the one merge)::
+
+    prefix keys (h_kv, p, d), read ONCE         own suffix keys (n, h_kv, s, d)
+    ┌──────────────────────────┐                ┌────────┐
+    │ every query of every     │  out_p, lse_p  │ causal │  out_s, lse_s
+    │ request, stacked as rows │ ─────────────┐ │ per    │ ─────────────┐
+    │ (h_kv, n·g·t, d): one    │              │ │ request│              │
+    │ call, no mask            │              ▼ └────────┘              ▼
+    └──────────────────────────┘           merge_partials(out_p, lse_p, out_s, lse_s)
+
+The prefix pass stacks every request's query rows (and a GQA group's heads) against the
+shared prefix keys in one :func:`attnkit.attention` call, so the prefix K/V is stored
+once and read once for all requests instead of once per request. The result equals
+attention over each request's whole sequence (prefix fully visible, causal inside the
+suffix), forward and backward.
+
+Shapes: n requests, h_q query heads, h_kv key/value heads (g = h_q / h_kv), t queries
+per request, p prefix keys, s suffix keys (padded to the longest when
+``suffix_lengths`` is given), d head_dim, d_v value head_dim.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, overload
+
+import torch
+
+from attnkit._validate import check_bool, check_float
+from attnkit.attention import attention, check_sinks
+from attnkit.backends.blockwise.merge import merge_partials
+
+__all__ = ["cascade_attention"]
+
+
+@overload
+def cascade_attention(
+    query: torch.Tensor,
+    prefix_key: torch.Tensor,
+    prefix_value: torch.Tensor,
+    suffix_key: torch.Tensor,
+    suffix_value: torch.Tensor,
+    *,
+    suffix_lengths: torch.Tensor | None = ...,
+    scale: float | None = ...,
+    sinks: torch.Tensor | None = ...,
+    return_lse: Literal[False] = ...,
+    backend: str = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def cascade_attention(
+    query: torch.Tensor,
+    prefix_key: torch.Tensor,
+    prefix_value: torch.Tensor,
+    suffix_key: torch.Tensor,
+    suffix_value: torch.Tensor,
+    *,
+    suffix_lengths: torch.Tensor | None = ...,
+    scale: float | None = ...,
+    sinks: torch.Tensor | None = ...,
+    return_lse: Literal[True],
+    backend: str = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def cascade_attention(
+    query: torch.Tensor,
+    prefix_key: torch.Tensor,
+    prefix_value: torch.Tensor,
+    suffix_key: torch.Tensor,
+    suffix_value: torch.Tensor,
+    *,
+    suffix_lengths: torch.Tensor | None = None,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``n`` requests over a shared prefix and their own suffixes.
+
+    Query row ``i`` of a request sits at suffix position ``len - t + i`` (``len`` = its
+    suffix length, ``s`` or ``suffix_lengths[r]``): it sees every prefix key and its own
+    suffix keys up to that position (bottom-right causal). With ``t <= len`` this is
+    exactly causal attention over the request's whole sequence ``prefix ++ suffix``;
+    a row at a negative position (padding) sees the prefix alone.
+
+    Args:
+        query: ``(n, h_q, t, d)``: the new tokens of every request.
+        prefix_key: ``(h_kv, p, d)`` or ``(1, h_kv, p, d)``: the shared prefix, stored once
+            (``p = 0`` allowed).
+        prefix_value: ``(h_kv, p, d_v)`` or ``(1, h_kv, p, d_v)``.
+        suffix_key: ``(n, h_kv, s, d)``: each request's own keys (``s = 0`` allowed).
+        suffix_value: ``(n, h_kv, s, d_v)``.
+        suffix_lengths: ``(n,)`` integer tensor: request ``r`` owns only the first
+            ``suffix_lengths[r]`` of the ``s`` suffix slots (the rest is padding, never
+            attended to). None = all ``s``.
+        scale: score scale; ``1 / sqrt(d)`` by default.
+        sinks: ``(h_q,)`` learned sink logits (as :func:`attnkit.attention`'s), merged once.
+        return_lse: also return the log-sum-exp ``(n, h_q, t)`` (float32 for half inputs).
+        backend: the :func:`attnkit.attention` backend of both passes.
+
+    Returns:
+        The context ``(n, h_q, t, d_v)``, and the lse when ``return_lse``.
+
+    Raises:
+        TypeError: non-tensor or non-float inputs, mixed dtypes, non-integer lengths.
+        ValueError: shapes that do not fit together (naming the argument), tensors on
+            another device than the query, lengths out of ``[0, s]``.
+
+    Example:
+        >>> q = torch.randn(8, 4, 1, 16)                       # 8 requests decoding
+        >>> pk, pv = torch.randn(2, 100, 16), torch.randn(2, 100, 16)  # shared prefix
+        >>> sk, sv = torch.randn(8, 2, 5, 16), torch.randn(8, 2, 5, 16)
+        >>> cascade_attention(q, pk, pv, sk, sv).shape
+        torch.Size([8, 4, 1, 16])
+    """
+    prefix_key, prefix_value = _check(query, prefix_key, prefix_value, suffix_key, suffix_value)
+    return_lse = check_bool(return_lse, "return_lse")
+    check_sinks(sinks, query)
+    n, h_q, t, _ = query.shape
+    h_kv, p = prefix_key.shape[0], prefix_key.shape[1]
+    s = suffix_key.shape[2]
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    scale = check_float(scale, "scale")
+    mask = _suffix_mask(suffix_lengths, n, t, s, query.device)
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if p > 0:
+        # Every request's rows (and each GQA group's heads) stacked against the prefix:
+        # (n, h_kv, g, t, d) -> (h_kv, n, g, t, d) -> (1, h_kv, n*g*t, d); one call.
+        g = h_q // h_kv
+        rows = (
+            query.reshape(n, h_kv, g, t, -1)
+            .permute(1, 0, 2, 3, 4)
+            .reshape(1, h_kv, -1, query.shape[-1])
+        )
+        out, lse = attention(
+            rows,
+            prefix_key[None],
+            prefix_value[None],
+            scale=scale,
+            return_lse=True,
+            backend=backend,
+        )  # (1, h_kv, n*g*t, d_v), (1, h_kv, n*g*t)
+        out = out.reshape(h_kv, n, g, t, -1).permute(1, 0, 2, 3, 4).reshape(n, h_q, t, -1)
+        lse = lse.reshape(h_kv, n, g, t).permute(1, 0, 2, 3).reshape(n, h_q, t)
+        parts.append((out, lse))
+    if s > 0 and t == 1:
+        # Decoding: every row sits at the last position and sees all its own keys, so a
+        # GQA group's heads stack as rows (a view): (n, h_kv, g, d) against (n, h_kv, s, d).
+        out, lse = attention(
+            query.reshape(n, h_kv, h_q // h_kv, -1),
+            suffix_key,
+            suffix_value,
+            mask=mask,  # (n, 1, 1, s): the padding, the same for every row
+            scale=scale,
+            return_lse=True,
+            backend=backend,
+        )
+        parts.append((out.reshape(n, h_q, 1, -1), lse.reshape(n, h_q, 1)))
+    elif s > 0:
+        out, lse = attention(
+            query,
+            suffix_key,
+            suffix_value,
+            mask=mask,
+            causal=mask is None,
+            scale=scale,
+            return_lse=True,
+            backend=backend,
+        )  # (n, h_q, t, d_v), (n, h_q, t); bottom-right causal
+        parts.append((out, lse))
+    if not parts:  # no key at all: zeros and -inf, as attention() gives a keyless row
+        d_v = prefix_value.shape[-1]
+        lse_dtype = torch.promote_types(query.dtype, torch.float32)
+        # Constant results, but a backward through them must still run (zero gradients).
+        grad = torch.is_grad_enabled() and query.requires_grad
+        parts.append(
+            (
+                query.new_zeros(n, h_q, t, d_v).requires_grad_(grad),
+                torch.full((n, h_q, t), -math.inf, dtype=lse_dtype, device=query.device),
+            )
+        )
+    out, lse = parts[0]
+    for other in parts[1:]:
+        out, lse = merge_partials(out, lse, *other)
+    if sinks is not None:  # a sink is a partial with no value and lse = its logit
+        sink_lse = sinks.to(lse.dtype).view(1, h_q, 1).expand_as(lse)
+        out, lse = merge_partials(out, lse, out.new_zeros(()), sink_lse)
+    return (out, lse) if return_lse else out
+
+
+def _suffix_mask(
+    lengths: torch.Tensor | None, n: int, t: int, s: int, device: torch.device
+) -> torch.Tensor | None:
+    """``(n, 1, t, s)`` bool, True = may attend, for padded suffixes; None without lengths."""
+    if lengths is None:
+        return None
+    if (
+        not isinstance(lengths, torch.Tensor)
+        or lengths.is_floating_point()
+        or lengths.dtype == torch.bool
+    ):
+        raise TypeError(f"suffix_lengths must be an integer tensor, got {lengths!r}")
+    if lengths.shape != (n,):
+        raise ValueError(f"suffix_lengths must have shape ({n},), got {tuple(lengths.shape)}")
+    if lengths.device != device:
+        raise ValueError(f"suffix_lengths is on {lengths.device} but query is on {device}")
+    if bool(((lengths < 0) | (lengths > s)).any()):
+        raise ValueError(
+            f"suffix_lengths must be in [0, {s}] (the suffix slots), got {lengths.tolist()}"
+        )
+    lengths = lengths.view(n, 1, 1)
+    q_pos = lengths - t + torch.arange(t, device=device).view(1, t, 1)  # (n, t, 1)
+    k_pos = torch.arange(s, device=device).view(1, 1, s)
+    return ((k_pos <= q_pos) & (k_pos < lengths)).unsqueeze(1)  # (n, 1, t, s)
+
+
+def _check(
+    query: torch.Tensor,
+    prefix_key: torch.Tensor,
+    prefix_value: torch.Tensor,
+    suffix_key: torch.Tensor,
+    suffix_value: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the shapes, dtypes and devices; return the prefix as ``(h_kv, p, d)``."""
+    named = (
+        ("query", query),
+        ("prefix_key", prefix_key),
+        ("prefix_value", prefix_value),
+        ("suffix_key", suffix_key),
+        ("suffix_value", suffix_value),
+    )
+    for name, x in named:
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            what = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise TypeError(f"{name} must be a floating torch.Tensor, got {what}")
+        if x.dtype != query.dtype:
+            raise TypeError(f"{name} has dtype {x.dtype} but query has {query.dtype}")
+        if x.device != query.device:
+            raise ValueError(f"{name} is on {x.device} but query is on {query.device}")
+    if query.dim() != 4:
+        raise ValueError(f"query must be (n, h_q, t, d), got shape {tuple(query.shape)}")
+    prefix = []
+    for name, x in (("prefix_key", prefix_key), ("prefix_value", prefix_value)):
+        if x.dim() == 4 and x.shape[0] == 1:
+            x = x[0]
+        if x.dim() != 3:
+            raise ValueError(
+                f"{name} must be (h_kv, p, d) or (1, h_kv, p, d), got {tuple(x.shape)}"
+            )
+        prefix.append(x)
+    pk, pv = prefix
+    for name, x in (("suffix_key", suffix_key), ("suffix_value", suffix_value)):
+        if x.dim() != 4 or x.shape[0] != query.shape[0]:
+            raise ValueError(
+                f"{name} must be (n={query.shape[0]}, h_kv, s, d), got {tuple(x.shape)}"
+            )
+    n, h_q, t, d = query.shape
+    if n == 0 or t == 0:
+        raise ValueError(
+            f"query needs at least one request and one token, got {tuple(query.shape)}"
+        )
+    h_kv = pk.shape[0]
+    if h_kv == 0 or h_q % h_kv:
+        raise ValueError(f"query heads ({h_q}) must be a multiple of prefix_key heads ({h_kv})")
+    if pk.shape[-1] != d or suffix_key.shape[-1] != d:
+        raise ValueError(
+            f"head_dim differs: query {d}, prefix_key {pk.shape[-1]}, suffix_key "
+            f"{suffix_key.shape[-1]}"
+        )
+    if pv.shape[:-1] != pk.shape[:-1]:
+        raise ValueError(
+            f"prefix_value {tuple(pv.shape)} does not match prefix_key {tuple(pk.shape)}"
+        )
+    if suffix_key.shape[1] != h_kv or suffix_value.shape[:-1] != suffix_key.shape[:-1]:
+        raise ValueError(
+            f"suffix_key {tuple(suffix_key.shape)} / suffix_value {tuple(suffix_value.shape)} must "
+            f"be (n, h_kv={h_kv}, s, d) and agree in every dim but the last"
+        )
+    if suffix_value.shape[-1] != pv.shape[-1]:
+        raise ValueError(
+            f"value head_dim differs: prefix_value {pv.shape[-1]}, suffix_value {suffix_value.shape[-1]}"
+        )
+    return pk, pv

@@ -1,0 +1,322 @@
+"""Tree verification for speculative decoding: a draft tree checked in one call.
+
+A draft model proposes a *tree* of candidate tokens; the target model scores every node
+at once. Node ``i`` attends to the whole KV cache, to its ancestors and to itself — the
+tokens that would precede it if its branch were decoded one token at a time — and sits
+at position ``start + depth(i)`` for RoPE. The tree is given as a parent array
+(``parents[i]`` = the parent's index, ``-1`` for a root; parents come first)::
+
+    parents = [-1, 0, 0, 1, 1, 2]         tree mask (True = may attend), depth
+                                               0 1 2 3 4 5
+          0                              0  [ x . . . . . ]   0
+        ┌─┴─┐                            1  [ x x . . . . ]   1
+        1   2                            2  [ x . x . . . ]   1
+      ┌─┴─┐ │                            3  [ x x . x . . ]   2
+      3   4 5                            4  [ x x . . x . ]   2
+                                         5  [ x . x . . x ]   2
+
+or as a FlashInfer-style packed-bit mask: the boolean ``(num_nodes, kv_len)`` mask
+flattened row by row (query first, kv last) and packed 8 to a ``uint8`` in "little" bit
+order (element ``8 j + b`` is bit ``b`` of byte ``j``; see :func:`pack_tree_mask`).
+
+:func:`build_tree` turns either into a :class:`DraftTree` (mask and depths, built once
+and shared by every layer); :func:`tree_attention` attends the nodes' queries to the
+cache (no mask: one pass over the cache for every node) and to the tree (the tree mask),
+and merges the two by their log-sum-exps. Model-level verification lives in
+:mod:`attnkit.models.speculative`.
+
+Shapes: b batch, h_q / h_kv heads, n tree nodes, L cached keys, d head_dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, overload
+
+import torch
+
+from attnkit._validate import check_bool, check_int, check_parents
+from attnkit.attention import attention, check_sinks
+from attnkit.backends.blockwise.merge import merge_partials
+
+__all__ = [
+    "DraftTree",
+    "build_tree",
+    "pack_tree_mask",
+    "tree_attention",
+    "tree_from_mask",
+    "unpack_tree_mask",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class DraftTree:
+    """A draft tree, planned once: parents, depths and the ancestor mask.
+
+    Attributes:
+        parents: ``parents[i]`` is node ``i``'s parent (``-1`` for a root).
+        depth: ``(n,)`` long: a root's depth is 0, a child's its parent's plus one.
+        mask: ``(n, n)`` bool: ``mask[i, j]`` is True when node ``j`` is node ``i`` or one
+            of its ancestors (True = may attend).
+    """
+
+    parents: tuple[int, ...]
+    depth: torch.Tensor
+    mask: torch.Tensor
+
+    @property
+    def num_nodes(self) -> int:
+        """How many nodes the tree has."""
+        return len(self.parents)
+
+    def positions(self, start: int) -> torch.Tensor:
+        """``(n,)`` positions of the nodes when ``start`` tokens precede the tree:
+        ``start + depth`` (a branch decoded token by token gets the same)."""
+        return self.depth + check_int(start, "start", minimum=0)
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from ``node``'s root down to ``node``."""
+        check_int(node, "node", minimum=0, maximum=self.num_nodes - 1)
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+    def leaves(self) -> list[int]:
+        """The nodes with no child, in index order."""
+        has_child = set(self.parents)
+        return [i for i in range(self.num_nodes) if i not in has_child]
+
+    def branches(self) -> list[list[int]]:
+        """Every root-to-leaf path (one per leaf)."""
+        return [self.path(leaf) for leaf in self.leaves()]
+
+    def to(self, device: torch.device | str) -> DraftTree:
+        """The same tree with its tensors on ``device``."""
+        return DraftTree(self.parents, self.depth.to(device), self.mask.to(device))
+
+
+def build_tree(parents: Any, *, device: torch.device | str | None = None) -> DraftTree:
+    """Plan a draft tree from its parent array (checked: parents precede their children).
+
+    Args:
+        parents: ``parents[i]`` = node ``i``'s parent, ``-1`` for a root: a list of ints
+            or a 1-D integer tensor.
+        device: where the mask and depths live.
+
+    Returns:
+        The :class:`DraftTree`.
+
+    Raises:
+        TypeError / ValueError: from :func:`attnkit._validate.check_parents`, naming the node.
+
+    Example:
+        >>> tree = build_tree([-1, 0, 0, 1])
+        >>> tree.depth.tolist(), tree.mask[3].tolist()
+        ([0, 1, 1, 2], [True, True, False, True])
+    """
+    par = check_parents(parents)
+    n = len(par)
+    depth = [0] * n
+    mask = torch.eye(n, dtype=torch.bool)  # (n, n): each node sees itself
+    for i, p in enumerate(par):
+        if p >= 0:
+            depth[i] = depth[p] + 1
+            mask[i, :i] |= mask[p, :i]  # a node sees what its parent sees (and the parent)
+    return DraftTree(tuple(par), torch.tensor(depth, device=device), mask.to(device))
+
+
+def tree_from_mask(mask: torch.Tensor, *, cache_len: int = 0) -> DraftTree:
+    """Recover the :class:`DraftTree` of a boolean tree mask.
+
+    Args:
+        mask: ``(n, cache_len + n)`` bool, True = may attend (FlashInfer's custom mask of
+            one request, e.g. from :func:`unpack_tree_mask`): the first ``cache_len``
+            columns are the cache (all True: verification reads the whole cache), the
+            last ``n`` the tree (each row: the node and its ancestors).
+        cache_len: cached keys before the tree's columns.
+
+    Raises:
+        TypeError: not a bool tensor.
+        ValueError: a wrong shape, a cache column masked, or rows that are no tree's
+            ancestor sets (naming the first bad node).
+    """
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask))}")
+    cache_len = check_int(cache_len, "cache_len", minimum=0)
+    if mask.dim() != 2 or mask.shape[1] != cache_len + mask.shape[0] or mask.shape[0] == 0:
+        raise ValueError(
+            f"mask must be (n, cache_len + n) with cache_len={cache_len}, got {tuple(mask.shape)}"
+        )
+    mask = mask.cpu()
+    if cache_len and not bool(mask[:, :cache_len].all()):
+        row = int((~mask[:, :cache_len]).any(1).nonzero()[0])
+        raise ValueError(
+            f"mask row {row} hides a cached key: every node attends to the whole cache"
+        )
+    tree = mask[:, cache_len:]  # (n, n)
+    n = tree.shape[0]
+    idx = torch.arange(n)
+    before = tree & (idx.view(1, -1) < idx.view(-1, 1))  # strict ancestors
+    parents = torch.where(before, idx.view(1, -1), -1).amax(1)  # the nearest: the parent
+    planned = build_tree(parents)
+    bad = (planned.mask != tree).any(1)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0])
+        raise ValueError(
+            f"mask row {row} is not a tree node's ancestor set (itself, its parent and the "
+            f"parent's ancestors, all before it): {tree[row].int().tolist()}"
+        )
+    return planned
+
+
+def pack_tree_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a boolean mask into FlashInfer's bit layout: flattened row by row (query first,
+    kv last), 8 elements per ``uint8``, "little" bit order (element ``8 j + b`` is bit
+    ``b`` of byte ``j``), the last byte padded with zeros.
+
+    Args:
+        mask: ``(q_len, kv_len)`` bool.
+
+    Returns:
+        ``(ceil(q_len * kv_len / 8),)`` uint8.
+    """
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
+        raise TypeError(f"mask must be a 2-D bool tensor, got {mask!r:.80}")
+    flat = mask.reshape(-1)
+    pad = (-flat.numel()) % 8
+    flat = torch.cat((flat, flat.new_zeros(pad))).view(-1, 8).to(torch.uint8)  # (bytes, 8)
+    weights = torch.tensor([1 << b for b in range(8)], dtype=torch.uint8, device=mask.device)
+    return (flat * weights).sum(1, dtype=torch.uint8)
+
+
+def unpack_tree_mask(packed: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
+    """Unpack :func:`pack_tree_mask`'s (FlashInfer's) bits into a ``(q_len, kv_len)`` bool mask.
+
+    Raises:
+        TypeError: ``packed`` not a 1-D uint8 tensor.
+        ValueError: its length is not ``ceil(q_len * kv_len / 8)``.
+    """
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8 or packed.dim() != 1:
+        raise TypeError(f"packed must be a 1-D uint8 tensor, got {packed!r:.80}")
+    q_len, kv_len = check_int(q_len, "q_len"), check_int(kv_len, "kv_len")
+    need = (q_len * kv_len + 7) // 8
+    if packed.numel() != need:
+        raise ValueError(
+            f"packed has {packed.numel()} bytes; a ({q_len}, {kv_len}) mask packs into {need}"
+        )
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    bits = (packed.view(-1, 1) >> shifts) & 1  # (bytes, 8): bit b of byte j = element 8j + b
+    return bits.reshape(-1)[: q_len * kv_len].view(q_len, kv_len).bool()
+
+
+@overload
+def tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    tree_key: torch.Tensor,
+    tree_value: torch.Tensor,
+    tree: DraftTree | torch.Tensor,
+    *,
+    scale: float | None = ...,
+    sinks: torch.Tensor | None = ...,
+    return_lse: Literal[False] = ...,
+    backend: str = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    tree_key: torch.Tensor,
+    tree_value: torch.Tensor,
+    tree: DraftTree | torch.Tensor,
+    *,
+    scale: float | None = ...,
+    sinks: torch.Tensor | None = ...,
+    return_lse: Literal[True],
+    backend: str = ...,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    tree_key: torch.Tensor,
+    tree_value: torch.Tensor,
+    tree: DraftTree | torch.Tensor,
+    *,
+    scale: float | None = None,
+    sinks: torch.Tensor | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a draft tree's nodes to the cache and to their ancestors, in one call.
+
+    Equals, for every node, attention over ``cache ++ (its ancestors, itself)``: what
+    decoding its branch token by token computes. The cache pass has no mask (each
+    GQA group's heads are stacked as rows, so the cache is read once per key/value
+    head); the tree pass applies the tree mask; the two merge by log-sum-exp.
+
+    Args:
+        query: ``(b, h_q, n, d)``: the nodes' queries (RoPE'd at their tree positions).
+        key: ``(b, h_kv, L, d)``: the cache (``L = 0`` allowed).
+        value: ``(b, h_kv, L, d_v)``.
+        tree_key: ``(b, h_kv, n, d)``: the nodes' own keys.
+        tree_value: ``(b, h_kv, n, d_v)``.
+        tree: a :class:`DraftTree` (see :func:`build_tree`), or a bool ``(n, n)`` mask
+            broadcastable to ``(b, h_q, n, n)`` (True = may attend).
+        scale: score scale; ``1 / sqrt(d)`` by default.
+        sinks: ``(h_q,)`` learned sink logits, merged once.
+        return_lse: also return the log-sum-exp ``(b, h_q, n)``.
+        backend: the :func:`attnkit.attention` backend of both passes.
+
+    Returns:
+        The context ``(b, h_q, n, d_v)``, and the lse when ``return_lse``.
+
+    Raises:
+        TypeError / ValueError: as :func:`attnkit.attention` for the two passes, and a
+            ``tree`` that is neither a DraftTree nor a bool mask, or whose size is not n.
+    """
+    return_lse = check_bool(return_lse, "return_lse")
+    if isinstance(tree, DraftTree):
+        mask = tree.mask if tree.mask.device == query.device else tree.mask.to(query.device)
+    elif isinstance(tree, torch.Tensor) and tree.dtype == torch.bool:
+        mask = tree
+    else:
+        raise TypeError(f"tree must be a DraftTree or a bool mask, got {type(tree).__name__}")
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D (b, heads, len, dim) tensor, got {x!r:.60}")
+    n = query.shape[2]
+    if mask.shape[-1] != n or mask.shape[-2] != n:
+        raise ValueError(f"the tree has {mask.shape[-1]} nodes but query has {n} rows")
+    for name, x in (("tree_key", tree_key), ("tree_value", tree_value)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[2] != n:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be (b, h_kv, n={n}, dim): one key per node, got {shape}")
+    check_sinks(sinks, query)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    out, lse = attention(
+        query, tree_key, tree_value, mask=mask, scale=scale, return_lse=True, backend=backend
+    )  # (b, h_q, n, d_v), (b, h_q, n): ancestors and self (never empty: the diagonal)
+    if key.shape[2] > 0:
+        b, h_q, _, d = query.shape
+        h_kv = key.shape[1]
+        if h_kv == 0 or h_q % h_kv:
+            raise ValueError(f"query heads ({h_q}) must be a multiple of key heads ({h_kv})")
+        rows = query.reshape(b, h_kv, -1, d)  # (b, h_kv, g*n, d): a GQA group's rows
+        out_c, lse_c = attention(rows, key, value, scale=scale, return_lse=True, backend=backend)
+        out_c = out_c.reshape(b, h_q, n, -1)  # (b, h_q, n, d_v)
+        out, lse = merge_partials(out_c, lse_c.reshape(b, h_q, n), out, lse)
+    if sinks is not None:  # a sink is a partial with no value and lse = its logit
+        sink_lse = sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse)
+        out, lse = merge_partials(out, lse, out.new_zeros(()), sink_lse)
+    return (out, lse) if return_lse else out

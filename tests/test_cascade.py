@@ -1,0 +1,299 @@
+"""Shared-prefix cascades: equal to attention over each request's whole sequence.
+
+The reference is written here in float64 from explicit loops: request ``r`` attends to
+``prefix ++ its own suffix keys``, query row ``i`` at suffix position ``len_r - t + i``
+seeing every prefix key and its suffix keys up to that position. Forward, lse and the
+gradients of every input (the shared prefix's gradient sums over the requests).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import attnkit
+from attnkit import attention, cascade_attention
+from attnkit.backends.blockwise import plan as blockwise_plan
+from tests.conftest import TOL
+from tests.reference import ref_attention_lse
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def _small_tiles(monkeypatch):
+    """Tiles small enough that the prefix pass's stacked rows cross tile edges."""
+    monkeypatch.setattr(blockwise_plan, "BLOCK_Q", 16)
+    monkeypatch.setattr(blockwise_plan, "FUSED_BLOCK_Q", 16)
+    monkeypatch.setattr(blockwise_plan, "BLOCK_K", 24)
+
+
+def _inputs(n, hq, hkv, t, p, s, d, dv, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    return (
+        r(n, hq, t, d),
+        r(hkv, p, d),
+        r(hkv, p, dv),
+        r(n, hkv, s, d),
+        r(n, hkv, s, dv),
+        r(hq),
+    )
+
+
+def _reference(q, pk, pv, sk, sv, lengths, sinks):
+    """Per request: float64 attention over prefix ++ own suffix, mask from loops."""
+    n, _, t, _ = q.shape
+    p = pk.shape[1]
+    outs, lses = [], []
+    for r in range(n):
+        length = int(lengths[r])
+        if p + length == 0:  # no key: zeros, and lse = the sink's logit (or -inf)
+            hq, dv = q.shape[1], pv.shape[-1]
+            outs.append(torch.zeros(1, hq, t, dv, dtype=torch.float64))
+            none = torch.full((1, hq, t), -math.inf, dtype=torch.float64)
+            lses.append(none if sinks is None else sinks.view(1, hq, 1).expand(1, hq, t))
+            continue
+        k = torch.cat((pk, sk[r, :, :length]), 1)[None]  # (1, h_kv, p + len, d)
+        v = torch.cat((pv, sv[r, :, :length]), 1)[None]
+        keep = torch.zeros(t, p + length, dtype=torch.bool)
+        for i in range(t):
+            pos = length - t + i  # the query's suffix position
+            for j in range(p + length):
+                keep[i, j] = j < p or (j - p) <= pos
+        out, lse = ref_attention_lse(q[r : r + 1], k, v, keep=keep, sinks=sinks)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _loss_and_grads(fn, xs, g_out, g_lse):
+    xs = [x.detach().clone().requires_grad_(True) for x in xs]
+    out, lse = fn(*xs)
+    loss = (out * g_out).sum() + (lse.masked_fill(~torch.isfinite(lse), 0.0) * g_lse).sum()
+    if not loss.requires_grad:  # no key anywhere (the reference's constants)
+        return out, lse, [None] * len(xs)
+    grads = torch.autograd.grad(loss, xs, allow_unused=True)
+    return out, lse, grads
+
+
+@st.composite
+def cases(draw):
+    hkv = draw(st.sampled_from([1, 2]))
+    s = draw(st.sampled_from([0, 1, 2, 5, 9]))
+    d = draw(st.sampled_from([4, 7]))
+    return {
+        "n": draw(st.integers(1, 4)),
+        "hkv": hkv,
+        "hq": hkv * draw(st.sampled_from([1, 2, 3])),
+        "t": draw(st.integers(1, max(1, s))),
+        "p": draw(st.sampled_from([0, 1, 2, 13, 40])),
+        "s": s,
+        "d": d,
+        "dv": draw(st.sampled_from([d, d + 2])),
+        "ragged": draw(st.booleans()),
+        "sinks": draw(st.booleans()),
+        "backend": draw(st.sampled_from(["auto", "blockwise", "reference"])),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+@settings(
+    max_examples=30,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(cases())
+def test_cascade_equals_whole_sequence_float64(case):
+    """Forward, lse and all gradients against the float64 reference: prefix/suffix
+    lengths 0 and 1 included, decode (t = 1) and suffix prefill, GQA, padded suffixes."""
+    n, s, t = case["n"], case["s"], case["t"]
+    q, pk, pv, sk, sv, sinks = _inputs(
+        n, case["hq"], case["hkv"], t, case["p"], s, case["d"], case["dv"], seed=case["seed"]
+    )
+    if case["ragged"]:
+        gen = torch.Generator().manual_seed(case["seed"])
+        lengths = torch.randint(0, s + 1, (n,), generator=gen)
+    else:
+        lengths = torch.full((n,), s)
+    use_sinks = case["sinks"]
+    gen = torch.Generator().manual_seed(1)
+    g_out = torch.randn(n, case["hq"], t, case["dv"], generator=gen, dtype=torch.float64)
+    g_lse = torch.randn(n, case["hq"], t, generator=gen, dtype=torch.float64)
+    xs = [q, pk, pv, sk, sv, sinks]
+
+    def ours(q_, pk_, pv_, sk_, sv_, sinks_):
+        return cascade_attention(
+            q_,
+            pk_,
+            pv_,
+            sk_,
+            sv_,
+            suffix_lengths=lengths if case["ragged"] else None,
+            sinks=sinks_ if use_sinks else None,
+            return_lse=True,
+            backend=case["backend"],
+        )
+
+    def ref(q_, pk_, pv_, sk_, sv_, sinks_):
+        return _reference(q_, pk_, pv_, sk_, sv_, lengths, sinks_ if use_sinks else None)
+
+    got = _loss_and_grads(ours, xs, g_out, g_lse)
+    want = _loss_and_grads(ref, xs, g_out, g_lse)
+    torch.testing.assert_close(got[0], want[0], **TOL[torch.float64])
+    assert torch.equal(torch.isneginf(got[1]), torch.isneginf(want[1]))
+    torch.testing.assert_close(got[1], want[1], **TOL[torch.float64])
+    names = ["dq", "dprefix_key", "dprefix_value", "dsuffix_key", "dsuffix_value", "dsinks"]
+    for name, a, b, x in zip(names, got[2], want[2], xs, strict=True):
+        if name == "dsinks" and not use_sinks:
+            continue
+        a = torch.zeros_like(x) if a is None else a  # an empty prefix/suffix: no gradient
+        b = torch.zeros_like(x) if b is None else b
+        assert not torch.isnan(a).any(), name
+        torch.testing.assert_close(a, b, **TOL[torch.float64], msg=f"{name} ({case})")
+
+
+@pytest.mark.parametrize("t", [1, 128], ids=["decode", "prefill"])
+def test_cascade_equals_causal_attention_on_the_whole_sequence(t):
+    """The brief's statement, through attnkit's own causal attention over prefix ++ suffix
+    for every request: identical up to float64 rounding, forward and gradients."""
+    n, hq, hkv, p, s, d = 3, 4, 2, 37, 128, 8
+    q, pk, pv, sk, sv, _ = _inputs(n, hq, hkv, t, p, s, d, d)
+    xs = [q, pk, pv, sk, sv]
+    g = torch.randn(n, hq, t, d, dtype=torch.float64)
+
+    def whole(q_, pk_, pv_, sk_, sv_):
+        k = torch.cat((pk_.expand(n, -1, -1, -1), sk_), 2)  # (n, h_kv, p + s, d)
+        v = torch.cat((pv_.expand(n, -1, -1, -1), sv_), 2)
+        return attention(q_, k, v, causal=True, return_lse=True)
+
+    got = _loss_and_grads(cascade_attention_lse, xs, g, torch.zeros(n, hq, t, dtype=torch.float64))
+    want = _loss_and_grads(whole, xs, g, torch.zeros(n, hq, t, dtype=torch.float64))
+    for a, b in zip((got[0], got[1], *got[2]), (want[0], want[1], *want[2]), strict=True):
+        torch.testing.assert_close(a, b, **TOL[torch.float64])
+
+
+def cascade_attention_lse(*xs):
+    return cascade_attention(*xs, return_lse=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flash_attn_error_rule(dtype):
+    """In float32 / bfloat16: the cascade's error against the float64 reference is at most
+    twice that of plain attention in the same dtype (plus a tiny epsilon), out and grads."""
+    n, hq, hkv, t, p, s, d = 4, 6, 2, 3, 97, 11, 16
+    xs64 = list(_inputs(n, hq, hkv, t, p, s, d, d))[:5]
+    xs = [x.to(dtype) for x in xs64]
+    g = torch.randn(n, hq, t, d, dtype=torch.float64)
+
+    def plain(q_, pk_, pv_, sk_, sv_):
+        k = torch.cat((pk_.expand(n, -1, -1, -1), sk_), 2).repeat_interleave(hq // hkv, 1)
+        v = torch.cat((pv_.expand(n, -1, -1, -1), sv_), 2).repeat_interleave(hq // hkv, 1)
+        keep = torch.ones(t, p + s, dtype=torch.bool).tril(p + s - t)
+        sc = (q_ @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(~keep, -math.inf)
+        return torch.softmax(sc.float(), -1).to(q_.dtype) @ v
+
+    def run(fn, inputs):
+        ins = [x.detach().clone().requires_grad_(True) for x in inputs]
+        out = fn(*ins)
+        grads = torch.autograd.grad((out.double() * g).sum(), ins)
+        return [out.double(), *(x.double() for x in grads)]
+
+    ref = run(plain, xs64)
+    ours = run(cascade_attention, xs)
+    base = run(plain, xs)
+    for name, o, b, r in zip(
+        ["out", "dq", "dpk", "dpv", "dsk", "dsv"], ours, base, ref, strict=True
+    ):
+        err, allowed = (o - r).abs().max().item(), (b - r).abs().max().item()
+        assert err <= 2 * allowed + 1e-5, f"{name}: {err} > 2 * {allowed}"
+
+
+def test_prefix_is_read_in_one_call(monkeypatch):
+    """Every request's rows face the shared prefix in ONE attention call whose keys are
+    the prefix itself (h_kv, p, d) — not once per request — and one call for the suffixes."""
+    calls = []
+    real = attnkit.cascade.attention
+
+    def spy(q, k, v, **kw):
+        calls.append((tuple(q.shape), tuple(k.shape), k.data_ptr()))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(attnkit.cascade, "attention", spy)
+    n, hq, hkv, t, p, s, d = 8, 6, 2, 1, 50, 4, 8
+    q, pk, pv, sk, sv, _ = _inputs(n, hq, hkv, t, p, s, d, d)
+    cascade_attention(q, pk, pv, sk, sv)
+    assert len(calls) == 2
+    (q_rows, k_shape, k_ptr), (q_suffix, k_suffix, _) = calls
+    assert q_rows == (1, hkv, n * (hq // hkv) * t, d) and k_shape == (1, hkv, p, d)
+    assert k_ptr == pk.data_ptr()  # the prefix tensor itself: no per-request copy
+    assert q_suffix == (n, hkv, hq // hkv, d) and k_suffix == (n, hkv, s, d)  # GQA rows
+
+
+def test_no_keys_at_all_gives_zeros_and_minus_inf():
+    q, pk, pv, sk, sv, _ = _inputs(2, 2, 1, 1, 0, 0, 4, 4)
+    out, lse = cascade_attention(q, pk, pv, sk, sv, return_lse=True)
+    assert out.shape == (2, 2, 1, 4) and out.abs().max() == 0
+    assert torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize(
+    ("change", "error", "words"),
+    [
+        (dict(query=torch.randn(2, 4, 8)), ValueError, "query"),
+        (dict(prefix_key=torch.randn(2, 2, 5, 8)), ValueError, "prefix_key"),
+        (dict(suffix_key=torch.randn(3, 2, 3, 8)), ValueError, "suffix_key"),
+        (dict(suffix_value=torch.randn(2, 2, 4, 8)), ValueError, "suffix_value"),
+        (dict(prefix_value=torch.randn(2, 5, 8, dtype=torch.float64)), TypeError, "prefix_value"),
+        (
+            dict(prefix_key=torch.randn(3, 5, 8), prefix_value=torch.randn(3, 5, 8)),
+            ValueError,
+            "heads",
+        ),
+        (dict(suffix_lengths=torch.tensor([1, 4])), ValueError, "suffix_lengths"),
+        (dict(suffix_lengths=torch.tensor([1.0, 2.0])), TypeError, "suffix_lengths"),
+        (dict(suffix_lengths=torch.tensor([1])), ValueError, "suffix_lengths"),
+        (dict(return_lse=1), TypeError, "return_lse"),
+        (dict(sinks=torch.randn(3)), ValueError, "sinks"),
+    ],
+)
+def test_bad_arguments_name_the_argument(change, error, words):
+    args = dict(
+        query=torch.randn(2, 4, 1, 8),
+        prefix_key=torch.randn(2, 5, 8),
+        prefix_value=torch.randn(2, 5, 8),
+        suffix_key=torch.randn(2, 2, 3, 8),
+        suffix_value=torch.randn(2, 2, 3, 8),
+    )
+    kwargs = {k: change.pop(k) for k in list(change) if k not in args}
+    args.update(change)
+    with pytest.raises(error, match=words):
+        cascade_attention(*args.values(), **kwargs)
+
+
+def test_bench_runners_compute_the_same_attention():
+    """The benchmark's two sides of each ratio compute the same thing (small sizes)."""
+    from attnkit.bench import cascade_tree
+
+    shape = {"h": 4, "h_kv": 2, "d": 8}
+    for pattern in ("decode", "prefill"):
+        kw = dict(pattern=pattern, t=40, dtype=torch.float64, n=3, own=5, **shape)
+        ours = cascade_tree.runner("cascade", **kw)()
+        theirs = torch.cat(cascade_tree.runner("independent", **kw)())  # type: ignore[arg-type]
+        torch.testing.assert_close(ours, theirs, **TOL[torch.float64])
+    # the sequential side costs what decoding 7 tokens costs (step i: the cache and the
+    # i keys before it); nodes 0 and 1 (the root and its first child) see exactly those
+    kw = dict(pattern="tree", t=40, dtype=torch.float64, nodes=7, **shape)
+    tree = cascade_tree.runner("tree", **kw)()
+    steps = cascade_tree.runner("sequential", **kw)()
+    assert tree.shape == (1, 4, 7, 8) and len(steps) == 7  # type: ignore[union-attr, arg-type]
+    for node in (0, 1):
+        torch.testing.assert_close(tree[:, :, node : node + 1], steps[node], **TOL[torch.float64])  # type: ignore[index]

@@ -1,0 +1,271 @@
+"""Draft trees: the parent array's checks, the tree mask and depths, FlashInfer's packed
+bits, and tree attention against a float64 reference that gathers, for every node, the
+cache plus its ancestors and itself (walked up the parent array) and attends to them."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attnkit import build_tree, tree_attention
+from attnkit.backends.blockwise import plan as blockwise_plan
+from attnkit.tree import DraftTree, pack_tree_mask, tree_from_mask, unpack_tree_mask
+from tests.conftest import TOL
+from tests.reference import ref_attention_lse
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+_SETTINGS = dict(
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+@pytest.fixture(autouse=True)
+def _small_tiles(monkeypatch):
+    monkeypatch.setattr(blockwise_plan, "BLOCK_Q", 16)
+    monkeypatch.setattr(blockwise_plan, "FUSED_BLOCK_Q", 16)
+    monkeypatch.setattr(blockwise_plan, "BLOCK_K", 24)
+
+
+@st.composite
+def parent_arrays(draw, max_nodes=12, forest=True):
+    n = draw(st.integers(1, max_nodes))
+    parents = [-1]
+    for i in range(1, n):
+        low = -1 if forest else 0
+        parents.append(draw(st.integers(low, i - 1)))
+    return parents
+
+
+def _ancestors(parents, i):
+    """Node i and its ancestors, walked up one parent at a time."""
+    out = []
+    while i >= 0:
+        out.append(i)
+        i = parents[i]
+    return out
+
+
+# -- the plan -------------------------------------------------------------------------------
+@settings(max_examples=50, **_SETTINGS)
+@given(parent_arrays())
+def test_mask_and_depth_follow_the_parents(parents):
+    tree = build_tree(parents)
+    n = len(parents)
+    for i in range(n):
+        anc = _ancestors(parents, i)
+        assert tree.depth[i] == len(anc) - 1
+        for j in range(n):
+            assert bool(tree.mask[i, j]) == (j in anc), (parents, i, j)
+    for branch in tree.branches():
+        assert parents[branch[0]] == -1
+        assert all(parents[b] == a for a, b in itertools.pairwise(branch))
+        assert branch[-1] not in parents
+    # the packed-bit form (FlashInfer's layout) round-trips, and so does the mask
+    full = torch.cat((torch.ones(n, 3, dtype=torch.bool), tree.mask), 1)  # 3 cached keys
+    again = tree_from_mask(unpack_tree_mask(pack_tree_mask(full), n, n + 3), cache_len=3)
+    assert again.parents == tuple(parents) and torch.equal(again.mask, tree.mask)
+
+
+def test_positions_are_start_plus_depth():
+    tree = build_tree(torch.tensor([-1, 0, 0, 1, 3, -1]))
+    assert tree.depth.tolist() == [0, 1, 1, 2, 3, 0]
+    assert tree.positions(10).tolist() == [10, 11, 11, 12, 13, 10]
+    assert tree.path(4) == [0, 1, 3, 4] and tree.leaves() == [2, 4, 5]
+
+
+@pytest.mark.parametrize(
+    ("parents", "error", "words"),
+    [
+        ([], ValueError, "empty"),
+        ([0], ValueError, r"parents\[0\] = 0"),
+        ([-1, 1], ValueError, r"parents\[1\] = 1"),
+        ([-1, 0, 5], ValueError, r"parents\[2\] = 5"),
+        ([-1, -2], ValueError, r"parents\[1\] = -2"),
+        ([-1, 0.0], TypeError, "float"),
+        ([-1, True], TypeError, "bool"),
+        (torch.tensor([-1.0, 0.0]), TypeError, "dtype"),
+        (torch.tensor([[-1, 0]]), ValueError, "1-D"),
+        ("0,1", TypeError, "str"),
+    ],
+)
+def test_bad_parent_arrays_are_named(parents, error, words):
+    with pytest.raises(error, match=words):
+        build_tree(parents)
+
+
+def test_packed_bits_follow_flashinfer_little_bit_order():
+    """Element 8j + b is bit b of byte j, rows flattened query-first; zero padding."""
+    mask = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0]]).bool()
+    packed = pack_tree_mask(mask)
+    flat = mask.reshape(-1).tolist()
+    want = [
+        sum(int(flat[8 * j + b]) << b for b in range(8) if 8 * j + b < len(flat)) for j in range(3)
+    ]
+    assert packed.dtype == torch.uint8 and packed.tolist() == want == [0b11000001, 0b01010000, 0]
+    assert torch.equal(unpack_tree_mask(packed, 3, 6), mask)
+
+
+def test_bad_masks_are_refused():
+    tree = build_tree([-1, 0, 1])
+    with pytest.raises(ValueError, match="row 2"):  # node 2 skips its grandparent
+        bad = tree.mask.clone()
+        bad[2, 0] = False
+        tree_from_mask(bad)
+    with pytest.raises(ValueError, match="cached key"):
+        full = torch.cat((torch.ones(3, 2, dtype=torch.bool), tree.mask), 1)
+        full[1, 0] = False
+        tree_from_mask(full, cache_len=2)
+    with pytest.raises(ValueError, match="bytes"):
+        unpack_tree_mask(torch.zeros(3, dtype=torch.uint8), 4, 4)
+    with pytest.raises(TypeError, match="uint8"):
+        unpack_tree_mask(torch.zeros(2, dtype=torch.int32), 4, 4)
+    q = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="tree_key"):
+        tree_attention(q, q, q, torch.randn(1, 2, 4, 4), q, tree)
+    with pytest.raises(ValueError, match="3 nodes but query has 2"):
+        tree_attention(q[:, :, :2], q, q, q[:, :, :2], q[:, :, :2], tree)
+    with pytest.raises(TypeError, match="DraftTree"):
+        tree_attention(*[torch.randn(1, 1, 3, 4)] * 5, [-1, 0, 1])  # type: ignore[arg-type]
+
+
+# -- attention --------------------------------------------------------------------------------
+def _reference(q, k, v, tk, tv, parents, sinks):
+    """Per node: float64 attention over cache ++ (its ancestors and itself)."""
+    outs, lses = [], []
+    for i in range(q.shape[2]):
+        anc = sorted(_ancestors(parents, i))
+        keys = torch.cat((k, tk[:, :, anc]), 2)  # (b, h_kv, L + |anc|, d)
+        values = torch.cat((v, tv[:, :, anc]), 2)
+        out, lse = ref_attention_lse(q[:, :, i : i + 1], keys, values, sinks=sinks)
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, 2), torch.cat(lses, 2)
+
+
+@st.composite
+def tree_cases(draw):
+    hkv = draw(st.sampled_from([1, 2]))
+    d = draw(st.sampled_from([4, 6]))
+    return {
+        "parents": draw(parent_arrays(max_nodes=20)),
+        "b": draw(st.integers(1, 2)),
+        "hkv": hkv,
+        "hq": hkv * draw(st.sampled_from([1, 2, 4])),
+        "L": draw(st.sampled_from([0, 1, 5, 33])),
+        "d": d,
+        "dv": draw(st.sampled_from([d, d + 1])),
+        "sinks": draw(st.booleans()),
+        "backend": draw(st.sampled_from(["auto", "blockwise", "reference"])),
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+@settings(max_examples=30, **_SETTINGS)
+@given(tree_cases())
+def test_tree_attention_equals_each_branch_alone_float64(case):
+    """Every node sees the cache and its ancestors only: out, lse and the gradients of the
+    queries, the cache, the tree's keys/values and the sinks."""
+    parents, b, hq, hkv, L, d, dv = (case[k] for k in ("parents", "b", "hq", "hkv", "L", "d", "dv"))
+    n = len(parents)
+    gen = torch.Generator().manual_seed(case["seed"])
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    xs = [
+        r(b, hq, n, d),
+        r(b, hkv, L, d),
+        r(b, hkv, L, dv),
+        r(b, hkv, n, d),
+        r(b, hkv, n, dv),
+        r(hq),
+    ]
+    g_out, g_lse = r(b, hq, n, dv), r(b, hq, n)
+    use_sinks = case["sinks"]
+    tree = build_tree(parents)
+
+    def run(fn):
+        ins = [x.clone().requires_grad_(True) for x in xs]
+        out, lse = fn(*ins)
+        grads = torch.autograd.grad(
+            (out * g_out).sum() + (lse * g_lse).sum(), ins, allow_unused=True
+        )
+        return out, lse, grads
+
+    got = run(
+        lambda q, k, v, tk, tv, s: tree_attention(
+            q,
+            k,
+            v,
+            tk,
+            tv,
+            tree,
+            sinks=s if use_sinks else None,
+            return_lse=True,
+            backend=case["backend"],
+        )
+    )
+    want = run(
+        lambda q, k, v, tk, tv, s: _reference(q, k, v, tk, tv, parents, s if use_sinks else None)
+    )
+    torch.testing.assert_close(got[0], want[0], **TOL[torch.float64])
+    torch.testing.assert_close(got[1], want[1], **TOL[torch.float64])
+    for name, a, w, x in zip(
+        ["dq", "dk", "dv", "dtk", "dtv", "dsinks"], got[2], want[2], xs, strict=True
+    ):
+        if name == "dsinks" and not use_sinks:
+            continue
+        a = torch.zeros_like(x) if a is None else a
+        w = torch.zeros_like(x) if w is None else w
+        torch.testing.assert_close(a, w, **TOL[torch.float64], msg=f"{name} ({case})")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_attention_flash_attn_error_rule(dtype):
+    """Against float64: at most twice the error of plain attention in the same dtype
+    (cache ++ tree keys with the dense tree mask), output and gradients."""
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 6, -1, 9]
+    n, b, hq, hkv, L, d = len(parents), 2, 4, 2, 77, 16
+    tree = build_tree(parents)
+    xs64 = [torch.randn(b, hq, n, d, dtype=torch.float64)] + [
+        torch.randn(b, hkv, m, d, dtype=torch.float64) for m in (L, L, n, n)
+    ]
+    keep = torch.cat((torch.ones(n, L, dtype=torch.bool), tree.mask), 1)
+    g = torch.randn(b, hq, n, d, dtype=torch.float64)
+
+    def plain(q, k, v, tk, tv):
+        keys = torch.cat((k, tk), 2).repeat_interleave(hq // hkv, 1)
+        values = torch.cat((v, tv), 2).repeat_interleave(hq // hkv, 1)
+        sc = (q @ keys.transpose(-1, -2) / math.sqrt(d)).masked_fill(~keep, -math.inf)
+        return torch.softmax(sc.float(), -1).to(q.dtype) @ values
+
+    def run(fn, inputs):
+        ins = [x.detach().clone().requires_grad_(True) for x in inputs]
+        out = fn(*ins)
+        grads = torch.autograd.grad((out.double() * g).sum(), ins)
+        return [out.double(), *(x.double() for x in grads)]
+
+    xs = [x.to(dtype) for x in xs64]
+    ref, base = run(plain, xs64), run(plain, xs)
+    ours = run(lambda *a: tree_attention(*a, tree), xs)
+    for name, o, bb, r in zip(
+        ["out", "dq", "dk", "dv", "dtk", "dtv"], ours, base, ref, strict=True
+    ):
+        err, allowed = (o - r).abs().max().item(), (bb - r).abs().max().item()
+        assert err <= 2 * allowed + 1e-5, f"{name}: {err} > 2 * {allowed}"
+
+
+def test_draft_tree_moves_devices_and_accepts_a_plain_mask():
+    tree = build_tree([-1, 0, 1])
+    assert isinstance(tree.to("cpu"), DraftTree)
+    q, k, tk = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 3, 4)
+    a = tree_attention(q, k, k, tk, tk, tree)
+    torch.testing.assert_close(a, tree_attention(q, k, k, tk, tk, tree.mask))
