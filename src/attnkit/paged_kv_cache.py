@@ -27,7 +27,6 @@ pages in place; elsewhere the pages are gathered (:meth:`PagedKVCache.gather`) a
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +34,7 @@ from torch import nn
 
 from attnkit._validate import check_float_dtype, check_int, check_positions
 
-__all__ = ["PagedBatch", "PagedKVCache", "PagedLayer"]
+__all__ = ["PackedLayout", "PagedBatch", "PagedKVCache", "PagedLayer"]
 
 
 @dataclass(frozen=True)
@@ -52,18 +51,15 @@ class PagedBatch:
             (``idx`` ``(1, sum(counts))``, sequence after sequence); None when ``idx`` is
             ``(len(seq_ids), t)``, row ``i`` the new tokens of sequence ``i`` (all
             starting at ``starts[0]``).
-        token_pos: with ``counts``, ``(sum(counts),)`` the time index of every packed
-            token (computed once by :meth:`PagedKVCache.batch`, read by every layer).
-        token_table: with ``counts``, ``(sum(counts), max_pages)`` the page table of the
-            sequence each packed token belongs to.
+        packed: with ``counts``, where the packed tokens go, computed once by
+            :meth:`PagedKVCache.batch` and read by every layer (:class:`PackedLayout`).
     """
 
     seq_ids: tuple[int, ...]
     page_table: torch.Tensor
     starts: tuple[int, ...]
     counts: tuple[int, ...] | None = None
-    token_pos: torch.Tensor | None = None
-    token_table: torch.Tensor | None = None
+    packed: PackedLayout | None = None
 
     def ends(self, t: int) -> tuple[int, ...]:
         """Keys each sequence attends to once this forward's ``t`` tokens (a ``(b, t)``
@@ -76,13 +72,66 @@ class PagedBatch:
         """``(sum(counts),)`` the time index of every packed token (``counts`` set)."""
         if self.counts is None:
             raise ValueError("positions() is for a packed batch (counts set)")
-        if self.token_pos is not None:
-            return self.token_pos.to(device)
+        if self.packed is not None:
+            return self.packed.positions.to(device)
         return torch.cat(
             [
                 torch.arange(s, s + c, device=device)
                 for s, c in zip(self.starts, self.counts, strict=True)
             ]
+        )
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where the tokens of a packed :class:`PagedBatch` go, computed once a forward.
+
+    Attributes:
+        positions: ``(N,)`` the time index of every packed token.
+        pages: ``(N,)`` the page each token's key and value are written to.
+        rows: ``(N,)`` their row in that page.
+        offsets: where each sequence's tokens start in the packed row (and ``N`` last).
+        decode: the sequences with one new token (decoding), by index.
+        decode_rows: ``(len(decode),)`` their tokens' places in the packed row.
+        decode_table: ``(len(decode), max_pages)`` their page tables.
+        decode_lens: the keys each of them attends to.
+    """
+
+    positions: torch.Tensor
+    pages: torch.Tensor
+    rows: torch.Tensor
+    offsets: tuple[int, ...]
+    decode: tuple[int, ...]
+    decode_rows: torch.Tensor
+    decode_table: torch.Tensor
+    decode_lens: tuple[int, ...]
+
+    @staticmethod
+    def of(page_table: torch.Tensor, starts, counts, page_size: int) -> PackedLayout:
+        """The layout of sequences with pages ``page_table`` ``(n, max_pages)`` writing
+        ``counts[i]`` tokens from time index ``starts[i]``."""
+        device = page_table.device
+        offsets = [0]
+        for c in counts:
+            offsets.append(offsets[-1] + c)
+        positions = torch.cat(
+            [torch.arange(s, s + c, device=device) for s, c in zip(starts, counts, strict=True)]
+        )
+        owner = torch.repeat_interleave(
+            torch.arange(len(counts), device=device), torch.tensor(counts, device=device)
+        )  # (N,) the sequence of every packed token
+        pages = page_table[owner].gather(1, (positions // page_size)[:, None])[:, 0]
+        decode = tuple(i for i, c in enumerate(counts) if c == 1)
+        index = torch.tensor(decode, dtype=torch.int64, device=device)
+        return PackedLayout(
+            positions,
+            pages,
+            positions % page_size,
+            tuple(offsets),
+            decode,
+            torch.tensor([offsets[i] for i in decode], dtype=torch.int64, device=device),
+            page_table[index],
+            tuple(starts[i] + 1 for i in decode),
         )
 
 
@@ -288,13 +337,8 @@ class PagedKVCache(nn.Module):
         page_table = torch.tensor(rows, dtype=torch.int64, device=device)  # (b, max_pages)
         if counts is None:
             return PagedBatch(seq_ids, page_table, tuple(starts))
-        batch = PagedBatch(seq_ids, page_table, tuple(starts), tuple(counts))
-        owner = torch.repeat_interleave(
-            torch.arange(len(counts), device=device), torch.tensor(counts, device=device)
-        )  # (N,) the sequence of every packed token
-        return dataclasses.replace(
-            batch, token_pos=batch.positions(device), token_table=page_table[owner]
-        )
+        packed = PackedLayout.of(page_table, tuple(starts), tuple(counts), self.page_size)
+        return PagedBatch(seq_ids, page_table, tuple(starts), tuple(counts), packed)
 
     def write(
         self,
@@ -429,35 +473,22 @@ class PagedLayer(nn.Module):
                 sinks=sinks,
                 backend=backend,
             )
-        pos = batch.positions(q.device)  # (N,)
-        tables = batch.token_table
-        if tables is None:  # a PagedBatch built by hand
-            owner = torch.repeat_interleave(
-                torch.arange(len(batch.counts), device=q.device),
-                torch.tensor(batch.counts, device=q.device),
-            )  # (N,) the sequence of every packed token
-            tables = table[owner]
-        # every packed token a row of one: (N, h_kv, 1, d)
-        k_rows, v_rows = k[0].transpose(0, 1)[:, :, None], v[0].transpose(0, 1)[:, :, None]
-        cache.write(layer, tables, pos[:, None], k_rows, v_rows)
-        offsets = [0]
-        for c in batch.counts:
-            offsets.append(offsets[-1] + c)
-        decoding = [i for i, c in enumerate(batch.counts) if c == 1]
-        if window is None and len(decoding) > 1:  # the decode tokens: one call for them all
+        lay = batch.packed or PackedLayout.of(table, batch.starts, batch.counts, cache.page_size)
+        # every packed token's key and value to its page and row: (N, h_kv, d) each
+        kp[lay.pages, :, lay.rows] = k[0].transpose(0, 1).to(kp.dtype)
+        vp[lay.pages, :, lay.rows] = v[0].transpose(0, 1).to(vp.dtype)
+        if window is None and len(lay.decode) > 1:  # the decode tokens: one call for them all
             from attnkit.paged_attention import paged_decode
 
             out = torch.empty(*q.shape[:-1], vp.shape[-1], dtype=q.dtype, device=q.device)
-            rows = torch.tensor([offsets[i] for i in decoding], device=q.device)
-            lens = [batch.starts[i] + 1 for i in decoding]
-            q_dec = q[0, :, rows].transpose(0, 1)[:, :, None]  # (n, h, 1, d)
+            q_dec = q[0, :, lay.decode_rows].transpose(0, 1)[:, :, None]  # (n, h, 1, d)
             ctx = paged_decode(
-                q_dec, kp, vp, table[rows.new_tensor(decoding)], lens, sinks=sinks, backend=backend
+                q_dec, kp, vp, lay.decode_table, lay.decode_lens, sinks=sinks, backend=backend
             )  # (n, h, 1, d_v)
-            out[0, :, rows] = ctx[:, :, 0].transpose(0, 1)
+            out[0, :, lay.decode_rows] = ctx[:, :, 0].transpose(0, 1)
             for i, (s, c) in enumerate(zip(batch.starts, batch.counts, strict=True)):
                 if c > 1:  # a prompt chunk: causal over its own keys
-                    at = offsets[i]
+                    at = lay.offsets[i]
                     out[:, :, at : at + c] = paged_attention(
                         q[:, :, at : at + c],
                         kp,
