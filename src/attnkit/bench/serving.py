@@ -10,9 +10,9 @@
   ``generate_batch`` (``attn_implementation="sdpa"``, its paged cache) holding the same
   weights; tokens compared, throughput ratio (goal >= 2).
 
-Run: ``python -m attnkit.bench.serving [--quick] [--out results.json]``. The two sides of
-each ratio are measured in one run, interleaved (best of ``--repeats`` for the serving
-race, medians for the decode step).
+Run: ``python -m attnkit.bench.serving [--quick] [--threads N] [--out results.json]``. The
+two sides of each ratio are measured in one run, interleaved (best of ``--repeats`` for the
+serving race, medians for the decode step), with the same torch thread count (recorded).
 """
 
 from __future__ import annotations
@@ -186,7 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="toy sizes (a smoke run)")
     parser.add_argument("--repeats", type=int, default=2, help="serving races (best counts)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads for both sides (default: torch's)"
+    )
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     result = run(args.quick, args.repeats)
     for row in result["paged_decode"]:
         print(
