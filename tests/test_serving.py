@@ -152,3 +152,19 @@ def test_a_paged_model_says_how_to_run_it():
     model.delete_cache()
     with pytest.raises(ValueError, match="latent attention"):
         _model(mla_kv_rank=16, rope=True).setup_paged_cache(8, 4)
+
+
+def test_the_serving_bench_runs_its_decode_step():
+    from attnkit.bench import serving as bench
+
+    row = bench.paged_decode(length=100, page_size=16, reps=2)
+    assert row["max_abs_diff"] < 1e-5 and row["ratio"] > 0
+
+
+@pytest.mark.slow
+def test_the_serving_bench_races_transformers_on_the_same_weights():
+    pytest.importorskip("transformers")
+    from attnkit.bench import serving as bench
+
+    result = bench.continuous_batching(2, 3, (4, 8), repeats=1, small=True)
+    assert result["identical_requests"] == 2 and result["speedup"] > 0
