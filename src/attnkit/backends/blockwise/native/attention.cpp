@@ -558,6 +558,28 @@ void paged_scores(const Args &a, int64_t b, int64_t hk, const float *q, int64_t 
 // at a time (the first run applies O's rescale, the others add).
 void paged_pv(const Args &a, int64_t b, int64_t hk, const Chunk &c, int64_t nr, const float *s,
               Scratch &w) {
+  if (nr == 1) {  // a decode row: 4 vectors of O kept in registers over all the keys
+    constexpr int NA = 4;
+    float *o = w.o_blk.data() + c.r0 * a.DV;
+    const float al = w.alpha[c.r0];
+    for (int64_t d0 = 0; d0 < a.DV; d0 += NA * W) {
+      const int nv = int(std::min<int64_t>(NA, (a.DV - d0) / W));
+      vf acc[NA];
+      for (int x = 0; x < nv; ++x) acc[x] = simd::load(o + d0 + x * W) * simd::splat(al);
+      for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi; j < end;) {
+        const int64_t off = j % a.page_size, n = std::min(end - j, a.page_size - off);
+        const float *vp = a.v + a.pages[b * a.pages_sb + j / a.page_size] * a.sv_page +
+                          hk * a.sv_h + off * a.sv_t + d0;
+        for (int64_t x0 = 0; x0 < n; ++x0) {
+          const vf p = simd::splat(s[j + x0 - c.c0]);
+          for (int x = 0; x < nv; ++x) acc[x] += p * simd::load(vp + x0 * a.sv_t + x * W);
+        }
+        j += n;
+      }
+      for (int x = 0; x < nv; ++x) simd::store(o + d0 + x * W, acc[x]);
+    }
+    return;
+  }
   const float *alpha = w.alpha.data() + c.r0;
   for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi; j < end;) {
     const int64_t off = j % a.page_size, n = std::min(end - j, a.page_size - off);
