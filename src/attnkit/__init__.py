@@ -22,6 +22,8 @@ from attnkit.modules import (
     SimplifiedSelfAttention,
     load_seed_state_dict,
 )
+from attnkit.paged_attention import paged_attention
+from attnkit.paged_kv_cache import PagedKVCache
 from attnkit.tree import DraftTree, build_tree, tree_attention
 
 __version__ = "0.1.0"
@@ -33,6 +35,7 @@ __all__ = [
     "KVCache",
     "MultiHeadAttention",
     "MultiHeadAttentionWrapper",
+    "PagedKVCache",
     "SelfAttentionV1",
     "SelfAttentionV2",
     "SimplifiedSelfAttention",
@@ -48,6 +51,7 @@ __all__ = [
     "document_block_mask",
     "load_seed_state_dict",
     "masks",
+    "paged_attention",
     "register_backend",
     "trace",
     "tree_attention",

@@ -19,7 +19,7 @@ from attnkit import __version__
 __all__ = ["CliError", "HelpFormatter", "main", "output_dir", "output_file"]
 
 #: Subcommand modules, in the order ``--help`` lists them.
-SUBCOMMANDS = ["demo", "explain", "viz", "bench", "train", "generate"]
+SUBCOMMANDS = ["demo", "explain", "viz", "bench", "train", "generate", "serve"]
 
 
 class CliError(Exception):

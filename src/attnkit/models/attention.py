@@ -34,6 +34,7 @@ from attnkit._validate import (
 from attnkit.attention import attention
 from attnkit.kv_cache import KVCache
 from attnkit.models.linear import Linear
+from attnkit.paged_kv_cache import PagedBatch, PagedLayer
 from attnkit.rope import apply_rope
 
 __all__ = ["AttentionInputs", "CausalSelfAttention"]
@@ -59,6 +60,8 @@ class AttentionInputs:
             :func:`attnkit.attention`. Context parallelism hands in one that attends
             over the whole sequence split across processes
             (:mod:`attnkit.train.context_parallel`).
+        paged: with a paged cache (:class:`~attnkit.paged_kv_cache.PagedLayer`), the
+            forward's sequences and their page tables; None otherwise.
     """
 
     input_pos: torch.Tensor
@@ -68,6 +71,7 @@ class AttentionInputs:
     causal: bool = True
     window: int | None = None
     attend: Callable[..., torch.Tensor] | None = None
+    paged: PagedBatch | None = None
 
     def __post_init__(self) -> None:
         check_positions(self.input_pos, "input_pos")
@@ -167,6 +171,8 @@ class CausalSelfAttention(nn.Module):
         q = rotate(q, inputs.rope)
         if inputs.key_rope is None:
             k = rotate(k, inputs.rope)
+        if isinstance(cache, PagedLayer):  # keys and values live in pages
+            return self._paged(x, inputs, cache, q, k, v)
         if cache is not None:
             k, v_cached = cache.update(inputs.input_pos, k, v)  # (b, h_kv, s, d)
             v = v if v_cached is None else v_cached
@@ -186,6 +192,38 @@ class CausalSelfAttention(nn.Module):
             backend=self.backend,
         )  # (b, h, t, d)
         assert isinstance(ctx, torch.Tensor)  # no weights were asked for
+        out = self.out_proj(ctx.transpose(1, 2).reshape(b, t, self.d_out))  # (b, t, d_out)
+        trace.emit("output", out)
+        return out
+
+    def _paged(
+        self,
+        x: torch.Tensor,
+        inputs: AttentionInputs,
+        cache: PagedLayer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor:
+        """The rest of :meth:`forward` on a paged cache: the new keys/values are written
+        to the sequences' pages and attention reads them there."""
+        if inputs.paged is None:
+            raise ValueError(
+                "this layer's cache is paged (GPT.setup_paged_cache): run the forward with "
+                "GPT.step(..., paged=cache.batch(...)), which hands down its PagedBatch"
+            )
+        b, t, _ = x.shape
+        ctx = cache.attend(
+            inputs.paged,
+            q,
+            k,
+            v,
+            mask=inputs.mask,
+            causal=inputs.causal if inputs.mask is None else False,
+            window=inputs.window if inputs.mask is None else None,
+            sinks=self.sinks,
+            backend=self.backend,
+        )  # (b, h, t, d)
         out = self.out_proj(ctx.transpose(1, 2).reshape(b, t, self.d_out))  # (b, t, d_out)
         trace.emit("output", out)
         return out

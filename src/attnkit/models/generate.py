@@ -12,6 +12,7 @@ index for every row, so the cache needs no per-row bookkeeping::
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -70,6 +71,7 @@ def generate(
     generator: torch.Generator | None = None,
     streaming: tuple[int, int] | None = None,
     pack_weights: bool = True,
+    page_size: int | None = None,
 ) -> torch.Tensor:
     """Append up to ``max_new_tokens`` tokens to every row of ``idx``.
 
@@ -99,6 +101,10 @@ def generate(
             as the weights; same tokens, ~2.7x faster decoding on CPU). False packs
             nothing (copies made earlier stay in use until
             :meth:`GPT.unpack_weights`).
+        page_size: decode on a :class:`~attnkit.PagedKVCache` with pages of this many
+            tokens (:meth:`GPT.setup_paged_cache`: every row a sequence of pages, read
+            in place by the native kernel) instead of contiguous caches; same tokens.
+            Needs ``use_cache`` and no ``streaming``.
 
     Returns:
         ``(b, t + n)`` token ids, ``n <= max_new_tokens`` (less only when every row hit
@@ -119,6 +125,9 @@ def generate(
     pack_weights = check_bool(pack_weights, "pack_weights")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    page_size = check_optional_int(page_size, "page_size")
+    if page_size is not None and (not use_cache or streaming is not None):
+        raise ValueError("page_size (a paged cache) needs use_cache=True and no streaming")
     b, t0 = idx.shape
     total = t0 + max_new_tokens
     if streaming is not None:
@@ -143,7 +152,11 @@ def generate(
     if pack_weights:
         model.pack_weights()
     try:
-        if use_cache:  # allocated outside inference mode: the cache may outlive this call
+        paged = None
+        if page_size is not None:  # every row a sequence with all its pages from the start
+            pool = model.setup_paged_cache(b * -(-total // page_size), page_size)
+            paged = pool.batch([pool.allocate(total) for _ in range(b)], [0] * b)
+        elif use_cache:  # allocated outside inference mode: the cache may outlive this call
             model.setup_cache(b, None if streaming else total, streaming=streaming)
         times = torch.arange(total, device=idx.device)
         # inference_mode rather than no_grad: less bookkeeping per op, which is
@@ -156,8 +169,11 @@ def generate(
             # tokens are the model's own. The steps trust them (no checks per token).
             for _ in range(max_new_tokens):
                 if use_cache:
-                    pos = times[end - step_input.shape[1] : end]
-                    logits = model.step(step_input, pos, mask)
+                    start = end - step_input.shape[1]
+                    pos = times[start:end]
+                    if paged is not None:
+                        paged = dataclasses.replace(paged, starts=(start,) * b)
+                    logits = model.step(step_input, pos, mask, paged=paged)
                 else:
                     seq = torch.cat(columns, dim=1)
                     logits = model.step(seq, times[:end], None if mask is None else mask[:, :end])

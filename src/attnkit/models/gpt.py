@@ -30,7 +30,8 @@ from attnkit.models.attention import AttentionInputs, CausalSelfAttention
 from attnkit.models.config import GPTConfig
 from attnkit.models.linear import Linear, pack_linears, unpack_linears
 from attnkit.models.mla import MultiHeadLatentAttention
-from attnkit.models.plan import Layout, Plan, build_plan, plan_forward
+from attnkit.models.plan import Layout, Plan, build_packed_plan, build_plan, plan_forward
+from attnkit.paged_kv_cache import PagedBatch, PagedKVCache, PagedLayer
 from attnkit.rope import RotaryEmbedding
 
 __all__ = ["GPT", "GPTConfig", "TransformerBlock"]
@@ -251,10 +252,48 @@ class GPT(nn.Module):
             )
         self.caches = nn.ModuleList(caches)
 
+    def setup_paged_cache(
+        self, num_pages: int, page_size: int = 16, *, dtype: torch.dtype | None = None
+    ) -> PagedKVCache:
+        """Give every attention layer a view of one :class:`~attnkit.PagedKVCache` (a pool
+        of ``num_pages`` pages of ``page_size`` tokens, every layer's keys and values per
+        page) and return the cache: the caller allocates, grows, forks and frees its
+        sequences and hands each forward a :class:`~attnkit.paged_kv_cache.PagedBatch`
+        (:meth:`step` with ``paged=``; :meth:`generate` with ``page_size``;
+        :mod:`attnkit.models.serving`).
+
+        Raises:
+            ValueError: bad sizes, or a model whose layers a paged cache cannot serve
+                (latent attention, StreamingLLM).
+        """
+        if self.cfg.mla_kv_rank is not None:
+            raise ValueError(
+                "a paged cache serves GQA/MHA layers; this model uses latent attention"
+            )
+        att: CausalSelfAttention = self.trf_blocks[0].att  # type: ignore[assignment]
+        heads, k_dim, v_dim = att.cache_shape()
+        ref = self.tok_emb.weight
+        cache = PagedKVCache(
+            num_pages,
+            page_size,
+            heads,
+            k_dim,
+            num_layers=len(self.trf_blocks),
+            value_dim=v_dim,
+            dtype=dtype or ref.dtype,
+            device=ref.device,
+        )
+        self.caches = nn.ModuleList(PagedLayer(cache, i) for i in range(len(self.trf_blocks)))
+        self.streaming = None
+        return cache
+
     def reset_cache(self) -> None:
         """Zero every cache's buffers (a cache holds no position: nothing else to reset)."""
         for cache in self.caches or ():
-            cache.reset()  # type: ignore[operator]
+            if isinstance(cache, PagedLayer):
+                cache.cache.reset()
+            else:
+                cache.reset()  # type: ignore[operator]
 
     def delete_cache(self) -> None:
         """Remove the caches: forwards process whole sequences again."""
@@ -293,6 +332,7 @@ class GPT(nn.Module):
         attention_mask: torch.Tensor | None = None,
         *,
         last_only: bool = True,
+        paged: PagedBatch | None = None,
     ) -> torch.Tensor:
         """One decoding step that trusts its inputs: :meth:`forward` without the checks.
 
@@ -308,12 +348,22 @@ class GPT(nn.Module):
             attention_mask: bool ``(b, L)``, True = token, ``L > input_pos[-1]``, each row
                 left-padded; None = no padding.
             last_only: return the logits of the last position only.
+            paged: on a paged cache (:meth:`setup_paged_cache`), the forward's sequences
+                and page tables (reserved for the new tokens). A packed batch
+                (``paged.counts`` set: ``idx`` ``(1, sum(counts))``, ``input_pos``
+                ignored) returns the logits of each sequence's last new token,
+                ``(1, len(counts), vocab_size)``.
 
         Returns:
             Next-token logits ``(b, 1, vocab_size)`` (``(b, t, vocab_size)`` when not
             ``last_only``).
         """
-        return self._run(idx, build_plan(self.layout(), input_pos, attention_mask), last_only)
+        if paged is not None and paged.counts is not None:
+            plan = build_packed_plan(self.layout(), paged, idx.device)
+            last = torch.tensor(paged.counts, device=idx.device).cumsum(0) - 1  # (n,)
+            return self._run(idx, plan, last)
+        plan = build_plan(self.layout(), input_pos, attention_mask, paged)
+        return self._run(idx, plan, last_only)
 
     def layout(self) -> Layout:
         """What planning a forward reads of the model (handed down to
@@ -329,7 +379,7 @@ class GPT(nn.Module):
             windows=self.windows,
         )
 
-    def _run(self, idx: torch.Tensor, plan: Plan, last_only: bool) -> torch.Tensor:
+    def _run(self, idx: torch.Tensor, plan: Plan, last_only: bool | torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(idx)  # (b, t, d)
         if self.pos_emb is not None:
             x = x + self.pos_emb(plan.positions)  # (b|1, t, d)
@@ -338,7 +388,9 @@ class GPT(nn.Module):
         for i, (block, cache) in enumerate(zip(self.trf_blocks, caches, strict=True)):
             with trace.scope(f"blocks.{i}"):  # names recorded weights "blocks.<i>.weights"
                 x = block(x, plan.inputs[i], cache)  # (b, t, d)
-        if last_only:
+        if isinstance(last_only, torch.Tensor):  # the rows whose logits are wanted
+            x = x[:, last_only]  # (b, n, d)
+        elif last_only:
             x = x[:, -1:]  # (b, 1, d)
         return self.out_head(self.final_norm(x))  # (b, t, v)
 
@@ -356,6 +408,7 @@ class GPT(nn.Module):
         generator: torch.Generator | None = None,
         streaming: tuple[int, int] | None = None,
         pack_weights: bool = True,
+        page_size: int | None = None,
     ) -> torch.Tensor:
         """Append up to ``max_new_tokens`` tokens to every row of ``idx`` ``(b, t)``.
 
@@ -376,6 +429,7 @@ class GPT(nn.Module):
             generator=generator,
             streaming=streaming,
             pack_weights=pack_weights,
+            page_size=page_size,
         )
 
     # -- speculative decoding --------------------------------------------------------------

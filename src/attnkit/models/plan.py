@@ -15,6 +15,7 @@ fast paths (SDPA's ``is_causal``, the blockwise tiles).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,11 +29,13 @@ from attnkit.rope import rope_values
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
+    from attnkit.paged_kv_cache import PagedBatch
     from attnkit.rope import RotaryEmbedding
 
 __all__ = [
     "Layout",
     "Plan",
+    "build_packed_plan",
     "build_plan",
     "check_context",
     "check_idx",
@@ -230,7 +233,12 @@ def check_context(layout: Layout, end: int) -> None:
             )
 
 
-def build_plan(layout: Layout, input_pos: torch.Tensor, key_real: torch.Tensor | None) -> Plan:
+def build_plan(
+    layout: Layout,
+    input_pos: torch.Tensor,
+    key_real: torch.Tensor | None,
+    paged: PagedBatch | None = None,
+) -> Plan:
     """The positions, RoPE values and masks of one forward, from inputs already checked.
 
     Checks nothing: ``input_pos`` and ``key_real`` come from :func:`check_inputs`, or from
@@ -242,6 +250,8 @@ def build_plan(layout: Layout, input_pos: torch.Tensor, key_real: torch.Tensor |
         input_pos: ``(t,)`` consecutive time indices of the forward's tokens.
         key_real: bool ``(b, L)``, True = token, covering every time index up to
             ``input_pos[-1]``, with padding among them; None = no padding.
+        paged: the rows' sequences on a paged cache (row ``i`` = sequence ``i``), handed
+            to every layer; None without one.
     """
     caches = layout.caches
     eager = not torch.compiler.is_compiling()
@@ -270,7 +280,27 @@ def build_plan(layout: Layout, input_pos: torch.Tensor, key_real: torch.Tensor |
         if key not in kinds:
             kinds[key] = _layer_inputs(layout, w, cache, input_pos, end, key_real, rope, eager)
         inputs.append(kinds[key])
+    if paged is not None:
+        inputs = [dataclasses.replace(x, paged=paged) for x in inputs]
     return Plan(positions, inputs)
+
+
+def build_packed_plan(layout: Layout, batch: PagedBatch, device: torch.device) -> Plan:
+    """The plan of a packed forward on a paged cache (continuous batching): ``idx`` is
+    ``(1, sum(batch.counts))``, the new tokens of each sequence after the previous one's,
+    each at its own time indices (``batch.starts``); no padding. Each layer attends
+    sequence by sequence, bottom-right causal (and its window) over that sequence's keys
+    (:meth:`attnkit.paged_kv_cache.PagedLayer.attend`)."""
+    positions = batch.positions(device)[None]  # (1, N)
+    rope = None
+    if layout.rope is not None:
+        cos, sin = layout.rope.cos[positions], layout.rope.sin[positions]  # (1, N, d)
+        rope = (cos[:, None], sin[:, None])  # (1, 1, N, d)
+    kinds: dict[int | None, AttentionInputs] = {}
+    for w in layout.windows:
+        if w not in kinds:
+            kinds[w] = AttentionInputs(positions[0], rope, window=w, paged=batch)
+    return Plan(positions, [kinds[w] for w in layout.windows])
 
 
 def plan_forward(

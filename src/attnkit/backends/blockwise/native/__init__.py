@@ -47,6 +47,7 @@ __all__ = [
     "backward",
     "bf16",
     "forward",
+    "forward_paged",
     "isa",
     "score_mod_program",
     "status",
@@ -63,6 +64,9 @@ KEY_CHUNK = 64
 #: call with few query blocks into ranges chosen from the shapes alone (every thread count
 #: gives the same bits), 1 = never; tests set it to compare the two.
 KV_SPLITS = 0
+#: Below this many multiply-adds a paged call runs on the calling thread alone (continuous
+#: batching makes one call per sequence and layer, most of them short decode steps).
+PAGED_ONE_THREAD = 2**20
 #: ``mask_kind`` of attention.cpp.
 _MASK_BOOL, _MASK_FLOAT = 1, 2
 
@@ -95,12 +99,16 @@ def available() -> bool:
     return library() is not None
 
 
-def why_not(plan: TilePlan, dtype: torch.dtype, d: int, d_v: int) -> str | None:
+def why_not(
+    plan: TilePlan, dtype: torch.dtype, d: int, d_v: int, *, paged: bool = False
+) -> str | None:
     """Why the kernel cannot run this fused plan (CPU tensors) on the engine's views of
     ``dtype`` (None when it can): it takes float32 (bf16 on an avx512-bf16 build), value
     heads a multiple of 16 wide, causal/window bounds, a block mask, a ``mask`` tensor, a
     relative bias, and any ``score_mod`` that compiles (:func:`score_mod_program`), not
-    under ``torch.compile``. Asked once per call, by :mod:`..engines`."""
+    under ``torch.compile``. Asked once per call, by :mod:`..engines` (and by
+    :mod:`attnkit.paged_attention` with ``paged``: no torch kernel reads paged keys, so the
+    speed measured against torch's does not apply)."""
     if dtype not in (torch.float32, torch.bfloat16):
         return "the native kernel runs float32 (and bf16) tensors"
     if dtype == torch.bfloat16 and not bf16():
@@ -128,7 +136,12 @@ def why_not(plan: TilePlan, dtype: torch.dtype, d: int, d_v: int) -> str | None:
         program = score_mod_program(plan)  # (compiled once, by the first call that asks)
         if isinstance(program, str):
             return f"a score_mod not compiled ({program})"
-    if _dense(plan) and not calibrate.measuring() and not calibrate.speed().forward_ok:
+    if (
+        not paged
+        and _dense(plan)
+        and not calibrate.measuring()
+        and not calibrate.speed().forward_ok
+    ):
         return _slower("forward", calibrate.speed().forward)
     return None
 
@@ -269,6 +282,46 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty(plan.b, plan.h, plan.t, v.shape[-1], dtype=torch.float32)
     lse = torch.empty(plan.b, plan.h, plan.t, dtype=torch.float32)
     args, keep_alive = _args(plan, q, k, v, out, lse)
+    _check_code(_kernel("attnkit_forward")(ctypes.byref(args)))
+    del keep_alive
+    return out, lse
+
+
+def forward_paged(
+    plan: TilePlan,
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    key_lens: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`forward` with keys and values read through a page table (the forward only).
+
+    Args:
+        plan: the call's plan, with ``s`` the keys each row attends to.
+        q: ``(b, h, t, d)`` (last dim contiguous), the kernel's dtype.
+        k_pages: ``(num_pages, h_kv, page_size, d)`` key pages (last dim contiguous).
+        v_pages: ``(num_pages, h_kv, page_size, d_v)`` value pages.
+        page_table: int64 ``(b, n)``, row ``i`` the pages of batch row ``i`` in order
+            (checked by the caller: ``n * page_size >= s``, ids in range).
+        key_lens: int64 ``(b,)``, row ``i`` attending to its first ``key_lens[i] <= s``
+            keys: a decode step of sequences of different lengths (one query row per kv
+            head and few heads a group, no band); None = every row to ``s``.
+    """
+    out = torch.empty(plan.b, plan.h, plan.t, v_pages.shape[-1], dtype=torch.float32)
+    lse = torch.empty(plan.b, plan.h, plan.t, dtype=torch.float32)
+    args, keep_alive = _args(plan, q, k_pages, v_pages, out, lse)
+    table = page_table.to(torch.int64).contiguous()
+    keep_alive.append(table)
+    # _args read the pages' strides as (b, h, t): the first is a page's stride here
+    args.sk_page, args.sv_page, args.sk_b, args.sv_b = args.sk_b, args.sv_b, 0, 0
+    args.pages, args.pages_sb, args.page_size = table.data_ptr(), table.stride(0), k_pages.shape[2]
+    if key_lens is not None:
+        key_lens = key_lens.to(torch.int64).contiguous()
+        keep_alive.append(key_lens)
+        args.key_lens = key_lens.data_ptr()
+    if plan.b * plan.h * plan.t * plan.s * (q.shape[-1] + v_pages.shape[-1]) < PAGED_ONE_THREAD:
+        args.threads = 1  # a short decode step: waking a thread costs more than it saves
     _check_code(_kernel("attnkit_forward")(ctypes.byref(args)))
     del keep_alive
     return out, lse

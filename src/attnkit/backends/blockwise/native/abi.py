@@ -14,7 +14,7 @@ import ctypes
 __all__ = ["ABI_VERSION", "CODES", "DT_BF16", "DT_F32", "Args", "Grads", "check", "typed"]
 
 #: ``ABI_VERSION`` of attention.cpp: bumped whenever ``Args`` or ``Grads`` change.
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 #: attention.cpp's return codes (``enum Code``) that the binding treats apart.
 OK, NO_MEMORY = 0, 4
@@ -28,6 +28,7 @@ CODES = {
     5: "no thread could be started",
     6: "an internal error",
     7: "bf16 inputs to a build without bf16 products",
+    8: "paged keys and values to the backward (the kernel runs their forward only)",
 }
 
 #: ``Args.dtype``: what ``q``, ``k``, ``v`` (and the backward's ``dout``) point to.
@@ -71,6 +72,10 @@ class Args(ctypes.Structure):
         ("nseq", _I),
         ("varlen_align", _I),
         ("kv_splits", _I),
+        # paged keys and values (attnkit.PagedKVCache): the page table and its geometry
+        ("pages", _P),
+        *((name, _I) for name in ("pages_sb", "page_size", "sk_page", "sv_page")),
+        ("key_lens", _P),
     ]
 
 

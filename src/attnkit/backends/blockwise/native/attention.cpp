@@ -61,7 +61,7 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int8_t EMPTY = 0, PARTIAL = 1, FULL = 2;  // attnkit.block_mask's kinds
 
 // Bumped whenever Args or Grads change; native/__init__.py checks it and the sizes at load.
-constexpr int64_t ABI_VERSION = 5;
+constexpr int64_t ABI_VERSION = 6;
 
 enum Code : int {
   OK = 0,
@@ -72,6 +72,7 @@ enum Code : int {
   NO_THREAD = 5,
   INTERNAL = 6,
   BAD_DTYPE = 7,        // bf16 inputs to a build without bf16 products
+  PAGED_BACKWARD = 8,   // paged keys/values: the kernel runs their forward only
 };
 
 constexpr int64_t DT_F32 = 0, DT_BF16 = 1;  // Args.dtype: what q, k, v point to
@@ -124,6 +125,15 @@ struct Args {
   // separate work items and merged by their log-sum-exps in a fixed order (0: chosen from
   // the shapes alone, so every thread count gives the same bits; 1: no split).
   int64_t kv_splits;
+  // Paged keys and values (attnkit.PagedKVCache): with `pages` set, key j of batch row b
+  // is row j % page_size of page pages[b * pages_sb + j / page_size], i.e. at
+  // k + page * sk_page + h * sk_h + (j % page_size) * sk_t (values: sv_page, sv_h, sv_t);
+  // sk_b, sv_b are unused. Read where keys are packed and where P V reads the values.
+  const int64_t *pages;
+  int64_t pages_sb, page_size, sk_page, sv_page;
+  // With pages, in a decode step (direct_keys): row b attends to its first key_lens[b]
+  // keys (sequences of different lengths in one call); null: every row to S.
+  const int64_t *key_lens;
 };
 
 // The gradients' tensors (contiguous: (B, H, T, DV), (B, H, T), (B, H, T, D),
@@ -266,13 +276,18 @@ Code pack(const Args &a, const void *x_, int64_t sb, int64_t sh, int64_t st, int
   pk.chunks = (a.S + KC - 1) / KC;
   pk.depth = depth;
   pk.t.reset(new T[a.B * a.HKV * pk.chunks * depth * KC]);
+  const int64_t sp = x_ == a.v ? a.sv_page : a.sk_page;  // paged: one page's stride
   return parallel<NoState>(a, a.B * a.HKV * pk.chunks, [&](NoState &, int64_t it) {
-    const int64_t ci = it % pk.chunks, bh = it / pk.chunks;
-    const T *src = x + (bh / a.HKV) * sb + (bh % a.HKV) * sh;
+    const int64_t ci = it % pk.chunks, bh = it / pk.chunks, b = bh / a.HKV;
+    const T *src = x + (a.pages ? 0 : b * sb) + (bh % a.HKV) * sh;
     T *dst = pk.t.get() + it * depth * KC;
     for (int64_t j = 0; j < KC; ++j) {
       const int64_t key = ci * KC + j;
-      for (int64_t d = 0; d < depth; ++d) dst[at(j, d, depth)] = key < a.S ? src[key * st + d] : T(0);
+      const T *row = key >= a.S   ? nullptr
+                     : !a.pages ? src + key * st
+                                : src + a.pages[b * a.pages_sb + key / a.page_size] * sp +
+                                      (key % a.page_size) * st;  // through the page table
+      for (int64_t d = 0; d < depth; ++d) dst[at(j, d, depth)] = row ? row[d] : T(0);
     }
   });
 }
@@ -300,7 +315,8 @@ void for_each_chunk(const Args &a, int64_t b, int64_t h, int64_t i0, int64_t i1,
   const int64_t rows = i1 - i0;
   // keys any row may see by the band, within the chunks asked for
   const int64_t lo = std::max({int64_t(0), i0 + a.band_lo, cmin * KC});
-  const int64_t hi = std::min({a.S, i1 - 1 + a.band_hi + 1, (cmax + 1) * KC});
+  const int64_t keys = a.key_lens ? a.key_lens[b] : a.S;  // paged: this row's keys
+  const int64_t hi = std::min({keys, i1 - 1 + a.band_hi + 1, (cmax + 1) * KC});
   if (lo >= hi) return;
   // keys [k0, k1), masked by `keep` (rows `width` long, key k0 at column keep_col0) or not
   auto run = [&](int64_t k0, int64_t k1, const uint8_t *keep, int64_t width, int64_t keep_col0) {
@@ -462,7 +478,7 @@ struct Scratch {
 // packed in bf16 pairs.
 struct Operands {
   Packed<float> kt;
-  bool direct = false;  // (varlen) few rows: float32 keys read in place, kt not packed
+  bool direct = false;  // a decode step: keys read in place (direct_scores, paged_scores)
 #if defined(ATTNKIT_BF16)
   Packed<uint16_t> kp, vp;
 #endif
@@ -600,6 +616,88 @@ void direct_pv_bf16(const Args &a, const uint16_t *vh, const float *p, int64_t r
   }
 }
 
+// Paged decoding (PagedKVCache): where few query rows read each kv head (a decode step),
+// their scores are dot products with the keys read in place through the page table, one
+// key at a time: packing every key first would cost as much as the products themselves.
+constexpr int64_t DIRECT_ROWS = 4;  // most query rows per kv head read this way
+
+bool direct_keys(const Args &a) {
+  return a.pages && a.dtype == DT_F32 && a.T * (a.H / a.HKV) <= DIRECT_ROWS;
+}
+
+// s (nr rows of KC) = the rows q (stride sq_t) . the chunk's keys [c0 + lo, c0 + hi); the
+// other columns 0 (the softmax drops them).
+void paged_scores(const Args &a, int64_t b, int64_t hk, const float *q, int64_t nr,
+                  const Chunk &c, float *s) {
+  constexpr int U = 4;  // keys at once: independent sums keep the FMA units busy
+  std::fill(s, s + nr * KC, 0.0f);
+  for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi; j < end;) {
+    // a page's run of keys: j .. j + n - 1 at k0 + x * sk_t (one division a run)
+    const int64_t off = j % a.page_size, n = std::min(end - j, a.page_size - off);
+    const float *k0 = a.k + a.pages[b * a.pages_sb + j / a.page_size] * a.sk_page +
+                      hk * a.sk_h + off * a.sk_t;
+    for (int64_t x0 = 0; x0 < n; x0 += U) {
+      const int u = int(std::min<int64_t>(U, n - x0));
+      const float *kj[U];
+      for (int x = 0; x < U; ++x) kj[x] = k0 + (x0 + std::min(x, u - 1)) * a.sk_t;
+      for (int64_t r = 0; r < nr; ++r) {
+        const float *qr = q + r * a.sq_t;
+        vf acc[U];
+        for (int x = 0; x < U; ++x) acc[x] = simd::splat(0.0f);
+        int64_t d = 0;
+        for (; d + W <= a.D; d += W) {
+          const vf qv = simd::load(qr + d);
+          for (int x = 0; x < U; ++x) acc[x] += qv * simd::load(kj[x] + d);
+        }
+        for (int x = 0; x < u; ++x) {
+          float dot = simd::hsum(acc[x]);
+          for (int64_t e = d; e < a.D; ++e) dot += qr[e] * kj[x][e];
+          s[r * KC + (j + x0 + x - c.c0)] = dot;
+        }
+      }
+    }
+    j += n;
+  }
+}
+
+// Paged values (PagedKVCache): O += P V over the chunk's columns one page's run of keys
+// at a time (the first run applies O's rescale, the others add).
+void paged_pv(const Args &a, int64_t b, int64_t hk, const Chunk &c, int64_t nr, const float *s,
+              Scratch &w) {
+  if (nr == 1) {  // a decode row: 4 vectors of O kept in registers over all the keys
+    constexpr int NA = 4;
+    float *o = w.o_blk.data() + c.r0 * a.DV;
+    const float al = w.alpha[c.r0];
+    for (int64_t d0 = 0; d0 < a.DV; d0 += NA * W) {
+      const int nv = int(std::min<int64_t>(NA, (a.DV - d0) / W));
+      vf acc[NA];
+      for (int x = 0; x < nv; ++x) acc[x] = simd::load(o + d0 + x * W) * simd::splat(al);
+      for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi; j < end;) {
+        const int64_t off = j % a.page_size, n = std::min(end - j, a.page_size - off);
+        const float *vp = a.v + a.pages[b * a.pages_sb + j / a.page_size] * a.sv_page +
+                          hk * a.sv_h + off * a.sv_t + d0;
+        for (int64_t x0 = 0; x0 < n; ++x0) {
+          const vf p = simd::splat(s[j + x0 - c.c0]);
+          for (int x = 0; x < nv; ++x) acc[x] += p * simd::load(vp + x0 * a.sv_t + x * W);
+        }
+        j += n;
+      }
+      for (int x = 0; x < nv; ++x) simd::store(o + d0 + x * W, acc[x]);
+    }
+    return;
+  }
+  const float *alpha = w.alpha.data() + c.r0;
+  for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi; j < end;) {
+    const int64_t off = j % a.page_size, n = std::min(end - j, a.page_size - off);
+    const float *vp = a.v + a.pages[b * a.pages_sb + j / a.page_size] * a.sv_page +
+                      hk * a.sv_h + off * a.sv_t;
+    simd::gemm<true>(w.o_blk.data() + c.r0 * a.DV, a.DV, nr, a.DV, s + (j - c.c0), KC, 1, vp,
+                     a.sv_t, n, alpha);
+    alpha = nullptr;
+    j += n;
+  }
+}
+
 // One block of query rows [i0, i1) of batch b, head h.
 // (Split-KV: only the key chunks [cmin, cmax], normalised over them.)
 void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int64_t i0,
@@ -625,7 +723,7 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
   for_each_chunk(a, b, h, i0, i1, cmin, cmax, w.keep.data(), [&](const Chunk &c) {
     const int64_t nr = c.r1 - c.r0;
     float *s = w.s.data() + c.r0 * KC;
-    if (ops.direct && a.dtype == DT_BF16) {  // a decode step's bf16: float32 products
+    if (ops.direct && a.dtype == DT_BF16 && !a.pages) {  // a decode step's bf16: float32 products
       const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
       const uint16_t *k16 = reinterpret_cast<const uint16_t *>(a.k) + b * a.sk_b + hk * a.sk_h;
       const uint16_t *v16 = reinterpret_cast<const uint16_t *>(a.v) + b * a.sv_b + hk * a.sv_h;
@@ -651,14 +749,19 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       return;
     }
 #endif
-    if (ops.direct)
+    if (ops.direct && a.pages)
+      paged_scores(a, b, hk, qh + (i0 + c.r0) * a.sq_t, nr, c, s);
+    else if (ops.direct)
       direct_scores(a, a.k + b * a.sk_b + hk * a.sk_h, qh + (i0 + c.r0) * a.sq_t, nr, c, s);
     else
       simd::gemm<false>(s, KC, nr, KC, qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1,
                         ops.kt.chunk(a, b, hk, c.ci), KC, a.D, nullptr);
     softmax(a, b, h, i0, c, w);
-    simd::gemm<true>(w.o_blk.data() + c.r0 * a.DV, a.DV, nr, a.DV, s + c.lo, KC, 1,
-                     vh + (c.c0 + c.lo) * a.sv_t, a.sv_t, c.hi - c.lo, w.alpha.data() + c.r0);
+    if (a.pages)
+      paged_pv(a, b, hk, c, nr, s, w);
+    else
+      simd::gemm<true>(w.o_blk.data() + c.r0 * a.DV, a.DV, nr, a.DV, s + c.lo, KC, 1,
+                       vh + (c.c0 + c.lo) * a.sv_t, a.sv_t, c.hi - c.lo, w.alpha.data() + c.r0);
     if (++seen % SUPER == 0) gather();
   });
   gather();
@@ -861,6 +964,8 @@ Code check(const Args &a) {
     return BAD_SHAPE;
   if (a.bm_kind && a.bq != a.bm_qb) return BAD_BLOCK_ROWS;
   if (a.dtype != DT_F32 && a.dtype != DT_BF16) return BAD_DTYPE;
+  if (a.pages && a.page_size <= 0) return BAD_SHAPE;
+  if (a.key_lens && !direct_keys(a)) return BAD_SHAPE;
   return OK;
 }
 
@@ -883,7 +988,8 @@ Code pack_forward(const Args &a, Operands &ops) {
 #if !defined(ATTNKIT_BF16)
   if (a.dtype == DT_BF16) return BAD_DTYPE;
 #endif
-  if (a.T * (a.H / a.HKV) <= DIRECT_MAX_ROWS) {  // a decode step: keys read in place
+  // a decode step: keys read in place (paged: through the page table, float32 only)
+  if (a.pages ? direct_keys(a) : a.T * (a.H / a.HKV) <= DIRECT_MAX_ROWS) {
     ops.direct = true;
     ops.kt.chunks = (a.S + KC - 1) / KC;
     return OK;
@@ -1209,6 +1315,7 @@ ATTNKIT_EXPORT int attnkit_backward(const Args *args, const Grads *grads) {
     return guarded([&] { return int(backward_varlen(a, g)); });
   }
   if (Code bad = check(a)) return bad;
+  if (a.pages) return PAGED_BACKWARD;
   if (a.D % 16) return BAD_HEAD_DIM;
   return guarded([&] { return int(backward_call(a, g)); });
 }

@@ -1,0 +1,218 @@
+"""Serving benchmarks (issue 20): the paged KV cache and continuous batching.
+
+* **paged decode step**: one decode attention call (GPT-2-small heads: 12 x 64, batch 1)
+  against ``L`` cached keys held in pages of ``page_size`` tokens, in a shuffled page
+  order, vs the same call on a contiguous cache (what :class:`attnkit.KVCache` returns:
+  :func:`attnkit.attention` on ``(1, h, L, d)``); fp32 and bf16; goal <= 1.1.
+* **continuous batching**: GPT-2-small shape, random weights (seeded; nothing is
+  downloaded), ``--requests`` requests with prompts of 16-256 tokens and 64 new tokens
+  each, greedy: :class:`attnkit.models.serving.Server` vs transformers'
+  ``generate_batch`` (``attn_implementation="sdpa"``, its paged cache) holding the same
+  weights; tokens compared, throughput ratio (goal >= 2).
+
+Run: ``python -m attnkit.bench.serving [--quick] [--threads N] [--out results.json]``. The
+two sides of each ratio are measured in one run, interleaved (best of ``--repeats`` for the
+serving race, medians for the decode step), with the same torch thread count (recorded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from attnkit.attention import attention
+from attnkit.paged_attention import paged_attention
+
+__all__ = ["continuous_batching", "paged_decode", "run"]
+
+
+def _interleaved(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, float]:
+    """Median seconds of each function, run round-robin after one warm-up each."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def paged_decode(
+    length: int = 4096, page_size: int = 16, dtype: torch.dtype = torch.float32, reps: int = 200
+) -> dict[str, Any]:
+    """One decode attention call on pages vs on a contiguous cache (see the module docs)."""
+    gen = torch.Generator().manual_seed(0)
+    h, d = 12, 64
+    q = torch.randn(1, h, 1, d, generator=gen).to(dtype)
+    k = torch.randn(1, h, length, d, generator=gen).to(dtype)
+    v = torch.randn(1, h, length, d, generator=gen).to(dtype)
+    n = -(-length // page_size)
+    order = torch.randperm(n, generator=gen)  # page i of the sequence is pool page order[i]
+    k_pages = torch.zeros(n, h, page_size, d, dtype=dtype)
+    v_pages = torch.zeros(n, h, page_size, d, dtype=dtype)
+    pad = n * page_size - length
+    k_pages[order] = (
+        torch.nn.functional.pad(k[0], (0, 0, 0, pad)).view(h, n, page_size, d).transpose(0, 1)
+    )
+    v_pages[order] = (
+        torch.nn.functional.pad(v[0], (0, 0, 0, pad)).view(h, n, page_size, d).transpose(0, 1)
+    )
+    table = order[None]  # (1, n)
+    with torch.inference_mode():
+        ref = attention(q, k, v)
+        out = paged_attention(q, k_pages, v_pages, table, length, causal=False)
+        err = (out.float() - ref.float()).abs().max().item()  # type: ignore[union-attr]
+        sec = _interleaved(
+            {
+                "contiguous": lambda: attention(q, k, v),
+                "paged": lambda: paged_attention(q, k_pages, v_pages, table, length, causal=False),
+            },
+            reps,
+        )
+    return {
+        "length": length,
+        "page_size": page_size,
+        "dtype": str(dtype).removeprefix("torch."),
+        "contiguous_us": sec["contiguous"] * 1e6,
+        "paged_us": sec["paged"] * 1e6,
+        "ratio": sec["paged"] / sec["contiguous"],
+        "max_abs_diff": err,
+    }
+
+
+def continuous_batching(
+    requests: int = 8,
+    new_tokens: int = 64,
+    prompt_range: tuple[int, int] = (16, 256),
+    repeats: int = 2,
+    small: bool = False,
+) -> dict[str, Any]:
+    """attnkit's :class:`~attnkit.models.serving.Server` vs transformers' ``generate_batch``
+    on the same random GPT-2-small-shaped weights (``small``: a 2-layer model, for tests)."""
+    from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from attnkit.models import GPT
+    from attnkit.models.hf_gpt2 import config_from_hf, load_hf_gpt2_state_dict
+    from attnkit.models.serving import Server
+
+    torch.manual_seed(0)
+    shape: dict[str, Any] = dict(n_layer=2, n_embd=128, n_head=4, vocab_size=512) if small else {}
+    hf_cfg = GPT2Config(**shape, bos_token_id=0, eos_token_id=0)
+    hf = GPT2LMHeadModel(hf_cfg).eval()
+    hf.set_attn_implementation("sdpa")
+    ours = load_hf_gpt2_state_dict(GPT(config_from_hf(hf_cfg)), hf.state_dict()).eval()
+    gen = torch.Generator().manual_seed(1)
+    lo, hi = prompt_range
+    lengths = torch.randint(lo, hi + 1, (requests,), generator=gen).tolist()
+    if requests >= 2:
+        lengths[0], lengths[1] = lo, hi
+    prompts = [torch.randint(0, hf_cfg.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    page = 16
+    pages = sum(-(-(n + new_tokens) // page) for n in lengths)
+
+    def run_ours() -> list[list[int]]:
+        server = Server(
+            ours, page_size=page, num_pages=pages, max_batch=requests, prefill_chunk=256
+        )
+        ids = [server.submit(p, new_tokens) for p in prompts]
+        server.run()
+        return [server.result(r)[len(p) :] for r, p in zip(ids, prompts, strict=True)]
+
+    gcfg = GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
+    cb = ContinuousBatchingConfig(
+        num_blocks=2 * pages, page_size=page, max_batch_tokens=512, max_requests_per_batch=requests
+    )
+
+    def run_hf() -> list[list[int]]:
+        with torch.inference_mode():
+            out = hf.generate_batch(
+                inputs=prompts,
+                generation_config=gcfg,
+                continuous_batching_config=cb,
+                progress_bar=False,
+            )
+        return [list(out[f"req_{i}"].generated_tokens) for i in range(requests)]
+
+    best = {"attnkit": float("inf"), "transformers": float("inf")}
+    outs: dict[str, list[list[int]]] = {}
+    for _ in range(repeats):
+        for name, fn in (("attnkit", run_ours), ("transformers", run_hf)):
+            t0 = time.perf_counter()
+            outs[name] = fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    same = sum(a == b for a, b in zip(outs["attnkit"], outs["transformers"], strict=True))
+    total = requests * new_tokens
+    return {
+        "requests": requests,
+        "new_tokens": new_tokens,
+        "prompt_lengths": lengths,
+        "layers": hf_cfg.n_layer,
+        "attnkit_s": best["attnkit"],
+        "transformers_s": best["transformers"],
+        "attnkit_tok_s": total / best["attnkit"],
+        "transformers_tok_s": total / best["transformers"],
+        "speedup": best["transformers"] / best["attnkit"],
+        "identical_requests": same,
+    }
+
+
+def run(quick: bool = False, repeats: int = 2) -> dict[str, Any]:
+    """Every serving measurement (``quick``: toy sizes, seconds, not graded)."""
+    length, reps = (512, 20) if quick else (4096, 200)
+    result: dict[str, Any] = {"threads": torch.get_num_threads()}
+    result["paged_decode"] = [
+        paged_decode(length, 16, dtype, reps) for dtype in (torch.float32, torch.bfloat16)
+    ]
+    if quick:
+        result["continuous_batching"] = continuous_batching(3, 8, (4, 24), 1, small=True)
+    else:
+        result["continuous_batching"] = continuous_batching(repeats=repeats)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="toy sizes (a smoke run)")
+    parser.add_argument("--repeats", type=int, default=2, help="serving races (best counts)")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads for both sides (default: torch's)"
+    )
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    result = run(args.quick, args.repeats)
+    for row in result["paged_decode"]:
+        print(
+            f"paged decode step L={row['length']} page {row['page_size']} {row['dtype']}: "
+            f"{row['paged_us']:.0f} us vs contiguous {row['contiguous_us']:.0f} us "
+            f"= {row['ratio']:.2f}x (goal <= 1.1)"
+        )
+    cb = result["continuous_batching"]
+    print(
+        f"continuous batching, {cb['requests']} requests x {cb['new_tokens']} new tokens "
+        f"({cb['layers']} layers): attnkit {cb['attnkit_tok_s']:.1f} tok/s, transformers "
+        f"generate_batch {cb['transformers_tok_s']:.1f} tok/s = {cb['speedup']:.2f}x (goal >= 2); "
+        f"{cb['identical_requests']}/{cb['requests']} requests with identical tokens"
+    )
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,195 @@
+"""The native kernel reading keys and values through page tables (paged_attention), once
+per vector width this CPU runs: against an independent float64 reference on the
+contiguous keys, by flash-attn's rule, for decode steps (keys read in place) and chunked
+prefill (keys packed through the table), GQA, window, sinks, padding masks, relative
+biases, block masks and mask mods; random page orders and odd page sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from attnkit import create_block_mask
+from attnkit import masks as M
+from attnkit.backends.blockwise import native
+from attnkit.paged_attention import native_reason, paged_attention, paged_decode
+from tests.reference import plain_attention, ref_attention_lse, ref_band_keep
+from tests.test_blockwise_native import isa  # noqa: F401  (the per-build fixture)
+from tests.test_paged_kv_cache import _table, _to_pages
+
+pytestmark = pytest.mark.usefixtures("one_thread", "isa")
+
+
+@pytest.fixture
+def paged_calls(monkeypatch) -> list[tuple]:
+    """Record the calls the native kernel runs through page tables."""
+    seen: list[tuple] = []
+    original = native.forward_paged
+
+    def spy(plan, q, *args):
+        seen.append((plan.t, plan.s))
+        return original(plan, q, *args)
+
+    monkeypatch.setattr(native, "forward_paged", spy)
+    return seen
+
+
+def _case(b, h_kv, groups, t, length, d, page_size, seed, dtype=torch.float32, num_pages=None):
+    gen = torch.Generator().manual_seed(seed)
+    h = h_kv * groups
+    q = torch.randn(b, h, t, d, generator=gen)
+    k = torch.randn(b, h_kv, length, d, generator=gen)
+    v = torch.randn(b, h_kv, length, d, generator=gen)
+    num_pages = num_pages or b * -(-length // page_size) + 3
+    table = _table(b, length, page_size, num_pages, gen)
+    k_pages = _to_pages(k, table, num_pages, page_size, gen).to(dtype)
+    v_pages = _to_pages(v, table, num_pages, page_size, gen).to(dtype)
+    return q.to(dtype), k.to(dtype), v.to(dtype), k_pages, v_pages, table
+
+
+def _check(out, q, k, v, keep, bias=None, sinks=None):
+    """flash-attn's rule: error <= 2x plain math's in the same dtype, plus a tiny epsilon."""
+    want, _ = ref_attention_lse(q, k, v, keep=keep, bias=bias, sinks=sinks)
+    if sinks is None:
+        plain = plain_attention(q, k, v, keep, bias)
+        err_plain = (plain.double() - want).abs().max().item()
+    else:
+        err_plain = 0.0
+    eps = 2e-6 if q.dtype == torch.float32 else 2e-2
+    err = (out.double() - want).abs().max().item()
+    assert err <= 2 * err_plain + eps, (err, err_plain)
+
+
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    b=st.integers(1, 2),
+    h_kv=st.sampled_from([1, 2]),
+    groups=st.sampled_from([1, 2, 4]),
+    t=st.sampled_from([1, 2, 3, 37, 130]),
+    past=st.integers(0, 200),
+    page_size=st.sampled_from([1, 5, 16, 64, 100]),
+    window=st.one_of(st.none(), st.integers(1, 80)),
+    sinks=st.booleans(),
+    d=st.sampled_from([16, 24, 64]),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_kernel_equals_the_reference(
+    paged_calls, b, h_kv, groups, t, past, page_size, window, sinks, d, seed
+):
+    q, k, v, k_pages, v_pages, table = _case(b, h_kv, groups, t, past + t, d, page_size, seed)
+    s = torch.randn(h_kv * groups) if sinks else None
+    with torch.no_grad():
+        out = paged_attention(q, k_pages, v_pages, table, past + t, window=window, sinks=s)
+    # the kernel read the pages in place (value heads of 24: it declines, the pages are gathered)
+    assert paged_calls == ([(t, past + t)] if d % 16 == 0 else [])
+    paged_calls.clear()
+    _check(out, q, k, v, ref_band_keep(t, past + t, "bottom_right", window), sinks=s)
+
+
+@pytest.mark.parametrize("t", [1, 19])
+def test_padding_masks_relative_bias_block_masks_and_mods(paged_calls, t):
+    length, ps = 150, 16
+    q, k, v, k_pages, v_pages, table = _case(2, 2, 2, t, length, 32, ps, seed=t)
+    keep = ref_band_keep(t, length, "bottom_right", None)
+    real = torch.ones(2, 1, 1, length, dtype=torch.bool)
+    real[0, ..., :37] = False  # row 0 left-padded
+    with torch.no_grad():
+        out = paged_attention(q, k_pages, v_pages, table, length, mask=real, causal=False)
+    _check(out, q, k, v, real & ref_band_keep(t, length, None, None))
+    slopes = M.alibi_slopes(4)
+    # ALiBi as a mod sees the call (query i at q_idx i, as on a contiguous cache)
+    bias = (
+        -slopes.view(1, 4, 1, 1).double()
+        * (torch.arange(t).view(-1, 1) - torch.arange(length)).abs().double()
+    )
+    with torch.no_grad():
+        out = paged_attention(q, k_pages, v_pages, table, length, score_mod=M.alibi(4))
+    _check(out, q, k, v, keep, bias=bias)
+
+    def odd(b, h, qi, ki):
+        return (ki % 3 != 1) | (ki == qi + length - t)
+
+    bm = create_block_mask(odd, 2, 4, t, length, block_size=16)
+    with torch.no_grad():
+        out_bm = paged_attention(q, k_pages, v_pages, table, length, causal=False, block_mask=bm)
+        out_mod = paged_attention(q, k_pages, v_pages, table, length, causal=False, mask_mod=odd)
+    ki, qi = torch.arange(length).view(1, -1), torch.arange(t).view(-1, 1)
+    _check(out_bm, q, k, v, odd(0, 0, qi, ki))
+    _check(out_mod, q, k, v, odd(0, 0, qi, ki))
+    assert len(paged_calls) == 4
+
+
+def test_bf16_pages_on_a_bf16_build(paged_calls):
+    if not native.bf16():
+        pytest.skip("bf16 products need an avx512-bf16 build")
+    q, k, v, k_pages, v_pages, table = _case(1, 2, 2, 1, 300, 64, 16, 5, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = paged_attention(q, k_pages, v_pages, table, 300)
+    assert paged_calls == [(1, 300)]
+    _check(out, q, k, v, ref_band_keep(1, 300, "bottom_right", None))
+
+
+def test_a_gradient_takes_the_gathered_path(paged_calls):
+    q, k, v, k_pages, v_pages, table = _case(1, 1, 2, 3, 40, 16, 8, seed=9)
+    q.requires_grad_(True)
+    out = paged_attention(q, k_pages, v_pages, table, 40)
+    assert paged_calls == []  # the kernel reads pages in its forward only
+    assert "gradient" in (
+        native_reason(
+            q,
+            k_pages,
+            v_pages,
+            40,
+            "auto",
+            mask=None,
+            causal=True,
+            scale=0.25,
+            window=None,
+            mask_mod=None,
+            score_mod=None,
+            block_mask=None,
+            sinks=None,
+            return_lse=False,
+        )
+        or ""
+    )
+    (dq,) = torch.autograd.grad(out.sum(), q)
+    qd = q.detach().double().requires_grad_(True)
+    want, _ = ref_attention_lse(qd, k, v, keep=ref_band_keep(3, 40, "bottom_right", None))
+    (want_dq,) = torch.autograd.grad(want.sum(), qd)
+    torch.testing.assert_close(dq.double(), want_dq, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("groups", [1, 4, 6])
+def test_a_decode_step_of_sequences_of_different_lengths(paged_calls, groups):
+    """paged_decode: one call, each row to its own number of keys; the pool's other rows
+    and pages hold NaN, which no row may read (groups of 6 query heads a kv head: the
+    kernel declines, the gathered path runs)."""
+    lens = [1, 70, 16, 33]
+    gen = torch.Generator().manual_seed(groups)
+    b, h_kv, d, ps = len(lens), 2, 32, 16
+    q = torch.randn(b, h_kv * groups, 1, d, generator=gen)
+    k_pages = torch.full((30, h_kv, ps, d), float("nan"))
+    v_pages = torch.full((30, h_kv, ps, d), float("nan"))
+    table = torch.randperm(30, generator=gen)[: b * 5].view(b, 5)
+    keys = []
+    for i, n in enumerate(lens):
+        k = torch.randn(1, h_kv, n, d, generator=gen)
+        v = torch.randn(1, h_kv, n, d, generator=gen)
+        for j in range(n):
+            k_pages[table[i, j // ps], :, j % ps] = k[0, :, j]
+            v_pages[table[i, j // ps], :, j % ps] = v[0, :, j]
+        keys.append((k, v))
+    with torch.no_grad():
+        out = paged_decode(q, k_pages, v_pages, table, lens)
+    assert paged_calls == ([(1, 70)] if groups <= 4 else [])
+    for i, (k, v) in enumerate(keys):
+        _check(out[i : i + 1], q[i : i + 1], k, v, torch.ones(1, lens[i], dtype=torch.bool))
+    with pytest.raises(ValueError, match="key_lens has 3 lengths for a batch of 4"):
+        paged_decode(q, k_pages, v_pages, table, lens[:3])
+    with pytest.raises(ValueError, match="one query a row"):
+        paged_decode(q.expand(-1, -1, 2, -1), k_pages, v_pages, table, lens)
