@@ -407,7 +407,8 @@ def test_auto_order_prefers_triton_on_cuda_for_kernel_calls():
     assert backends.auto_order(call(True, sinks=torch.zeros(2)))[0] == "triton"
     assert backends.auto_order(call(True, score_mod=M.softcap(5.0)))[0] == "triton"
     assert backends.auto_order(call(True))[:2] == ["sdpa", "triton"]
-    assert "triton" not in backends.auto_order(call(False, window=8))
+    q = torch.randn(1, 2, 64, 16)  # a real CPU call (blockwise's auto_first reads its tensors)
+    assert "triton" not in backends.auto_order(_call_of(q, q, q, window=8))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
