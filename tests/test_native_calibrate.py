@@ -89,3 +89,31 @@ def test_a_forced_speed_skips_the_measurement(uncalibrated, monkeypatch, forced,
     monkeypatch.setattr(calibrate, "_time_case", lambda: pytest.fail("measured"))
     speed = calibrate.speed()
     assert speed.forward_ok is ok and speed.source == "ATTNKIT_NATIVE_SPEED"
+
+
+@pytest.mark.parametrize(
+    ("rows", "groups", "keys", "native_runs"),
+    [(32, 1, 2048, False), (8, 4, 2048, False), (1, 4, 2048, False), (256, 1, 2048, True),
+     (1, 4, 8192, True)],
+)  # fmt: skip
+def test_short_dense_plans_go_to_torch_by_measured_speed(monkeypatch, rows, groups, keys, native_runs):
+    """Few query rows per kv head against a dense plan: torch's fused kernel (faster there,
+    native.FEW_ROWS), with the reason; long decodes, long queries and
+    masked plans stay native; ATTNKIT_NATIVE_SPEED=fast (the tests) runs them all."""
+    from attnkit import explain_dispatch
+
+    if not native.available():
+        pytest.skip(native.status())
+    monkeypatch.setattr(calibrate, "speed", lambda: calibrate.Speed(0.5, 0.5, "measured"))
+    q = torch.randn(1, 2 * groups, rows, 64)
+    k = torch.randn(1, 2, keys, 64)
+    text = explain_dispatch(q, k, k, return_lse=True, backend="blockwise")
+    forward = next(line for line in text.splitlines() if line.startswith("forward:"))
+    assert forward.startswith("forward: native_cpu") == native_runs, text
+    if not native_runs:
+        assert "torch's fused kernel is faster" in forward
+        masked = explain_dispatch(q, k, k, window=64, return_lse=True, backend="blockwise")
+        assert "forward: native_cpu" in masked  # nothing else runs a window this fast
+    monkeypatch.setattr(calibrate, "speed", lambda: calibrate.Speed(0.5, 0.5, calibrate.FORCED))
+    text = explain_dispatch(q, k, k, return_lse=True, backend="blockwise")
+    assert "forward: native_cpu" in text

@@ -67,6 +67,16 @@ KV_SPLITS = 0
 #: Below this many multiply-adds a paged call runs on the calling thread alone (continuous
 #: batching makes one call per sequence and layer, most of them short decode steps).
 PAGED_ONE_THREAD = 2**20
+#: Dense forward plans with few query rows per key/value head go to torch's fused kernel,
+#: which is faster there (a 2-core AMD EPYC Zen 5, fp32, d=64, 2 threads, with the LSE:
+#: 32 rows took 1.09-1.29x its time at 2048-32768 keys, as the kernel packs every key for
+#: few products; 64 rows 0.73-0.90x, 128 rows 0.57-0.84x). Up to DIRECT_ROWS rows
+#: (attention.cpp's DIRECT_MAX_ROWS) the kernel reads the keys in place and splits them
+#: across the threads, which pays from about DIRECT_MIN_KEYS keys (1.13-1.48x at 2048).
+#: ``ATTNKIT_NATIVE_SPEED=fast`` (the tests) lets the kernel run these too.
+DIRECT_ROWS = 8
+DIRECT_MIN_KEYS = 4096
+FEW_ROWS = 48
 #: ``mask_kind`` of attention.cpp.
 _MASK_BOOL, _MASK_FLOAT = 1, 2
 
@@ -143,6 +153,19 @@ def why_not(
         and not calibrate.speed().forward_ok
     ):
         return _slower("forward", calibrate.speed().forward)
+    if (
+        not paged
+        and _dense(plan)
+        and not calibrate.measuring()  # (the measurement runs the kernel itself)
+        and calibrate.speed().source != calibrate.FORCED
+    ):
+        rows = plan.t * (plan.h // plan.h_kv)  # query rows each kv head's keys serve
+        direct = rows <= DIRECT_ROWS
+        if (direct and plan.s < DIRECT_MIN_KEYS) or (not direct and rows <= FEW_ROWS):
+            return (
+                f"{rows} query rows per key/value head against {plan.s} keys: torch's fused "
+                "kernel is faster for a dense plan this short"
+            )
     return None
 
 

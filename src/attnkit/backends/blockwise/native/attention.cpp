@@ -269,6 +269,20 @@ inline int64_t key_pairs(int64_t j, int64_t d, int64_t depth) {
   return (j / 2) * depth * 2 + d * 2 + j % 2;
 }
 
+// One chunk's KC keys (rows `row(j)`, null past the last key) into dst, the layout AT
+// known at compile time so that the element loop is inlined and vectorisable.
+template <class T, int64_t (*AT)(int64_t, int64_t, int64_t), class Row>
+void pack_chunk(int64_t depth, Row row, T *dst) {
+  for (int64_t j = 0; j < KC; ++j) {
+    const T *r = row(j);
+    if (!r) {
+      for (int64_t d = 0; d < depth; ++d) dst[AT(j, d, depth)] = T(0);
+      continue;
+    }
+    for (int64_t d = 0; d < depth; ++d) dst[AT(j, d, depth)] = r[d];
+  }
+}
+
 template <class T>
 Code pack(const Args &a, const void *x_, int64_t sb, int64_t sh, int64_t st, int64_t depth,
           int64_t (*at)(int64_t, int64_t, int64_t), Packed<T> &pk) {
@@ -281,14 +295,19 @@ Code pack(const Args &a, const void *x_, int64_t sb, int64_t sh, int64_t st, int
     const int64_t ci = it % pk.chunks, bh = it / pk.chunks, b = bh / a.HKV;
     const T *src = x + (a.pages ? 0 : b * sb) + (bh % a.HKV) * sh;
     T *dst = pk.t.get() + it * depth * KC;
-    for (int64_t j = 0; j < KC; ++j) {
+    auto row = [&](int64_t j) -> const T * {
       const int64_t key = ci * KC + j;
-      const T *row = key >= a.S   ? nullptr
-                     : !a.pages ? src + key * st
-                                : src + a.pages[b * a.pages_sb + key / a.page_size] * sp +
-                                      (key % a.page_size) * st;  // through the page table
-      for (int64_t d = 0; d < depth; ++d) dst[at(j, d, depth)] = row ? row[d] : T(0);
-    }
+      if (key >= a.S) return nullptr;
+      if (!a.pages) return src + key * st;
+      return src + a.pages[b * a.pages_sb + key / a.page_size] * sp +
+             (key % a.page_size) * st;  // through the page table
+    };
+    if (at == transposed)
+      pack_chunk<T, transposed>(depth, row, dst);
+    else if (at == dim_pairs)
+      pack_chunk<T, dim_pairs>(depth, row, dst);
+    else
+      pack_chunk<T, key_pairs>(depth, row, dst);
   });
 }
 

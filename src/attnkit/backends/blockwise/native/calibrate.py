@@ -60,6 +60,10 @@ class Speed:
         return self.backward <= 1.0
 
 
+#: ``Speed.source`` when ``ATTNKIT_NATIVE_SPEED`` decides instead of a measurement.
+FORCED = "ATTNKIT_NATIVE_SPEED"
+
+
 def measuring() -> bool:
     """True while this thread is calibrating (the native kernel then runs every plan)."""
     return getattr(_measuring, "on", False)
@@ -70,7 +74,7 @@ def speed() -> Speed:
     forced = os.environ.get("ATTNKIT_NATIVE_SPEED")
     if forced in ("fast", "slow"):
         ratio = 0.5 if forced == "fast" else 2.0
-        return Speed(ratio, ratio, "ATTNKIT_NATIVE_SPEED")
+        return Speed(ratio, ratio, FORCED)
     key = (build.status(), torch.__version__, torch.get_num_threads())
     with _lock:
         if key not in _cache:
