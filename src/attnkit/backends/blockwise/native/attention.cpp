@@ -587,9 +587,7 @@ inline vf load_f32(const T *p) {
   if constexpr (std::is_same_v<T, float>) {
     return simd::load(p);
   } else {
-    float buf[W];
-    for (int i = 0; i < W; ++i) buf[i] = as_f32(p[i]);
-    return simd::load(buf);
+    return simd::load_bf16(p);
   }
 }
 
@@ -641,36 +639,38 @@ void direct_pv_bf16(const Args &a, const uint16_t *vh, const float *p, int64_t r
 constexpr int64_t DIRECT_ROWS = 4;  // most query rows per kv head read this way
 
 bool direct_keys(const Args &a) {
-  return a.pages && a.dtype == DT_F32 && a.T * (a.H / a.HKV) <= DIRECT_ROWS;
+  return a.pages && a.T * (a.H / a.HKV) <= DIRECT_ROWS;
 }
 
 // s (nr rows of KC) = the rows q (stride sq_t) . the chunk's keys [c0 + lo, c0 + hi); the
 // other columns 0 (the softmax drops them).
-void paged_scores(const Args &a, int64_t b, int64_t hk, const float *q, int64_t nr,
+// T: float, or uint16_t for bf16 pages (converted as read, products in float32).
+template <class T>
+void paged_scores(const Args &a, int64_t b, int64_t hk, const T *q, int64_t nr,
                   const Chunk &c, float *s) {
   constexpr int U = 4;  // keys at once: independent sums keep the FMA units busy
   std::fill(s, s + nr * KC, 0.0f);
   for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi; j < end;) {
     // a page's run of keys: j .. j + n - 1 at k0 + x * sk_t (one division a run)
     const int64_t off = j % a.page_size, n = std::min(end - j, a.page_size - off);
-    const float *k0 = a.k + a.pages[b * a.pages_sb + j / a.page_size] * a.sk_page +
+    const T *k0 = static_cast<const T *>(static_cast<const void *>(a.k)) + a.pages[b * a.pages_sb + j / a.page_size] * a.sk_page +
                       hk * a.sk_h + off * a.sk_t;
     for (int64_t x0 = 0; x0 < n; x0 += U) {
       const int u = int(std::min<int64_t>(U, n - x0));
-      const float *kj[U];
+      const T *kj[U];
       for (int x = 0; x < U; ++x) kj[x] = k0 + (x0 + std::min(x, u - 1)) * a.sk_t;
       for (int64_t r = 0; r < nr; ++r) {
-        const float *qr = q + r * a.sq_t;
+        const T *qr = q + r * a.sq_t;
         vf acc[U];
         for (int x = 0; x < U; ++x) acc[x] = simd::splat(0.0f);
         int64_t d = 0;
         for (; d + W <= a.D; d += W) {
-          const vf qv = simd::load(qr + d);
-          for (int x = 0; x < U; ++x) acc[x] += qv * simd::load(kj[x] + d);
+          const vf qv = load_f32(qr + d);
+          for (int x = 0; x < U; ++x) acc[x] += qv * load_f32(kj[x] + d);
         }
         for (int x = 0; x < u; ++x) {
           float dot = simd::hsum(acc[x]);
-          for (int64_t e = d; e < a.D; ++e) dot += qr[e] * kj[x][e];
+          for (int64_t e = d; e < a.D; ++e) dot += as_f32(qr[e]) * as_f32(kj[x][e]);
           s[r * KC + (j + x0 + x - c.c0)] = dot;
         }
       }
@@ -679,29 +679,42 @@ void paged_scores(const Args &a, int64_t b, int64_t hk, const float *q, int64_t 
   }
 }
 
-// Paged values (PagedKVCache): O += P V over the chunk's columns one page's run of keys
-// at a time (the first run applies O's rescale, the others add).
+// Paged values (PagedKVCache): O += P V over the chunk's columns, one page's run of keys
+// at a time. A row at a time (decode rows, and bf16 values, converted as read): 4 vectors
+// of the row's O kept in registers over all the keys; float32 blocks of rows: simd::gemm
+// per run (the first run applies O's rescale, the others add).
+template <class T>
+void paged_pv_row(const Args &a, int64_t b, int64_t hk, const Chunk &c, const float *p,
+                  float al, float *o) {
+  constexpr int NA = 4;
+  const T *v = static_cast<const T *>(static_cast<const void *>(a.v));
+  for (int64_t d0 = 0; d0 < a.DV; d0 += NA * W) {
+    const int nv = int(std::min<int64_t>(NA, (a.DV - d0) / W));
+    vf acc[NA];
+    for (int x = 0; x < nv; ++x) acc[x] = simd::load(o + d0 + x * W) * simd::splat(al);
+    for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi; j < end;) {
+      const int64_t off = j % a.page_size, n = std::min(end - j, a.page_size - off);
+      const T *vp = v + a.pages[b * a.pages_sb + j / a.page_size] * a.sv_page + hk * a.sv_h +
+                    off * a.sv_t + d0;
+      for (int64_t x0 = 0; x0 < n; ++x0) {
+        const vf pj = simd::splat(p[j + x0 - c.c0]);
+        for (int x = 0; x < nv; ++x) acc[x] += pj * load_f32(vp + x0 * a.sv_t + x * W);
+      }
+      j += n;
+    }
+    for (int x = 0; x < nv; ++x) simd::store(o + d0 + x * W, acc[x]);
+  }
+}
+
 void paged_pv(const Args &a, int64_t b, int64_t hk, const Chunk &c, int64_t nr, const float *s,
               Scratch &w) {
-  if (nr == 1) {  // a decode row: 4 vectors of O kept in registers over all the keys
-    constexpr int NA = 4;
-    float *o = w.o_blk.data() + c.r0 * a.DV;
-    const float al = w.alpha[c.r0];
-    for (int64_t d0 = 0; d0 < a.DV; d0 += NA * W) {
-      const int nv = int(std::min<int64_t>(NA, (a.DV - d0) / W));
-      vf acc[NA];
-      for (int x = 0; x < nv; ++x) acc[x] = simd::load(o + d0 + x * W) * simd::splat(al);
-      for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi; j < end;) {
-        const int64_t off = j % a.page_size, n = std::min(end - j, a.page_size - off);
-        const float *vp = a.v + a.pages[b * a.pages_sb + j / a.page_size] * a.sv_page +
-                          hk * a.sv_h + off * a.sv_t + d0;
-        for (int64_t x0 = 0; x0 < n; ++x0) {
-          const vf p = simd::splat(s[j + x0 - c.c0]);
-          for (int x = 0; x < nv; ++x) acc[x] += p * simd::load(vp + x0 * a.sv_t + x * W);
-        }
-        j += n;
-      }
-      for (int x = 0; x < nv; ++x) simd::store(o + d0 + x * W, acc[x]);
+  if (nr == 1 || a.dtype == DT_BF16) {
+    for (int64_t r = 0; r < nr; ++r) {
+      float *o = w.o_blk.data() + (c.r0 + r) * a.DV;
+      if (a.dtype == DT_BF16)
+        paged_pv_row<uint16_t>(a, b, hk, c, s + r * KC, w.alpha[c.r0 + r], o);
+      else
+        paged_pv_row<float>(a, b, hk, c, s + r * KC, w.alpha[c.r0 + r], o);
     }
     return;
   }
@@ -742,6 +755,14 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
   for_each_chunk(a, b, h, i0, i1, cmin, cmax, w.keep.data(), [&](const Chunk &c) {
     const int64_t nr = c.r1 - c.r0;
     float *s = w.s.data() + c.r0 * KC;
+    if (ops.direct && a.dtype == DT_BF16 && a.pages) {  // paged bf16 decode: float32 products
+      const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
+      paged_scores(a, b, hk, q16 + (i0 + c.r0) * a.sq_t, nr, c, s);
+      softmax(as_float32, b, h, i0, c, w);
+      paged_pv(a, b, hk, c, nr, s, w);
+      if (++seen % SUPER == 0) gather();
+      return;
+    }
     if (ops.direct && a.dtype == DT_BF16 && !a.pages) {  // a decode step's bf16: float32 products
       const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
       const uint16_t *k16 = reinterpret_cast<const uint16_t *>(a.k) + b * a.sk_b + hk * a.sk_h;

@@ -84,6 +84,17 @@ inline vi nonzero(const uint8_t *p) {
   std::memcpy(&b, p, sizeof b);
   return __builtin_convertvector(b, vi) != 0;
 }
+// W bf16 values (the high halves of float32s) at p, as float32 lanes.
+inline vf load_bf16(const uint16_t *p) {
+  typedef uint16_t vh __attribute__((vector_size(2 * W)));
+  typedef uint32_t vu __attribute__((vector_size(4 * W)));
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  const vu u = __builtin_convertvector(h, vu) << 16;
+  vf r;
+  std::memcpy(&r, &u, sizeof r);
+  return r;
+}
 inline vi lanes() {
   vi r;
   for (int l = 0; l < W; ++l) r[l] = l;
