@@ -96,15 +96,21 @@ def _cpu_flags() -> frozenset[str]:
 
 def host_isas() -> list[str]:
     """The builds this CPU can execute, best first (empty: none; torch's kernel runs)."""
+    return list(_host_isas())
+
+
+@functools.cache
+def _host_isas() -> tuple[str, ...]:
+    # (asked on every call that may reach the kernel: the CPU does not change)
     if platform.system() != "Linux":
-        return []
+        return ()
     machine = platform.machine().lower()
     if machine in ("aarch64", "arm64"):
-        return ["neon"]  # NEON (Advanced SIMD) is part of every AArch64 CPU
+        return ("neon",)  # NEON (Advanced SIMD) is part of every AArch64 CPU
     if machine not in ("x86_64", "amd64"):
-        return []
+        return ()
     flags = _cpu_flags()
-    return [isa for isa, needs in _NEEDS.items() if needs <= flags]
+    return tuple(isa for isa, needs in _NEEDS.items() if needs <= flags)
 
 
 def selected_isa() -> str | None:
