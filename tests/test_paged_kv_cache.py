@@ -173,9 +173,10 @@ def test_gathered_paged_attention_equals_the_contiguous_reference(
     k = torch.randn(b, h_kv, length, d, generator=gen, **f64)
     v = torch.randn(b, h_kv, length, d, generator=gen, **f64)
     s = torch.randn(h, generator=gen, **f64) if sinks else None
-    table = _table(b, length, page_size, 64, gen)
-    k_pages = _to_pages(k, table, 64, page_size, gen)
-    v_pages = _to_pages(v, table, 64, page_size, gen)
+    num_pages = b * -(-length // page_size) + 7  # every sequence's pages, and some unused
+    table = _table(b, length, page_size, num_pages, gen)
+    k_pages = _to_pages(k, table, num_pages, page_size, gen)
+    v_pages = _to_pages(v, table, num_pages, page_size, gen)
     assert torch.equal(gather_pages(k_pages, v_pages, table, length)[1], v)
     keep = ref_band_keep(t, length, "bottom_right", window)
     want, want_lse = ref_attention_lse(q, k, v, keep=keep, sinks=s)
