@@ -23,32 +23,7 @@ from tests.reference import plain_attention, ref_attention_lse, ref_band_keep
 pytestmark = pytest.mark.usefixtures("one_thread", "isa")
 
 
-def kernel_isas() -> list[str]:
-    """One build of each vector width this CPU can execute, best first: an AVX-512 machine
-    runs this whole module on its AVX-512 build and again on its AVX2 build."""
-    widths = {"avx512-bf16": 16, "avx512": 16, "avx2": 8, "neon": 4}
-    chosen: dict[int, str] = {}
-    for name in build.host_isas():
-        chosen.setdefault(widths[name], name)
-    return list(chosen.values()) or ["none"]
-
-
-@pytest.fixture(scope="module", params=kernel_isas())
-def isa(request):
-    """Every test of this module, once per build (``ATTNKIT_NATIVE_ISA``)."""
-    before = os.environ.get("ATTNKIT_NATIVE_ISA")
-    os.environ["ATTNKIT_NATIVE_ISA"] = request.param
-    try:
-        if not native.available():
-            pytest.skip(f"no native kernel: {native.status()}")
-        assert native.isa() == request.param
-        yield request.param
-    finally:
-        if before is None:
-            os.environ.pop("ATTNKIT_NATIVE_ISA", None)
-        else:
-            os.environ["ATTNKIT_NATIVE_ISA"] = before
-
+from tests.conftest import kernel_isas  # noqa: E402,F401  (the per-build `isa` fixture is in conftest)
 
 EPS = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 

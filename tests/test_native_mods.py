@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from attnkit import attention, explain_dispatch
 from attnkit import mod_graph as G
 from attnkit.backends.blockwise.native import codegen
-from tests.test_blockwise_native import isa, kernel_isas  # noqa: F401 - the per-ISA fixture
+from tests.conftest import kernel_isas
 from tests.test_mods_catalogue import CATALOGUE, _learned_dense
 
 pytestmark = pytest.mark.usefixtures("one_thread", "isa")

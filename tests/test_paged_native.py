@@ -16,7 +16,6 @@ from attnkit import masks as M
 from attnkit.backends.blockwise import native
 from attnkit.paged_attention import native_reason, paged_attention, paged_decode
 from tests.reference import plain_attention, ref_attention_lse, ref_band_keep
-from tests.test_blockwise_native import isa  # noqa: F401  (the per-build fixture)
 from tests.test_paged_kv_cache import _table, _to_pages
 
 pytestmark = pytest.mark.usefixtures("one_thread", "isa")

@@ -12,7 +12,6 @@ import torch
 from attnkit import attention
 from attnkit.backends.blockwise import native
 from tests.reference import plain_attention, ref_attention_lse, ref_band_keep
-from tests.test_varlen import isa  # noqa: F401  (the fixture: once per native build)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "isa")
 

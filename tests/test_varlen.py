@@ -6,37 +6,16 @@ the checks of the offsets."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attnkit import attention
-from attnkit.backends.blockwise import native
 from attnkit.varlen import why_not_native
 from tests.reference import plain_attention, ref_attention_lse, ref_band_keep
-from tests.test_blockwise_native import kernel_isas
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module", params=kernel_isas())
-def isa(request):
-    """A test once per native build (``ATTNKIT_NATIVE_ISA``)."""
-    before = os.environ.get("ATTNKIT_NATIVE_ISA")
-    os.environ["ATTNKIT_NATIVE_ISA"] = request.param
-    try:
-        if not native.available():
-            pytest.skip(f"no native kernel: {native.status()}")
-        assert native.isa() == request.param
-        yield request.param
-    finally:
-        if before is None:
-            os.environ.pop("ATTNKIT_NATIVE_ISA", None)
-        else:
-            os.environ["ATTNKIT_NATIVE_ISA"] = before
 
 
 def offsets(lengths: list[int]) -> torch.Tensor:

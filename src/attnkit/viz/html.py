@@ -17,12 +17,11 @@ the same event handlers a person triggers.
 from __future__ import annotations
 
 import functools
-import html
 import itertools
 import secrets
-from pathlib import Path
 from typing import Any
 
+from attnkit.viz._page import HtmlPage
 from attnkit.viz.maps import AttentionMaps
 
 __all__ = ["AttentionView"]
@@ -118,7 +117,7 @@ def _template() -> Any:
     return env.from_string(_FRAGMENT)
 
 
-class AttentionView:
+class AttentionView(HtmlPage):
     """An interactive heatmap of attention maps as one offline HTML file.
 
     Args:
@@ -131,6 +130,8 @@ class AttentionView:
         >>> view                                # a notebook cell shows it  # doctest: +SKIP
         >>> view.save("attention.html")         # doctest: +SKIP
     """
+
+    MARGIN = 12
 
     def __init__(self, maps: AttentionMaps, *, title: str = "attention", decimals: int = 6) -> None:
         self.maps = maps
@@ -158,21 +159,3 @@ class AttentionView:
             data=self._data(),
             stops=_STOPS,
         )
-
-    def to_html(self) -> str:
-        """A complete, self-contained HTML page."""
-        return (
-            '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-            f"<title>{html.escape(self.title)}</title></head>"
-            f'<body style="margin:12px;background:#fff">{self.fragment()}</body></html>\n'
-        )
-
-    def _repr_html_(self) -> str:
-        return self.fragment()
-
-    def save(self, path: str | Path) -> Path:
-        """Write :meth:`to_html` to ``path`` and return it."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_html(), encoding="utf-8")
-        return path

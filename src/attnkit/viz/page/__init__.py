@@ -27,12 +27,12 @@ import functools
 import itertools
 import secrets
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from attnkit.viz._page import HtmlPage
 from attnkit.viz.maps import AttentionMaps
 from attnkit.viz.record import ModelRecording, NextTokenNode
 
@@ -97,7 +97,7 @@ def _assets() -> tuple[Any, str, str]:
     return template, js, css
 
 
-class ModelView:
+class ModelView(HtmlPage):
     """The model, head, neuron and next-token views of a recording, as one offline page.
 
     Args:
@@ -196,24 +196,3 @@ class ModelView:
                 data=self.data(),
             )
         )
-
-    def to_html(self) -> str:
-        """A complete, self-contained HTML page."""
-        import html
-
-        return (
-            '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
-            '<meta name="viewport" content="width=device-width, initial-scale=1">'
-            f"<title>{html.escape(self.title)}</title></head>"
-            f'<body style="margin:8px;background:#fff">{self.fragment()}</body></html>\n'
-        )
-
-    def _repr_html_(self) -> str:
-        return self.fragment()
-
-    def save(self, path: str | Path) -> Path:
-        """Write :meth:`to_html` to ``path`` and return it."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(self.to_html(), encoding="utf-8")
-        return path
