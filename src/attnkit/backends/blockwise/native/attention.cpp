@@ -497,7 +497,7 @@ struct Scratch {
 // packed in bf16 pairs.
 struct Operands {
   Packed<float> kt;
-  bool direct = false;  // a decode step: keys read in place (direct_scores, paged_scores)
+  bool direct = false;  // a decode step: keys read in place (direct_scores)
 #if defined(ATTNKIT_BF16)
   Packed<uint16_t> kp, vp;
 #endif
@@ -569,10 +569,9 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
   }
 }
 
-// (feature "varlen": split-KV decoding) The chunk's scores of `rows` query rows as dot
-// products with the keys where they are (kh: the head's keys): a decode step reads each
-// key once, so packing the keys first would cost as much as the product. Columns outside
-// [lo, hi) are 0 (the mask drops them).
+// A decode step (few query rows per kv head) reads each key once, so packing the keys
+// first would cost as much as the products: its scores are dot products with the keys
+// where they are (direct_scores below; split-KV decoding splits them across threads).
 constexpr int64_t DIRECT_MAX_ROWS = 8;  // query rows per kv head up to which keys stay in place
 
 inline float as_f32(float x) { return x; }
@@ -588,29 +587,6 @@ inline vf load_f32(const T *p) {
     return simd::load(p);
   } else {
     return simd::load_bf16(p);
-  }
-}
-
-// T: float, or uint16_t for bf16 inputs (computed in float32).
-template <class T>
-void direct_scores(const Args &a, const T *kh, const T *q, int64_t rows, const Chunk &c,
-                   float *s) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const T *qr = q + r * a.sq_t;
-    float *sr = s + r * KC;
-    for (int64_t j = 0; j < KC; ++j) {
-      if (j < c.lo || j >= c.hi) {
-        sr[j] = 0.0f;
-        continue;
-      }
-      const T *kr = kh + (c.c0 + j) * a.sk_t;
-      vf acc = simd::splat(0.0f);
-      int64_t d = 0;
-      for (; d + W <= a.D; d += W) acc += load_f32(qr + d) * load_f32(kr + d);
-      float x = simd::hsum(acc);
-      for (; d < a.D; ++d) x += as_f32(qr[d]) * as_f32(kr[d]);
-      sr[j] = x;
-    }
   }
 }
 
@@ -642,19 +618,31 @@ bool direct_keys(const Args &a) {
   return a.pages && a.T * (a.H / a.HKV) <= DIRECT_ROWS;
 }
 
-// s (nr rows of KC) = the rows q (stride sq_t) . the chunk's keys [c0 + lo, c0 + hi); the
-// other columns 0 (the softmax drops them).
-// T: float, or uint16_t for bf16 pages (converted as read, products in float32).
+// Keys j .. j + n - 1 of (b, hk) lie at k0 + x * sk_t: returns k0 and sets n, the run up to
+// `end` (paged: up to the end of key j's page; one division a run).
 template <class T>
-void paged_scores(const Args &a, int64_t b, int64_t hk, const T *q, int64_t nr,
-                  const Chunk &c, float *s) {
+const T *key_run(const Args &a, int64_t b, int64_t hk, int64_t j, int64_t end, int64_t &n) {
+  const T *k = static_cast<const T *>(static_cast<const void *>(a.k));
+  if (!a.pages) {
+    n = end - j;
+    return k + b * a.sk_b + hk * a.sk_h + j * a.sk_t;
+  }
+  const int64_t off = j % a.page_size;
+  n = std::min(end - j, a.page_size - off);
+  return k + a.pages[b * a.pages_sb + j / a.page_size] * a.sk_page + hk * a.sk_h + off * a.sk_t;
+}
+
+// A decode step's scores, keys read where they are (contiguous, or through the page
+// table): s (nr rows of KC) = the rows q (stride sq_t) . the chunk's keys [c0 + lo,
+// c0 + hi); the other columns 0 (the softmax drops them). T: float, or uint16_t for bf16
+// (converted as read, products in float32).
+template <class T>
+void direct_scores(const Args &a, int64_t b, int64_t hk, const T *q, int64_t nr,
+                   const Chunk &c, float *s) {
   constexpr int U = 4;  // keys at once: independent sums keep the FMA units busy
   std::fill(s, s + nr * KC, 0.0f);
-  for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi; j < end;) {
-    // a page's run of keys: j .. j + n - 1 at k0 + x * sk_t (one division a run)
-    const int64_t off = j % a.page_size, n = std::min(end - j, a.page_size - off);
-    const T *k0 = static_cast<const T *>(static_cast<const void *>(a.k)) + a.pages[b * a.pages_sb + j / a.page_size] * a.sk_page +
-                      hk * a.sk_h + off * a.sk_t;
+  for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi, n = 0; j < end; j += n) {
+    const T *k0 = key_run<T>(a, b, hk, j, end, n);
     for (int64_t x0 = 0; x0 < n; x0 += U) {
       const int u = int(std::min<int64_t>(U, n - x0));
       const T *kj[U];
@@ -675,7 +663,6 @@ void paged_scores(const Args &a, int64_t b, int64_t hk, const T *q, int64_t nr,
         }
       }
     }
-    j += n;
   }
 }
 
@@ -757,7 +744,7 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
     float *s = w.s.data() + c.r0 * KC;
     if (ops.direct && a.dtype == DT_BF16 && a.pages) {  // paged bf16 decode: float32 products
       const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
-      paged_scores(a, b, hk, q16 + (i0 + c.r0) * a.sq_t, nr, c, s);
+      direct_scores(a, b, hk, q16 + (i0 + c.r0) * a.sq_t, nr, c, s);
       softmax(as_float32, b, h, i0, c, w);
       paged_pv(a, b, hk, c, nr, s, w);
       if (++seen % SUPER == 0) gather();
@@ -765,9 +752,8 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
     }
     if (ops.direct && a.dtype == DT_BF16 && !a.pages) {  // a decode step's bf16: float32 products
       const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
-      const uint16_t *k16 = reinterpret_cast<const uint16_t *>(a.k) + b * a.sk_b + hk * a.sk_h;
       const uint16_t *v16 = reinterpret_cast<const uint16_t *>(a.v) + b * a.sv_b + hk * a.sv_h;
-      direct_scores(a, k16, q16 + (i0 + c.r0) * a.sq_t, nr, c, s);
+      direct_scores(a, b, hk, q16 + (i0 + c.r0) * a.sq_t, nr, c, s);
       softmax(as_float32, b, h, i0, c, w);
       direct_pv_bf16(a, v16, s, nr, c, w.o_blk.data() + c.r0 * a.DV, w.alpha.data() + c.r0);
       if (++seen % SUPER == 0) gather();
@@ -789,10 +775,8 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       return;
     }
 #endif
-    if (ops.direct && a.pages)
-      paged_scores(a, b, hk, qh + (i0 + c.r0) * a.sq_t, nr, c, s);
-    else if (ops.direct)
-      direct_scores(a, a.k + b * a.sk_b + hk * a.sk_h, qh + (i0 + c.r0) * a.sq_t, nr, c, s);
+    if (ops.direct)
+      direct_scores(a, b, hk, qh + (i0 + c.r0) * a.sq_t, nr, c, s);
     else
       simd::gemm<false>(s, KC, nr, KC, qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1,
                         ops.kt.chunk(a, b, hk, c.ci), KC, a.D, nullptr);
