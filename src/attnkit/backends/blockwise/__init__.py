@@ -33,6 +33,7 @@ import dataclasses
 
 import torch
 
+from attnkit.backends.blockwise import native
 from attnkit.backends.blockwise.autograd import BlockwiseAttention
 from attnkit.backends.blockwise.engines import plan_call
 from attnkit.backends.blockwise.merge import merge_partials
@@ -195,11 +196,13 @@ NATIVE_MIN_KEYS_MASKED = 512
 
 #: A decode step (at most this many query rows per key/value head) against at least this
 #: many keys goes to blockwise first where the native kernel runs it: it reads the cache in
-#: place and splits it across the threads (split-KV decoding). On a busy shared 2-core AMD
-#: EPYC (rough; AVX-512 + BF16, 1 thread, H=8, H_kv=2): fp32 0.32 ms vs SDPA's 0.76 at 4096 keys and
-#: 2.7 vs 4.0 at 16384 (0.13 vs 0.09 at 1024: left to SDPA); bf16 0.8 vs 5.2 at 4096.
-DECODE_MAX_ROWS = 8
-DECODE_MIN_KEYS = 4096
+#: place and splits it across the threads (split-KV decoding). The bounds are the native
+#: kernel's own (native.DIRECT_ROWS, native.DIRECT_MIN_KEYS: one rule). On a busy shared
+#: 2-core AMD EPYC (rough; AVX-512 + BF16, 1 thread, H=8, H_kv=2): fp32 0.32 ms vs SDPA's
+#: 0.76 at 4096 keys and 2.7 vs 4.0 at 16384 (0.13 vs 0.09 at 1024: left to SDPA); bf16
+#: 0.8 vs 5.2 at 4096.
+DECODE_MAX_ROWS = native.DIRECT_ROWS
+DECODE_MIN_KEYS = native.DIRECT_MIN_KEYS
 
 
 def _decode_step(call: AttentionCall) -> bool:
