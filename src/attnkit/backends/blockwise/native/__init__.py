@@ -146,26 +146,19 @@ def why_not(
         program = score_mod_program(plan)  # (compiled once, by the first call that asks)
         if isinstance(program, str):
             return f"a score_mod not compiled ({program})"
-    if (
-        not paged
-        and _dense(plan)
-        and not calibrate.measuring()
-        and not calibrate.speed().forward_ok
-    ):
-        return _slower("forward", calibrate.speed().forward)
-    if (
-        not paged
-        and _dense(plan)
-        and not calibrate.measuring()  # (the measurement runs the kernel itself)
-        and calibrate.speed().source != calibrate.FORCED
-    ):
-        rows = plan.t * (plan.h // plan.h_kv)  # query rows each kv head's keys serve
-        direct = rows <= DIRECT_ROWS
-        if (direct and plan.s < DIRECT_MIN_KEYS) or (not direct and rows <= FEW_ROWS):
-            return (
-                f"{rows} query rows per key/value head against {plan.s} keys: torch's fused "
-                "kernel is faster for a dense plan this short"
-            )
+    if paged or not _dense(plan) or calibrate.measuring():
+        return None  # (no torch kernel reads pages; the measurement runs the kernel itself)
+    speed = calibrate.speed()  # dense plans: torch's kernel runs them too, where faster
+    if not speed.forward_ok:
+        return _slower("forward", speed.forward)
+    rows = plan.t * (plan.h // plan.h_kv)  # query rows each kv head's keys serve
+    direct = rows <= DIRECT_ROWS
+    short = (direct and plan.s < DIRECT_MIN_KEYS) or (not direct and rows <= FEW_ROWS)
+    if short and speed.source != calibrate.FORCED:
+        return (
+            f"{rows} query rows per key/value head against {plan.s} keys: torch's fused "
+            "kernel is faster for a dense plan this short"
+        )
     return None
 
 
