@@ -200,8 +200,11 @@ def paged_decode(
         return_lse=False,
     )
     lengths = torch.tensor(lens, dtype=torch.int64, device=query.device)
-    # the kernel reads float32 keys in place for up to DECODE_GROUPS query rows a kv head
-    direct = query.dtype == torch.float32 and query.shape[1] // k_pages.shape[1] <= DECODE_GROUPS
+    from attnkit.backends.blockwise import native
+
+    # rows of different lengths: only a decode step (the kernel reads keys and values in
+    # place for up to native.DIRECT_ROWS query rows a kv head, float32 or bf16)
+    direct = query.shape[1] // k_pages.shape[1] <= native.DIRECT_ROWS
     plan, _ = _route(query, k_pages, v_pages, longest, backend, **kwargs)
     if plan is not None and direct:
         out = _native(plan, query, k_pages, v_pages, page_table, key_lens=lengths, **kwargs)
@@ -211,11 +214,6 @@ def paged_decode(
     return attention(
         query, k, v, mask=real[:, None, None], scale=scale, sinks=sinks, backend=backend
     )
-
-
-#: Most query heads per kv head that :func:`paged_decode` sends to the kernel in one call
-#: (it reads keys in place for up to 4 query rows a kv head: ``DIRECT_ROWS`` in the C++).
-DECODE_GROUPS = 4
 
 
 def _check_pages(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:

@@ -569,10 +569,32 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
   }
 }
 
-// A decode step (few query rows per kv head) reads each key once, so packing the keys
-// first would cost as much as the products: its scores are dot products with the keys
-// where they are (direct_scores below; split-KV decoding splits them across threads).
-constexpr int64_t DIRECT_MAX_ROWS = 8;  // query rows per kv head up to which keys stay in place
+// ---------------------------------------------------------------------------------------
+// Decode steps (feature "decode"). A call with few query rows per kv head (DIRECT_ROWS:
+// one query of MHA, or a GQA group, per decode step) reads each key and value once, so
+// packing them first would cost as much as the products: its scores are dot products
+// with the keys where they are (direct_scores) and O += P V reads the values where they
+// are (decode_pv), contiguous or through the page table alike (kv_run), float32 or bf16
+// (converted as read, products and sums in float32). Split-KV decoding cuts the keys of
+// such a call into ranges across the threads (forward_split).
+//
+// The rule for an exactly zero weight, one for every P V of the kernel (decode_pv here,
+// simd::gemm and simd::gemm_bf16 elsewhere): every column in the chunk's range [lo, hi)
+// is multiplied, a weight of 0 included, so a NaN or inf value under a key the mask or
+// the band drops makes the row NaN, as softmax(S) V does in torch. Keys outside the
+// range (past a row's key length, in chunks the band or a block mask leaves out, in
+// pages the table does not reach) are never read.
+//
+// Paged keys arrive in runs of one page: the next run's keys and the current run's
+// values are asked for (prefetch) while the current run's scores are summed, since no
+// hardware prefetcher follows a page table.
+// ---------------------------------------------------------------------------------------
+
+// Query rows per kv head up to which a call is a decode step (paged too: rows of
+// different key lengths, Args.key_lens, are only taken this way).
+constexpr int64_t DIRECT_ROWS = 8;
+
+bool direct_keys(const Args &a) { return a.T * (a.H / a.HKV) <= DIRECT_ROWS; }
 
 inline float as_f32(float x) { return x; }
 inline float as_f32(uint16_t x) {  // bf16: the high half of a float32
@@ -590,61 +612,56 @@ inline vf load_f32(const T *p) {
   }
 }
 
-// o (rows x DV) = alpha o + P V over the chunk's columns [lo, hi), bf16 values where they
-// are (p: the float32 weights, rows of KC).
-void direct_pv_bf16(const Args &a, const uint16_t *vh, const float *p, int64_t rows,
-                    const Chunk &c, float *o, const float *alpha) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float *orow = o + r * a.DV;
-    const vf al = simd::splat(alpha[r]);
-    for (int64_t d = 0; d < a.DV; d += W) simd::store(orow + d, simd::load(orow + d) * al);
-    for (int64_t j = c.lo; j < c.hi; ++j) {
-      const float pj = p[r * KC + j];
-      if (pj == 0.0f) continue;
-      const vf pv = simd::splat(pj);
-      const uint16_t *vr = vh + (c.c0 + j) * a.sv_t;
-      for (int64_t d = 0; d < a.DV; d += W)
-        simd::store(orow + d, simd::load(orow + d) + pv * load_f32(vr + d));
-    }
-  }
+// A hint that the `bytes` at p are read soon (never faults, whatever p is).
+inline void prefetch(const void *p, int64_t bytes) {
+  const char *x = static_cast<const char *>(p);
+  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(x + at);
 }
 
-// Paged decoding (PagedKVCache): where few query rows read each kv head (a decode step),
-// their scores are dot products with the keys read in place through the page table, one
-// key at a time: packing every key first would cost as much as the products themselves.
-constexpr int64_t DIRECT_ROWS = 4;  // most query rows per kv head read this way
+enum Side { KEYS, VALUES };
 
-bool direct_keys(const Args &a) {
-  return a.pages && a.T * (a.H / a.HKV) <= DIRECT_ROWS;
-}
-
-// Keys j .. j + n - 1 of (b, hk) lie at k0 + x * sk_t: returns k0 and sets n, the run up to
-// `end` (paged: up to the end of key j's page; one division a run).
-template <class T>
-const T *key_run(const Args &a, int64_t b, int64_t hk, int64_t j, int64_t end, int64_t &n) {
-  const T *k = static_cast<const T *>(static_cast<const void *>(a.k));
+// Keys (or values) j .. j + n - 1 of (b, hk) lie at x0 + x * sk_t (sv_t): returns x0 and
+// sets n, the run up to `end` (paged: up to the end of key j's page; one division a run).
+template <class T, Side SIDE = KEYS>
+const T *kv_run(const Args &a, int64_t b, int64_t hk, int64_t j, int64_t end, int64_t &n) {
+  const bool keys = SIDE == KEYS;
+  const T *x = static_cast<const T *>(static_cast<const void *>(keys ? a.k : a.v));
+  const int64_t sh = keys ? a.sk_h : a.sv_h, st = keys ? a.sk_t : a.sv_t;
   if (!a.pages) {
     n = end - j;
-    return k + b * a.sk_b + hk * a.sk_h + j * a.sk_t;
+    return x + b * (keys ? a.sk_b : a.sv_b) + hk * sh + j * st;
   }
   const int64_t off = j % a.page_size;
   n = std::min(end - j, a.page_size - off);
-  return k + a.pages[b * a.pages_sb + j / a.page_size] * a.sk_page + hk * a.sk_h + off * a.sk_t;
+  return x + a.pages[b * a.pages_sb + j / a.page_size] * (keys ? a.sk_page : a.sv_page) +
+         hk * sh + off * st;
 }
 
-// A decode step's scores, keys read where they are (contiguous, or through the page
-// table): s (nr rows of KC) = the rows q (stride sq_t) . the chunk's keys [c0 + lo,
-// c0 + hi); the other columns 0 (the softmax drops them). T: float, or uint16_t for bf16
-// (converted as read, products in float32).
+// A decode step's scores: s (nr rows of KC) = the rows q (stride sq_t) . the chunk's keys
+// [c0 + lo, c0 + hi) read where they are; the other columns 0 (the softmax drops them).
+// T: float, or uint16_t for bf16.
 template <class T>
 void direct_scores(const Args &a, int64_t b, int64_t hk, const T *q, int64_t nr,
                    const Chunk &c, float *s) {
   constexpr int U = 4;  // keys at once: independent sums keep the FMA units busy
+  const int64_t krow = a.D * int64_t(sizeof(T)), vrow = a.DV * int64_t(sizeof(T));
+  const int64_t keys = a.key_lens ? a.key_lens[b] : a.S;  // (paged: what the table reaches)
   std::fill(s, s + nr * KC, 0.0f);
   for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi, n = 0; j < end; j += n) {
-    const T *k0 = key_run<T>(a, b, hk, j, end, n);
+    const T *k0 = kv_run<T>(a, b, hk, j, end, n);
+    const T *next = nullptr, *v0 = nullptr;  // paged: the next run's keys, this run's values
+    int64_t n_next = 0, n_v = 0;
+    if (a.pages) {
+      if (j + n < keys) next = kv_run<T>(a, b, hk, j + n, keys, n_next);
+      v0 = kv_run<T, VALUES>(a, b, hk, j, end, n_v);
+    }
     for (int64_t x0 = 0; x0 < n; x0 += U) {
       const int u = int(std::min<int64_t>(U, n - x0));
+      if (a.pages) {
+        for (int x = 0; x < u; ++x) prefetch(v0 + (x0 + x) * a.sv_t, vrow);
+        for (int64_t x = x0; x < std::min<int64_t>(x0 + U, n_next); ++x)
+          prefetch(next + x * a.sk_t, krow);
+      }
       const T *kj[U];
       for (int x = 0; x < U; ++x) kj[x] = k0 + (x0 + std::min(x, u - 1)) * a.sk_t;
       for (int64_t r = 0; r < nr; ++r) {
@@ -666,54 +683,91 @@ void direct_scores(const Args &a, int64_t b, int64_t hk, const T *q, int64_t nr,
   }
 }
 
-// Paged values (PagedKVCache): O += P V over the chunk's columns, one page's run of keys
-// at a time. A row at a time (decode rows, and bf16 values, converted as read): 4 vectors
-// of the row's O kept in registers over all the keys; float32 blocks of rows: simd::gemm
-// per run (the first run applies O's rescale, the others add).
-template <class T>
-void paged_pv_row(const Args &a, int64_t b, int64_t hk, const Chunk &c, const float *p,
-                  float al, float *o) {
-  constexpr int NA = 4;
-  const T *v = static_cast<const T *>(static_cast<const void *>(a.v));
-  for (int64_t d0 = 0; d0 < a.DV; d0 += NA * W) {
-    const int nv = int(std::min<int64_t>(NA, (a.DV - d0) / W));
-    vf acc[NA];
-    for (int x = 0; x < nv; ++x) acc[x] = simd::load(o + d0 + x * W) * simd::splat(al);
-    for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi; j < end;) {
-      const int64_t off = j % a.page_size, n = std::min(end - j, a.page_size - off);
-      const T *vp = v + a.pages[b * a.pages_sb + j / a.page_size] * a.sv_page + hk * a.sv_h +
-                    off * a.sv_t + d0;
-      for (int64_t x0 = 0; x0 < n; ++x0) {
-        const vf pj = simd::splat(p[j + x0 - c.c0]);
-        for (int x = 0; x < nv; ++x) acc[x] += pj * load_f32(vp + x0 * a.sv_t + x * W);
+// decode_pv's register tile: R rows x NA vectors of O (dims d0 ..), over the chunk's
+// columns, values read in runs where they are.
+template <class T, int R, int NA>
+inline void decode_pv_tile(const Args &a, int64_t b, int64_t hk, const Chunk &c,
+                           const float *p, const float *alpha, float *o, int64_t d0) {
+  vf acc[R][NA];
+  for (int r = 0; r < R; ++r) {
+    const vf al = simd::splat(alpha[r]);
+    for (int x = 0; x < NA; ++x) acc[r][x] = simd::load(o + r * a.DV + d0 + x * W) * al;
+  }
+  for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi, n = 0; j < end; j += n) {
+    const T *v0 = kv_run<T, VALUES>(a, b, hk, j, end, n) + d0;
+    const float *pj = p + (j - c.c0);
+    for (int64_t x0 = 0; x0 < n; ++x0) {
+      vf vv[NA];
+      for (int x = 0; x < NA; ++x) vv[x] = load_f32(v0 + x0 * a.sv_t + x * W);
+      for (int r = 0; r < R; ++r) {
+        const vf w = simd::splat(pj[r * KC + x0]);
+        for (int x = 0; x < NA; ++x) acc[r][x] += w * vv[x];
       }
-      j += n;
     }
-    for (int x = 0; x < nv; ++x) simd::store(o + d0 + x * W, acc[x]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < NA; ++x) simd::store(o + r * a.DV + d0 + x * W, acc[r][x]);
+}
+
+// A decode step's O (nr rows x DV) = alpha (.) O + P V over the chunk's columns [lo, hi),
+// p the float32 weights (rows of KC), the values read where they are (contiguous or
+// paged, float32 or bf16): the one P V of every decode step (the rule above).
+template <class T>
+void decode_pv(const Args &a, int64_t b, int64_t hk, const Chunk &c, int64_t nr,
+               const float *p, const float *alpha, float *o) {
+  constexpr int NA = 4;                   // vectors of O a tile keeps
+  constexpr int RB = W == 8 ? 2 : 4;      // rows a tile keeps (AVX2: 16 registers)
+  for (int64_t r0 = 0; r0 < nr; r0 += RB) {
+    const int rn = int(std::min<int64_t>(RB, nr - r0));
+    const float *pr = p + r0 * KC, *al = alpha + r0;
+    float *orow = o + r0 * a.DV;
+    for (int64_t d0 = 0; d0 < a.DV; d0 += NA * W) {
+      const int nv = int(std::min<int64_t>(NA, (a.DV - d0) / W));
+#define ATTNKIT_PV(R, N) decode_pv_tile<T, R, N>(a, b, hk, c, pr, al, orow, d0)
+#define ATTNKIT_PV_ROWS(R)          \
+  switch (nv) {                     \
+    case 4: ATTNKIT_PV(R, 4); break; \
+    case 3: ATTNKIT_PV(R, 3); break; \
+    case 2: ATTNKIT_PV(R, 2); break; \
+    default: ATTNKIT_PV(R, 1);      \
+  }
+      switch (rn) {
+        case 1: ATTNKIT_PV_ROWS(1) break;
+        case 2: ATTNKIT_PV_ROWS(2) break;
+        case 3: if constexpr (RB >= 3) ATTNKIT_PV_ROWS(3) break;
+        default: if constexpr (RB >= 4) ATTNKIT_PV_ROWS(4)
+      }
+#undef ATTNKIT_PV_ROWS
+#undef ATTNKIT_PV
+    }
   }
 }
 
+// One chunk of a decode step (T: float, or uint16_t for bf16): scores, the softmax on
+// float32 weights, P V; q the block's first row.
+// (f32: `a` with dtype DT_F32, what the softmax reads.)
+template <class T>
+void decode_chunk(const Args &a, const Args &f32, int64_t b, int64_t h, int64_t hk, int64_t i0,
+                  const Chunk &c, Scratch &w) {
+  const int64_t nr = c.r1 - c.r0;
+  const T *q = static_cast<const T *>(static_cast<const void *>(a.q)) + b * a.sq_b + h * a.sq_h;
+  float *s = w.s.data() + c.r0 * KC;
+  direct_scores(a, b, hk, q + (i0 + c.r0) * a.sq_t, nr, c, s);
+  softmax(f32, b, h, i0, c, w);  // (bf16 too: float32 weights in s)
+  decode_pv<T>(a, b, hk, c, nr, s, w.alpha.data() + c.r0, w.o_blk.data() + c.r0 * a.DV);
+}
+
+// Paged values of a block of query rows that is no decode step (chunked prefill,
+// float32: bf16 values are packed): O += P V per page's run of keys with simd::gemm (the
+// first run applies O's rescale, the others add).
 void paged_pv(const Args &a, int64_t b, int64_t hk, const Chunk &c, int64_t nr, const float *s,
               Scratch &w) {
-  if (nr == 1 || a.dtype == DT_BF16) {
-    for (int64_t r = 0; r < nr; ++r) {
-      float *o = w.o_blk.data() + (c.r0 + r) * a.DV;
-      if (a.dtype == DT_BF16)
-        paged_pv_row<uint16_t>(a, b, hk, c, s + r * KC, w.alpha[c.r0 + r], o);
-      else
-        paged_pv_row<float>(a, b, hk, c, s + r * KC, w.alpha[c.r0 + r], o);
-    }
-    return;
-  }
   const float *alpha = w.alpha.data() + c.r0;
-  for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi; j < end;) {
-    const int64_t off = j % a.page_size, n = std::min(end - j, a.page_size - off);
-    const float *vp = a.v + a.pages[b * a.pages_sb + j / a.page_size] * a.sv_page +
-                      hk * a.sv_h + off * a.sv_t;
+  for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi, n = 0; j < end; j += n) {
+    const float *vp = kv_run<float, VALUES>(a, b, hk, j, end, n);
     simd::gemm<true>(w.o_blk.data() + c.r0 * a.DV, a.DV, nr, a.DV, s + (j - c.c0), KC, 1, vp,
                      a.sv_t, n, alpha);
     alpha = nullptr;
-    j += n;
   }
 }
 
@@ -740,25 +794,16 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
     std::fill(w.l_blk.begin(), w.l_blk.begin() + rows * W, 0.0f);
   };
   for_each_chunk(a, b, h, i0, i1, cmin, cmax, w.keep.data(), [&](const Chunk &c) {
+    if (ops.direct) {  // a decode step: keys and values read in place
+      if (a.dtype == DT_BF16)
+        decode_chunk<uint16_t>(a, as_float32, b, h, hk, i0, c, w);
+      else
+        decode_chunk<float>(a, a, b, h, hk, i0, c, w);
+      if (++seen % SUPER == 0) gather();
+      return;
+    }
     const int64_t nr = c.r1 - c.r0;
     float *s = w.s.data() + c.r0 * KC;
-    if (ops.direct && a.dtype == DT_BF16 && a.pages) {  // paged bf16 decode: float32 products
-      const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
-      direct_scores(a, b, hk, q16 + (i0 + c.r0) * a.sq_t, nr, c, s);
-      softmax(as_float32, b, h, i0, c, w);
-      paged_pv(a, b, hk, c, nr, s, w);
-      if (++seen % SUPER == 0) gather();
-      return;
-    }
-    if (ops.direct && a.dtype == DT_BF16 && !a.pages) {  // a decode step's bf16: float32 products
-      const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
-      const uint16_t *v16 = reinterpret_cast<const uint16_t *>(a.v) + b * a.sv_b + hk * a.sv_h;
-      direct_scores(a, b, hk, q16 + (i0 + c.r0) * a.sq_t, nr, c, s);
-      softmax(as_float32, b, h, i0, c, w);
-      direct_pv_bf16(a, v16, s, nr, c, w.o_blk.data() + c.r0 * a.DV, w.alpha.data() + c.r0);
-      if (++seen % SUPER == 0) gather();
-      return;
-    }
 #if defined(ATTNKIT_BF16)
     if (a.dtype == DT_BF16) {
       const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
@@ -775,11 +820,8 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       return;
     }
 #endif
-    if (ops.direct)
-      direct_scores(a, b, hk, qh + (i0 + c.r0) * a.sq_t, nr, c, s);
-    else
-      simd::gemm<false>(s, KC, nr, KC, qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1,
-                        ops.kt.chunk(a, b, hk, c.ci), KC, a.D, nullptr);
+    simd::gemm<false>(s, KC, nr, KC, qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1,
+                      ops.kt.chunk(a, b, hk, c.ci), KC, a.D, nullptr);
     softmax(a, b, h, i0, c, w);
     if (a.pages)
       paged_pv(a, b, hk, c, nr, s, w);
@@ -989,7 +1031,7 @@ Code check(const Args &a) {
   if (a.bm_kind && a.bq != a.bm_qb) return BAD_BLOCK_ROWS;
   if (a.dtype != DT_F32 && a.dtype != DT_BF16) return BAD_DTYPE;
   if (a.pages && a.page_size <= 0) return BAD_SHAPE;
-  if (a.key_lens && !direct_keys(a)) return BAD_SHAPE;
+  if (a.key_lens && (!a.pages || !direct_keys(a))) return BAD_SHAPE;
   return OK;
 }
 
@@ -1012,8 +1054,8 @@ Code pack_forward(const Args &a, Operands &ops) {
 #if !defined(ATTNKIT_BF16)
   if (a.dtype == DT_BF16) return BAD_DTYPE;
 #endif
-  // a decode step: keys read in place (paged: through the page table, float32 only)
-  if (a.pages ? direct_keys(a) : a.T * (a.H / a.HKV) <= DIRECT_MAX_ROWS) {
+  // a decode step: keys and values read in place (contiguous or through the page table)
+  if (direct_keys(a)) {
     ops.direct = true;
     ops.kt.chunks = (a.S + KC - 1) / KC;
     return OK;
@@ -1042,6 +1084,7 @@ Code pack_forward(const Args &a, Operands &ops) {
 
 constexpr int64_t SPLIT_ITEMS = 32;        // work items a split call aims at
 constexpr int64_t SPLIT_MIN_CHUNKS = 16;   // key chunks per range at least (1024 keys)
+constexpr int64_t SPLIT_MERGE_ALONE = 1 << 16;  // partial floats merged by the caller alone
 
 int64_t kv_splits(const Args &a, int64_t work, int64_t chunks) {
   int64_t splits = a.kv_splits;
@@ -1066,7 +1109,9 @@ Code forward_split(const Args &a, const Operands &ops, int64_t nq, int64_t split
                   (r + 1) * chunks / splits - 1);
   });
   if (err) return err;
-  return parallel<NoState>(a, rows, [&](NoState &, int64_t row) {
+  Args merge = a;  // few rows (a decode step): merged on this thread, no other woken
+  if (rows * splits * a.DV < SPLIT_MERGE_ALONE) merge.threads = 1;
+  return parallel<NoState>(merge, rows, [&](NoState &, int64_t row) {
     const int64_t b = row / (a.H * a.T), h = (row / a.T) % a.H, i = row % a.T;
     float *o = a.out + b * a.so_b + h * a.so_h + i * a.so_t;
     float m = NEG_INF;
