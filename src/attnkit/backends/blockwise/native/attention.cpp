@@ -585,9 +585,10 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
 // range (past a row's key length, in chunks the band or a block mask leaves out, in
 // pages the table does not reach) are never read.
 //
-// Paged keys arrive in runs of one page: the next run's keys and the current run's
-// values are asked for (prefetch) while the current run's scores are summed, since no
-// hardware prefetcher follows a page table.
+// While a run of keys' scores are summed, the same keys' values are asked for (prefetch),
+// so that P V finds them in cache, and the keys AHEAD on (no hardware prefetcher follows
+// a page table, and on a busy machine not even a contiguous cache is read far enough
+// ahead).
 // ---------------------------------------------------------------------------------------
 
 // Query rows per kv head up to which a call is a decode step (paged too: rows of
@@ -637,6 +638,24 @@ const T *kv_run(const Args &a, int64_t b, int64_t hk, int64_t j, int64_t end, in
          hk * sh + off * st;
 }
 
+// Asks for the keys of (b, hk) AHEAD keys on from those whose scores are being summed,
+// key by key, through the page table where there is one (a division a page).
+constexpr int64_t AHEAD = 32;
+template <class T>
+struct Ahead {
+  const Args &a;
+  int64_t b, hk, j, keys, row_bytes, n = 0;  // the next key asked for; n: left in its run
+  const T *p = nullptr;
+  Ahead(const Args &a_, int64_t b_, int64_t hk_, int64_t j_, int64_t keys_, int64_t row_bytes_)
+      : a(a_), b(b_), hk(hk_), j(j_), keys(keys_), row_bytes(row_bytes_) {}
+  void next(int64_t count) {
+    for (; count > 0 && j < keys; --count, ++j, --n, p += a.sk_t) {
+      if (n == 0) p = kv_run<T>(a, b, hk, j, keys, n);
+      prefetch(p, row_bytes);
+    }
+  }
+};
+
 // A decode step's scores: s (nr rows of KC) = the rows q (stride sq_t) . the chunk's keys
 // [c0 + lo, c0 + hi) read where they are; the other columns 0 (the softmax drops them).
 // T: float, or uint16_t for bf16.
@@ -644,24 +663,19 @@ template <class T>
 void direct_scores(const Args &a, int64_t b, int64_t hk, const T *q, int64_t nr,
                    const Chunk &c, float *s) {
   constexpr int U = 4;  // keys at once: independent sums keep the FMA units busy
+  static_assert(U == 4, "the sums are reduced four at a time (simd::hsum4)");
   const int64_t krow = a.D * int64_t(sizeof(T)), vrow = a.DV * int64_t(sizeof(T));
   const int64_t keys = a.key_lens ? a.key_lens[b] : a.S;  // (paged: what the table reaches)
+  Ahead<T> ahead(a, b, hk, c.c0 + c.lo + AHEAD, keys, krow);
   std::fill(s, s + nr * KC, 0.0f);
   for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi, n = 0; j < end; j += n) {
     const T *k0 = kv_run<T>(a, b, hk, j, end, n);
-    const T *next = nullptr, *v0 = nullptr;  // paged: the next run's keys, this run's values
-    int64_t n_next = 0, n_v = 0;
-    if (a.pages) {
-      if (j + n < keys) next = kv_run<T>(a, b, hk, j + n, keys, n_next);
-      v0 = kv_run<T, VALUES>(a, b, hk, j, end, n_v);
-    }
+    int64_t n_v = 0;
+    const T *v0 = kv_run<T, VALUES>(a, b, hk, j, end, n_v);  // this run's values
     for (int64_t x0 = 0; x0 < n; x0 += U) {
       const int u = int(std::min<int64_t>(U, n - x0));
-      if (a.pages) {
-        for (int x = 0; x < u; ++x) prefetch(v0 + (x0 + x) * a.sv_t, vrow);
-        for (int64_t x = x0; x < std::min<int64_t>(x0 + U, n_next); ++x)
-          prefetch(next + x * a.sk_t, krow);
-      }
+      for (int x = 0; x < u; ++x) prefetch(v0 + (x0 + x) * a.sv_t, vrow);
+      ahead.next(u);
       const T *kj[U];
       for (int x = 0; x < U; ++x) kj[x] = k0 + (x0 + std::min(x, u - 1)) * a.sk_t;
       for (int64_t r = 0; r < nr; ++r) {
@@ -669,14 +683,20 @@ void direct_scores(const Args &a, int64_t b, int64_t hk, const T *q, int64_t nr,
         vf acc[U];
         for (int x = 0; x < U; ++x) acc[x] = simd::splat(0.0f);
         int64_t d = 0;
+#if defined(ATTNKIT_BF16)
+        if constexpr (std::is_same_v<T, uint16_t>)  // bf16 pairs multiplied as they are
+          for (; d + 2 * W <= a.D; d += 2 * W)
+            for (int x = 0; x < U; ++x) acc[x] = simd::dot_bf16(acc[x], qr + d, kj[x] + d);
+#endif
         for (; d + W <= a.D; d += W) {
           const vf qv = load_f32(qr + d);
           for (int x = 0; x < U; ++x) acc[x] += qv * load_f32(kj[x] + d);
         }
+        float dots[U];
+        simd::hsum4(acc, dots);
         for (int x = 0; x < u; ++x) {
-          float dot = simd::hsum(acc[x]);
-          for (int64_t e = d; e < a.D; ++e) dot += as_f32(qr[e]) * as_f32(kj[x][e]);
-          s[r * KC + (j + x0 + x - c.c0)] = dot;
+          for (int64_t e = d; e < a.D; ++e) dots[x] += as_f32(qr[e]) * as_f32(kj[x][e]);
+          s[r * KC + (j + x0 + x - c.c0)] = dots[x];
         }
       }
     }
