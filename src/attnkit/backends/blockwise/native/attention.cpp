@@ -488,9 +488,12 @@ struct Scratch {
   std::vector<float> s, o, o_blk, m, l, l_blk, alpha;
   std::vector<uint8_t> keep;  // a chunk's assembled block-mask rows
   std::vector<uint16_t> p16;  // bf16 calls: the chunk's weights rounded to bf16
-  Scratch(const Args &a)
-      : s(a.bq * KC), o(a.bq * a.DV), o_blk(a.bq * a.DV), m(a.bq), l(a.bq * W),
-        l_blk(a.bq * W), alpha(a.bq), keep(a.bq * KC), p16(a.dtype == DT_BF16 ? a.bq * KC : 0) {}
+  Scratch(const Args &a) : Scratch(a, a.nseq > 0 ? a.bq : std::min(a.bq, a.T)) {}
+  // (rows: the most a block has; a decode step's one row, not bq, is allocated and zeroed
+  // per thread and call)
+  Scratch(const Args &a, int64_t rows)
+      : s(rows * KC), o(rows * a.DV), o_blk(rows * a.DV), m(rows), l(rows * W),
+        l_blk(rows * W), alpha(rows), keep(rows * KC), p16(a.dtype == DT_BF16 ? rows * KC : 0) {}
 };
 
 // What the forward's two products read: keys transposed (float32), or keys and values
