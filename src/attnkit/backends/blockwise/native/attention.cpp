@@ -581,12 +581,13 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
 // (converted as read, products and sums in float32). Split-KV decoding cuts the keys of
 // such a call into ranges across the threads (forward_split).
 //
-// The rule for an exactly zero weight, one for every P V of the kernel (decode_pv here,
-// simd::gemm and simd::gemm_bf16 elsewhere): every column in the chunk's range [lo, hi)
-// is multiplied, a weight of 0 included, so a NaN or inf value under a key the mask or
-// the band drops makes the row NaN, as softmax(S) V does in torch. Keys outside the
-// range (past a row's key length, in chunks the band or a block mask leaves out, in
-// pages the table does not reach) are never read.
+// The rule for a weight of exactly 0, one for every decode step (decode_pv, contiguous or
+// paged, float32 or bf16 values): it is skipped, never multiplied, so a key the mask, the
+// band or a row's key length removes contributes nothing even where its value is NaN or
+// inf (attnkit's "masked means removed": padding in a page full of garbage is safe), and
+// a row every key of which is removed keeps O = 0. Keys no row of the block keeps by the
+// band are not even read. (Longer blocks multiply their packed weights with simd::gemm;
+// there attnkit.attention zeroes the keys a mask removes for every query before the call.)
 //
 // While a run of keys' scores are summed, the same keys' values are asked for (prefetch),
 // so that P V finds them in cache, and the keys AHEAD on (no hardware prefetcher follows
@@ -723,7 +724,9 @@ inline void decode_pv_tile(const Args &a, int64_t b, int64_t hk, const Chunk &c,
       vf vv[NA];
       for (int x = 0; x < NA; ++x) vv[x] = load_f32(v0 + x0 * a.sv_t + x * W);
       for (int r = 0; r < R; ++r) {
-        const vf w = simd::splat(pj[r * KC + x0]);
+        const float pw = pj[r * KC + x0];
+        if (pw == 0.0f) continue;  // the rule above: a removed key's value is never used
+        const vf w = simd::splat(pw);
         for (int x = 0; x < NA; ++x) acc[r][x] += w * vv[x];
       }
     }
