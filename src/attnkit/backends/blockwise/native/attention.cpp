@@ -662,13 +662,15 @@ struct Ahead {
 
 // A decode step's scores: s (nr rows of KC) = the rows q (stride sq_t) . the chunk's keys
 // [c0 + lo, c0 + hi) read where they are; the other columns 0 (the softmax drops them).
-// T: float, or uint16_t for bf16.
-template <class T>
+// T: float, or uint16_t for bf16; DIM: the head size when known at compile time (the
+// common ones: the loops over it unrolled), or 0.
+template <class T, int DIM>
 void direct_scores(const Args &a, int64_t b, int64_t hk, const T *q, int64_t nr,
                    const Chunk &c, float *s) {
   constexpr int U = 4;  // keys at once: independent sums keep the FMA units busy
   static_assert(U == 4, "the sums are reduced four at a time (simd::hsum4)");
-  const int64_t krow = a.D * int64_t(sizeof(T)), vrow = a.DV * int64_t(sizeof(T));
+  const int64_t D = DIM ? DIM : a.D;
+  const int64_t krow = D * int64_t(sizeof(T)), vrow = a.DV * int64_t(sizeof(T));
   const int64_t keys = a.key_lens ? a.key_lens[b] : a.S;  // (paged: what the table reaches)
   Ahead<T> ahead(a, b, hk, c.c0 + c.lo + AHEAD, keys, krow);
   std::fill(s, s + nr * KC, 0.0f);
@@ -689,17 +691,17 @@ void direct_scores(const Args &a, int64_t b, int64_t hk, const T *q, int64_t nr,
         int64_t d = 0;
 #if defined(ATTNKIT_BF16)
         if constexpr (std::is_same_v<T, uint16_t>)  // bf16 pairs multiplied as they are
-          for (; d + 2 * W <= a.D; d += 2 * W)
+          for (; d + 2 * W <= D; d += 2 * W)
             for (int x = 0; x < U; ++x) acc[x] = simd::dot_bf16(acc[x], qr + d, kj[x] + d);
 #endif
-        for (; d + W <= a.D; d += W) {
+        for (; d + W <= D; d += W) {
           const vf qv = load_f32(qr + d);
           for (int x = 0; x < U; ++x) acc[x] += qv * load_f32(kj[x] + d);
         }
         float dots[U];
         simd::hsum4(acc, dots);
         for (int x = 0; x < u; ++x) {
-          for (int64_t e = d; e < a.D; ++e) dots[x] += as_f32(qr[e]) * as_f32(kj[x][e]);
+          for (int64_t e = d; e < D; ++e) dots[x] += as_f32(qr[e]) * as_f32(kj[x][e]);
           s[r * KC + (j + x0 + x - c.c0)] = dots[x];
         }
       }
@@ -778,7 +780,13 @@ void decode_chunk(const Args &a, const Args &f32, int64_t b, int64_t h, int64_t 
   const int64_t nr = c.r1 - c.r0;
   const T *q = static_cast<const T *>(static_cast<const void *>(a.q)) + b * a.sq_b + h * a.sq_h;
   float *s = w.s.data() + c.r0 * KC;
-  direct_scores(a, b, hk, q + (i0 + c.r0) * a.sq_t, nr, c, s);
+  const T *qi = q + (i0 + c.r0) * a.sq_t;
+  if (a.D == 64)
+    direct_scores<T, 64>(a, b, hk, qi, nr, c, s);
+  else if (a.D == 128)
+    direct_scores<T, 128>(a, b, hk, qi, nr, c, s);
+  else
+    direct_scores<T, 0>(a, b, hk, qi, nr, c, s);
   softmax(f32, b, h, i0, c, w);  // (bf16 too: float32 weights in s)
   decode_pv<T>(a, b, hk, c, nr, s, w.alpha.data() + c.r0, w.o_blk.data() + c.r0 * a.DV);
 }
