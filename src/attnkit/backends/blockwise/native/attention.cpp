@@ -626,7 +626,7 @@ inline void prefetch(const void *p, int64_t bytes) {
 enum Side { KEYS, VALUES };
 
 // Keys (or values) j .. j + n - 1 of (b, hk) lie at x0 + x * sk_t (sv_t): returns x0 and
-// sets n, the run up to `end` (paged: up to the end of key j's page; one division a run).
+// sets n, the run up to `end` (paged: up to the end of key j's page).
 template <class T, Side SIDE = KEYS>
 const T *kv_run(const Args &a, int64_t b, int64_t hk, int64_t j, int64_t end, int64_t &n) {
   const bool keys = SIDE == KEYS;
@@ -636,10 +636,16 @@ const T *kv_run(const Args &a, int64_t b, int64_t hk, int64_t j, int64_t end, in
     n = end - j;
     return x + b * (keys ? a.sk_b : a.sv_b) + hk * sh + j * st;
   }
-  const int64_t off = j % a.page_size;
-  n = std::min(end - j, a.page_size - off);
-  return x + a.pages[b * a.pages_sb + j / a.page_size] * (keys ? a.sk_page : a.sv_page) +
-         hk * sh + off * st;
+  const int64_t ps = a.page_size;
+  int64_t page, off;
+  if ((ps & (ps - 1)) == 0) {  // a power of two (the usual page sizes): no division
+    page = j >> __builtin_ctzll(uint64_t(ps)), off = j & (ps - 1);
+  } else {
+    page = j / ps, off = j % ps;
+  }
+  n = std::min(end - j, ps - off);
+  return x + a.pages[b * a.pages_sb + page] * (keys ? a.sk_page : a.sv_page) + hk * sh +
+         off * st;
 }
 
 // Asks for the keys of (b, hk) AHEAD keys on from those whose scores are being summed,
