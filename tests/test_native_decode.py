@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from attnkit import attention
 from attnkit.backends.blockwise import native
@@ -96,6 +98,43 @@ def test_a_paged_decode_step_gives_the_contiguous_bits(
     err_plain = (plain.double() - want).abs().max().item()
     assert (results[0][0].double() - want).abs().max().item() <= 2 * err_plain + eps
     torch.testing.assert_close(results[0][1].double(), want_lse, atol=1e-4, rtol=1e-4)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    h_kv=st.sampled_from([1, 2]),
+    groups=st.integers(1, 8),
+    length=st.integers(1, 2600),
+    page_size=st.sampled_from([1, 3, 16, 17, 64]),
+    d=st.sampled_from([16, 48, 64, 128]),
+    splits=st.sampled_from([0, 1, 5]),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_equals_contiguous_fuzzed(
+    monkeypatch, kernel_calls, dtype, h_kv, groups, length, page_size, d, splits, seed
+):
+    """Any decode step (head sizes the loops unroll and others, pages that cut the runs of
+    4 keys anywhere, split or not): paged gives the contiguous bits, both within flash-attn's
+    rule of float64."""
+    if dtype == torch.bfloat16 and not native.bf16():
+        return
+    monkeypatch.setattr(native, "KV_SPLITS", splits)
+    q, k, v, k_pages, v_pages, table = _case(h_kv, groups, 1, length, d, page_size, dtype, seed)
+    with torch.no_grad():
+        out = attention(q, k, v, backend="blockwise")
+        paged = paged_attention(q, k_pages, v_pages, table, length, causal=False)
+    assert kernel_calls == ["contiguous", "paged"]
+    kernel_calls.clear()
+    assert torch.equal(paged, out)
+    keep = torch.ones(1, length, dtype=torch.bool)
+    want, _ = ref_attention_lse(q, k, v, keep)
+    plain = plain_attention(q, k, v, keep)
+    eps = 2e-6 if dtype == torch.float32 else 2e-2
+    err_plain = (plain.double() - want).abs().max().item()
+    assert (out.double() - want).abs().max().item() <= 2 * err_plain + eps
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
