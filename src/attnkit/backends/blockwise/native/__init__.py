@@ -22,10 +22,12 @@ build compute every product with bf16 products (float32 softmax and sums), forwa
 backward, and are upcast on other builds; float16 is upcast, float64 runs on torch's
 kernel.
 
-A decode step (at most 8 query rows per key/value head) reads the keys and values where
-they are (bf16 ones converted as read, products in float32) instead of packing them, and
-a call with few query blocks splits its keys into ranges merged by their log-sum-exps
-(split-KV decoding; :data:`KV_SPLITS`; docs/serving.md).
+A decode step (at most :data:`DIRECT_ROWS` query rows per key/value head, contiguous or
+paged) reads the keys and values where they are (bf16 ones converted as read, products
+in float32) instead of packing them, skipping every weight of exactly 0 (a key the mask
+removes never reaches the row, NaN or not), and a call with few query blocks splits its
+keys into ranges merged by their log-sum-exps (split-KV decoding; :data:`KV_SPLITS`;
+docs/serving.md).
 """
 
 from __future__ import annotations
@@ -71,8 +73,10 @@ PAGED_ONE_THREAD = 2**20
 #: which is faster there (a 2-core AMD EPYC Zen 5, fp32, d=64, 2 threads, with the LSE:
 #: 32 rows took 1.09-1.29x its time at 2048-32768 keys, as the kernel packs every key for
 #: few products; 64 rows 0.73-0.90x, 128 rows 0.57-0.84x). Up to DIRECT_ROWS rows
-#: (attention.cpp's DIRECT_MAX_ROWS) the kernel reads the keys in place and splits them
+#: (attention.cpp's DIRECT_ROWS) the kernel reads the keys in place and splits them
 #: across the threads, which pays from about DIRECT_MIN_KEYS keys (1.13-1.48x at 2048).
+#: DIRECT_ROWS is the one decode bound of the kernel, contiguous and paged alike (a paged
+#: decode step of rows of different lengths, ``paged_decode``, is taken only this way).
 #: ``ATTNKIT_NATIVE_SPEED=fast`` (the tests) lets the kernel run these too.
 DIRECT_ROWS = 8
 DIRECT_MIN_KEYS = 4096
