@@ -649,7 +649,7 @@ const T *kv_run(const Args &a, int64_t b, int64_t hk, int64_t j, int64_t end, in
 }
 
 // Asks for the keys of (b, hk) AHEAD keys on from those whose scores are being summed,
-// key by key, through the page table where there is one (a division a page).
+// key by key, through the page table where there is one (one lookup a page).
 constexpr int64_t AHEAD = 32;
 template <class T>
 struct Ahead {
