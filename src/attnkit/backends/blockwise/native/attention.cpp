@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -169,12 +170,21 @@ class Pool {
     }
     wake_.notify_all();
     body();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // (varlen) slots no worker has taken yet are withdrawn: the work is done, so a worker
+      // the OS has not scheduled (a busy machine) is not waited for
+      running_ -= slots_;
+      slots_ = 0;
+    }
+    // (decode) a worker still running is on its last item: wait for it spinning a little
+    // before sleeping, so that a short call does not pay this thread's wake-up after it
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(SPIN_US);
+    while (running_.load(std::memory_order_acquire) != 0 &&
+           std::chrono::steady_clock::now() < until)
+      relax();
     std::unique_lock<std::mutex> lock(mu_);
-    // (varlen) slots no worker has taken yet are withdrawn: the work is done, so a worker
-    // the OS has not scheduled (a busy machine) is not waited for
-    running_ -= slots_;
-    slots_ = 0;
-    done_.wait(lock, [this] { return running_ == 0; });
+    done_.wait(lock, [this] { return running_.load(std::memory_order_acquire) == 0; });
     body_ = nullptr;
   }
 
@@ -191,16 +201,28 @@ class Pool {
         body = body_;
       }
       (*body)();
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--running_ == 0) done_.notify_all();
+      if (running_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        std::lock_guard<std::mutex> lock(mu_);  // (the caller may be about to wait)
+        done_.notify_all();
+      }
     }
+  }
+
+  static constexpr int64_t SPIN_US = 50;  // the longest the caller spins for a last item
+  static void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
   }
 
   std::mutex run_mu_, mu_;
   std::condition_variable wake_, done_;
   std::vector<std::thread> workers_;
   const std::function<void()> *body_ = nullptr;
-  int64_t slots_ = 0, running_ = 0, generation_ = 0;
+  int64_t slots_ = 0, generation_ = 0;
+  std::atomic<int64_t> running_{0};  // workers holding a slot (read by the caller's spin)
 };
 
 Pool *g_pool = nullptr;
