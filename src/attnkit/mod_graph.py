@@ -46,6 +46,7 @@ import torch
 from attnkit.block_mask_cache import _state, _Uncacheable  # one way to key a mod's state
 
 __all__ = [
+    "INEXACT_FLOAT_OPS",
     "INPUTS",
     "OPS",
     "ModGraph",
@@ -69,6 +70,8 @@ BINARY = (
 )  # fmt: skip
 TERNARY = ("where",)
 OPS = ("input", "const", "load", *UNARY, *BINARY, *TERNARY)
+#: Float ops whose float32 value generated code may round differently from torch.
+INEXACT_FLOAT_OPS = ("exp", "log", "tanh", "sigmoid", "sin", "cos", "pow", "rsqrt")
 #: Value types of nodes, narrowest first (torch's promotion categories).
 DTYPES = ("bool", "int", "float")
 _INT32 = (-(2**31), 2**31 - 1)
@@ -157,6 +160,22 @@ class ModGraph:
             lines.append(f"%{n} = {node.dtype} {node.op if node.op != 'load' else 'load'} {what}")
         lines.append(f"return %{self.output}")
         return "\n".join(lines)
+
+    def inexact(self) -> str | None:
+        """Why generated code may not round this graph's floats exactly as torch does
+        (None when it will): a float op from :data:`INEXACT_FLOAT_OPS` (vector
+        approximations, two roundings), or a float ``//`` / ``%`` (torch's rounding differs
+        from ``floor(a / b)`` at the edges). A ``mask_mod`` must keep exactly the keys torch
+        keeps, so such a mask is not generated (its block mask stores its tiles)."""
+        for n in self.live():
+            node = self.nodes[n]
+            if node.dtype == "float" and node.op in (*INEXACT_FLOAT_OPS, "floordiv", "mod"):
+                sym = {"floordiv": "//", "mod": "%"}.get(node.op, f"torch.{node.op}")
+                return (
+                    f"a float {sym} (%{n}), whose float32 rounding generated code may not "
+                    "match bit for bit"
+                )
+        return None
 
     # -- ranges ------------------------------------------------------------------------
     def check(self, B: int, H: int, T: int, S: int, q_base: int = 0, k_base: int = 0) -> str | None:

@@ -184,6 +184,27 @@ def _program(plan: TilePlan) -> codegen.CompiledMod | str:
     return codegen.compile_mod(graph, sizes)
 
 
+def mask_program(plan: TilePlan) -> codegen.CompiledMask | str:
+    """The plan's block mask's traced ``mask_mod`` compiled into the kernel's mask test
+    (:func:`.codegen.compile_mask`), or why not: a block mask that stores its tiles
+    (``BlockMask.stored_why``), or a build that failed (the kernel then reads the tiles,
+    evaluated once). Made once per plan (``plan.memo``)."""
+    if "native-mask-mod" not in plan.memo:
+        plan.memo["native-mask-mod"] = _mask_program(plan.block_mask)
+    return plan.memo["native-mask-mod"]
+
+
+def _mask_program(bm) -> codegen.CompiledMask | str:
+    if bm is None:
+        return "no block mask"
+    if bm.mask_graph is None:
+        return f"its partial tiles are stored ({bm.stored_why})"
+    bk, hk = bm.block_kind.shape[:2]
+    off = bm.graph_q_offset
+    sizes = (bk, hk, bm.Q_LEN, bm.KV_LEN, off, 0)
+    return codegen.compile_mask(bm.mask_graph, sizes)
+
+
 def _program_of(plan: TilePlan) -> codegen.CompiledMod | None:
     """The plan's compiled score_mod where the kernel runs one (None: none, or a relative
     bias the kernel reads as a vector)."""
@@ -247,7 +268,15 @@ def _args(plan: TilePlan, q, k, v, out, lse) -> tuple[abi.Args, list[object]]:
     keep_alive: list[object] = []  # what the kernel reads, alive through the call
     bm = plan.block_mask
     if bm is not None and read_block_mask:
-        kind, index, masks = _block_mask_tensors(bm)
+        generated = None if bm.stored else mask_program(plan)
+        if isinstance(generated, codegen.CompiledMask):  # rows made in-tile: no tiles read
+            mask_call = codegen.ModCall(generated, s - 1, bm.graph_q_offset, 0)
+            args.mask_row, args.mask_ctx = generated.row, mask_call.address
+            kind = bm.block_kind.to(torch.int8).contiguous()
+            index = masks = kind  # not read: the kernel reads kinds and calls mask_row
+            keep_alive.append(mask_call)
+        else:  # stored tiles (a generated mask whose code did not build: evaluated once)
+            kind, index, masks = _block_mask_tensors(bm)
         keep_alive += [kind, index, masks]
         args.bm_kind, args.bm_index, args.bm_masks = (
             kind.data_ptr(), index.data_ptr(), masks.data_ptr()
