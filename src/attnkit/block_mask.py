@@ -22,6 +22,7 @@ Indices the ``mask_mod`` receives are absolute positions ``q_idx in [0, Q_LEN)``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -400,8 +401,10 @@ class BlockMask:
         q = ti.view(-1, 1, 1) * qb + torch.arange(qb, device=dev).view(1, -1, 1)  # (p, qb, 1)
         kv = tj.view(-1, 1, 1) * kb + torch.arange(kb, device=dev).view(1, 1, -1)  # (p, 1, kb)
         zero = torch.zeros((), dtype=torch.int64, device=dev)
-        keep = graph.evaluate(None, zero, zero, q + self.graph_q_offset, kv).to(torch.bool)
-        keep = keep.expand(ti.numel(), qb, kb)
+        # rows and keys past the ends: evaluated at the last ones (in range), then dropped
+        q_in, kv_in = q.clamp(max=self.Q_LEN - 1), kv.clamp(max=self.KV_LEN - 1)
+        keep = graph.evaluate(None, zero, zero, q_in + self.graph_q_offset, kv_in)
+        keep = keep.to(torch.bool).expand(ti.numel(), qb, kb)
         return keep & (q < self.Q_LEN) & (kv < self.KV_LEN)
 
     def _assemble(self, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
@@ -469,7 +472,12 @@ def _generated_graph(
     why = graph.inexact() or graph.check(b, h, q_len, kv_len)
     if why is None and any(t.dim() > 6 for t in graph.tensors):
         why = "a captured tensor of more than 6 dimensions"
-    return (None, f"the mask_mod is not generated: {why}") if why else (graph, None)
+    if why:
+        return None, f"the mask_mod is not generated: {why}"
+    # a snapshot of what it reads, as stored tiles would be: a tensor mutated in place
+    # later changes neither the kinds nor the rows the kernel makes
+    tensors = tuple(t.detach().clone() for t in graph.tensors)
+    return dataclasses.replace(graph, tensors=tensors, _int_ranges={}), None
 
 
 class _ShiftedMod:

@@ -46,9 +46,11 @@ __all__ = [
     "available",
     "backward",
     "bf16",
+    "explain_block_mask",
     "forward",
     "forward_paged",
     "isa",
+    "mask_program",
     "score_mod_program",
     "status",
     "why_not",
@@ -194,11 +196,22 @@ def mask_program(plan: TilePlan) -> codegen.CompiledMask | str:
     return plan.memo["native-mask-mod"]
 
 
+def explain_block_mask(plan: TilePlan) -> str:
+    """One line: how the kernel reads the plan's block mask (a band, tiles it makes with
+    the generated mask_mod, or stored tiles, and why)."""
+    if not _band(plan)[2]:
+        return "block mask: read as a band (no tile read)"
+    program = mask_program(plan)
+    if isinstance(program, codegen.CompiledMask):
+        return "block mask: partial tiles made in the kernel (the mask_mod, generated)"
+    return f"block mask: partial tiles stored ({program})"
+
+
 def _mask_program(bm) -> codegen.CompiledMask | str:
     if bm is None:
         return "no block mask"
     if bm.mask_graph is None:
-        return f"its partial tiles are stored ({bm.stored_why})"
+        return str(bm.stored_why)
     bk, hk = bm.block_kind.shape[:2]
     off = bm.graph_q_offset
     sizes = (bk, hk, bm.Q_LEN, bm.KV_LEN, off, 0)
