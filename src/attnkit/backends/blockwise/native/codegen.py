@@ -419,7 +419,7 @@ class _Gen:
         ``h`` read as 0 where the block mask does not depend on them (FlexAttention's
         ``B=None`` / ``H=None``: the mod sees index 0)."""
         out = self.header("attnkit_mask_row", "uint8_t *keep")
-        out[3:3] = [f"  b_ = {'b_' if b_used else '0'}; h_ = {'h_' if h_used else '0'};"]
+        out[3:3] = [f"  {x}_ = 0;" for x, used in (("b", b_used), ("h", h_used)) if not used]
         out += ["  " + s for s in self.values(rows=True, offsets=False)]
         out += self.loop_head()
         out += ["    " + s for s in self.values(rows=False, offsets=False)]
