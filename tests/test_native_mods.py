@@ -506,3 +506,27 @@ def test_generated_code_cross_compiles_for_neon(tmp_path):
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+def test_bench_holds_a_narrower_build_in_a_child(monkeypatch):
+    """The AVX2 row of ``attnkit.bench.mods`` on a wider CPU runs in a child process with
+    torch (and so FlexAttention) held to AVX2 (one home: attnkit.bench.isa_env); a child
+    never starts another, and a failed child is a status line, not a crash."""
+    from attnkit.bench import mods
+
+    seen = {}
+    real_run = subprocess.run
+
+    def fake_run(argv, *args, env=None, **kwargs):
+        if "attnkit.bench.mods" not in argv:  # (machine() asks the system too)
+            return real_run(argv, *args, env=env, **kwargs)
+        seen["argv"], seen["env"] = argv, env
+        return subprocess.CompletedProcess(argv, 1, "", "boom")
+
+    monkeypatch.setattr(mods, "held_env", lambda isa: {"ATEN_CPU_CAPABILITY": isa})
+    monkeypatch.setattr(mods.subprocess, "run", fake_run)
+    result = mods.run(True, 1, flex=True, isas=["avx2"])
+    assert result["builds"]["avx2"] == {"status": "the held-avx2 child process failed: boom"}
+    assert seen["env"]["ATEN_CPU_CAPABILITY"] == "avx2" and seen["env"][mods._CHILD] == "1"
+    assert seen["argv"][1:5] == ["-m", "attnkit.bench.mods", "--isa", "avx2"]
+    assert "--flex" in seen["argv"] and "--quick" in seen["argv"]
