@@ -416,7 +416,9 @@ class BlockMask:
         tiles = (kind == FULL).view(bk, hk, ni, nj, 1, 1).expand(bk, hk, ni, nj, qb, kb).clone()
         sel = idx >= 0
         if bool(sel.any()) and self._partial_masks is None:  # a generated mask: evaluated
-            dense = self._evaluate(i0 * qb, min(i1 * qb, self.Q_LEN), j0 * kb, min(j1 * kb, self.KV_LEN))
+            dense = self._evaluate(
+                i0 * qb, min(i1 * qb, self.Q_LEN), j0 * kb, min(j1 * kb, self.KV_LEN)
+            )
             dense = F.pad(dense, (0, nj * kb - dense.shape[-1], 0, ni * qb - dense.shape[-2]))
             dense = dense.expand(bk, hk, ni * qb, nj * kb).reshape(bk, hk, ni, qb, nj, kb)
             tiles[sel] = dense.permute(0, 1, 2, 4, 3, 5)[sel]
@@ -446,6 +448,7 @@ def _eval_graph(
 ) -> torch.Tensor:
     """A traced mask_mod on rows ``[q0, q1)`` x keys ``[k0, k1)`` with torch ops on
     broadcast index grids (no Python per element): bool ``(b|1, h|1, rows, keys)``."""
+
     def grid(n0: int, n1: int, dim: int) -> torch.Tensor:
         shape = [1, 1, 1, 1]
         shape[dim] = n1 - n0
