@@ -13,6 +13,10 @@ fuzzer of random integer masks, and every fallback keeping its tiles with its re
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +24,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnkit import attention, explain_dispatch
+from attnkit import mod_graph as G
+from attnkit.backends.blockwise.native import codegen
 from attnkit.block_mask import create_block_mask
+from tests.conftest import kernel_isas
 from tests.test_mods_catalogue import CATALOGUE
 
 pytestmark = pytest.mark.usefixtures("one_thread", "isa")
@@ -145,6 +152,28 @@ def test_a_generated_mask_reads_a_snapshot_of_its_tensors():
     _same_bits(_run(q, k, v, gen, g_out), _run(q, k, v, stored, g_out), "snapshot")
 
 
+def _float_mask(b, h, q, kv):
+    """Float ops rounded as torch rounds them: a true division by 3 (not a product with
+    its reciprocal), products and sums (no FMA contraction), sqrt, floor, casts."""
+    x = (q * kv + 1).float() * 0.37
+    u, w = q.float() * 0.1, kv.float() * 0.3
+    thirds = x / 3.0 * 3.0 == x  # a product with 1/3 rounds differently for many x
+    fused = u * w - u * w == 0.0  # an FMA would leave the first product's rounding error
+    return (thirds ^ fused ^ (torch.sqrt(x) < 9.5)) | (torch.floor(u) == torch.floor(w))
+
+
+def test_float_mask_rounds_as_torch():
+    """A mask with float arithmetic is generated, and keeps exactly the stored tiles' keys
+    (the generated code rounds each float op once, as torch does)."""
+    t = 257
+    gen = create_block_mask(_float_mask, None, None, t, t, block_size=64)
+    stored = create_block_mask(_float_mask, None, None, t, t, block_size=64, generated=False)
+    assert not gen.stored
+    q, k, v = _qkv(t, seed=9)
+    g_out = torch.randn(B, HQ, t, D, generator=torch.Generator().manual_seed(9))
+    _same_bits(_run(q, k, v, gen, g_out), _run(q, k, v, stored, g_out), "float mask")
+
+
 def _erf_mask(b, h, q, kv):
     return (torch.erf((q - kv) * 0.1) > -0.5) & ((q * kv) % 5 != 1)  # (not a band)
 
@@ -220,3 +249,30 @@ def test_fuzz_integer_masks(t, block, a, c, m, r, lo, ids):
     q, k, v = _qkv(t, seed=t)
     g_out = torch.randn(B, HQ, t, D, generator=torch.Generator().manual_seed(t))
     _same_bits(_run(q, k, v, gen, g_out), _run(q, k, v, stored, g_out), "fuzz")
+
+
+def test_generated_mask_cross_compiles_for_neon(tmp_path):
+    """A mask row function (int and float ops, bool and int loads, b and h read) compiles
+    for aarch64 NEON (W = 4) with the cross compiler, FMA contraction off."""
+    if os.environ.get("ATTNKIT_NATIVE_ISA") != kernel_isas()[0]:
+        pytest.skip("once per run")
+    gxx = shutil.which("aarch64-linux-gnu-g++")
+    if gxx is None:
+        pytest.skip("needs aarch64-linux-gnu-g++ (Debian: g++-aarch64-linux-gnu)")
+    flags = torch.tensor([True, False] * 45)
+    docs = torch.arange(90) // 10
+
+    def mod(b, h, q, kv):
+        near = (q * 0.5 + kv * 0.25 < 40.0) | (torch.sqrt((q - kv).abs().float()) < 3.0)
+        return near & flags[kv] & (docs[q] == docs[kv]) | ((h + b) % 3 == 1)
+
+    graph = G.trace(mod, "mask")
+    assert codegen.mask_why_not(graph) is None
+    src = tmp_path / "mask.cpp"
+    src.write_text(codegen.mask_source(graph, set(), True, True))
+    run = subprocess.run(
+        [gxx, "-std=c++17", "-O2", "-march=armv8-a", "-ffp-contract=fast", "-fPIC", "-c",
+         "-I", str(Path(codegen.__file__).parent), "-o", str(tmp_path / "mask.o"), str(src)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
