@@ -428,6 +428,7 @@ struct Masker {
   int64_t b, h;
   const float *rel;
   bool keep_direct, plain;
+  bool mod_plain;  // a compiled score_mod on a chunk with nothing else to mask: its output is x
   vi lane;
   uint8_t kbuf[KC], mbuf[KC];
   float fbuf[KC];
@@ -436,8 +437,9 @@ struct Masker {
   Masker(const Args &a_, const Chunk &c_, int64_t b_, int64_t h_) : a(a_), c(c_), b(b_), h(h_) {
     rel = a.rel ? a.rel + h * a.rel_sh : nullptr;
     keep_direct = c.keep && c.keep_col >= 0 && c.keep_col + KC <= c.keep_width;
-    plain = !c.band && !c.keep && !c.gen && !rel && !a.mask && c.lo == 0 && c.hi == KC &&
-            !a.mod_forward;
+    const bool nothing = !c.band && !c.keep && !c.gen && !rel && !a.mask && c.lo == 0 && c.hi == KC;
+    plain = nothing && !a.mod_forward;
+    mod_plain = nothing && a.mod_forward;
     lane = simd::lanes();
   }
 
@@ -457,6 +459,13 @@ struct Masker {
     if (plain) {
 #pragma GCC unroll 16
       for (int vv = 0; vv < NV; ++vv) x[vv] = simd::load(s + W * vv) * scale;
+      return;
+    }
+    if (mod_plain) {  // the mod's row is the row (mod_in kept for backward)
+      for (int vv = 0; vv < NV; ++vv) simd::store(mod_in + W * vv, simd::load(s + W * vv) * scale);
+      a.mod_forward(a.mod_ctx, b, h, i, c.c0, mod_in, mod_out);
+#pragma GCC unroll 16
+      for (int vv = 0; vv < NV; ++vv) x[vv] = simd::load(mod_out + W * vv);
       return;
     }
     int64_t lo = c.lo, hi = c.hi;  // the columns this row keeps by range and band
