@@ -447,14 +447,16 @@ def _eval_graph(
     graph: ModGraph, b: int, h: int, q0: int, q1: int, k0: int, k1: int, device: torch.device
 ) -> torch.Tensor:
     """A traced mask_mod on rows ``[q0, q1)`` x keys ``[k0, k1)`` with torch ops on
-    broadcast index grids (no Python per element): bool ``(b|1, h|1, rows, keys)``."""
+    broadcast index grids (no Python per element): bool ``(b|1, h|1, rows, keys)``. Ints
+    in int32 (a generated mask's graph passed :meth:`ModGraph.check` for its sizes)."""
 
     def grid(n0: int, n1: int, dim: int) -> torch.Tensor:
         shape = [1, 1, 1, 1]
         shape[dim] = n1 - n0
-        return torch.arange(n0, n1, dtype=torch.int64, device=device).view(shape)
+        return torch.arange(n0, n1, dtype=torch.int32, device=device).view(shape)
 
-    out = graph.evaluate(None, grid(0, b, 0), grid(0, h, 1), grid(q0, q1, 2), grid(k0, k1, 3))
+    grids = (grid(0, b, 0), grid(0, h, 1), grid(q0, q1, 2), grid(k0, k1, 3))
+    out = graph.evaluate(None, *grids, int_dtype=torch.int32)
     out = out.to(torch.bool)
     out = out.view((1,) * (4 - out.dim()) + tuple(out.shape))
     return out.expand(out.shape[0], out.shape[1], q1 - q0, k1 - k0)

@@ -230,16 +230,19 @@ class ModGraph:
         h: torch.Tensor,
         q_idx: torch.Tensor,
         kv_idx: torch.Tensor,
+        *,
+        int_dtype: torch.dtype = torch.int64,
     ) -> torch.Tensor:
         """The graph on broadcastable tensors (e.g. index grids ``(b, 1, 1, 1)``, ...), with
         torch ops: the output, differentiable in ``score`` and in the captured tensors.
-        Floats are computed in ``score``'s dtype (float32 for a mask graph)."""
+        Floats are computed in ``score``'s dtype (float32 for a mask graph); ints in
+        ``int_dtype`` (``torch.int32`` only where :meth:`check` proved they fit: faster)."""
         fdt = score.dtype if score is not None else torch.float32
         env = {"score": score, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx}
         vals: list[Any] = []
         for node in self.nodes:
             args = [vals[a] for a in node.args]
-            vals.append(_eval(node, args, env, self.tensors, fdt))
+            vals.append(_eval(node, args, env, self.tensors, fdt, int_dtype))
         return vals[self.output]
 
 
@@ -891,8 +894,9 @@ def _eval(
     env: dict[str, Any],
     tensors: Sequence[torch.Tensor],
     fdt: torch.dtype,
+    idt: torch.dtype = torch.int64,
 ) -> torch.Tensor:
-    want = {"float": fdt, "int": torch.int64, "bool": torch.bool}[node.dtype]
+    want = {"float": fdt, "int": idt, "bool": torch.bool}[node.dtype]
     if node.op == "input":
         return env[node.value]
     if node.op == "const":
