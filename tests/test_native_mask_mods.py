@@ -276,3 +276,23 @@ def test_generated_mask_cross_compiles_for_neon(tmp_path):
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("backend", ["blockwise-tiles", "blockwise-flash", "reference"])
+def test_other_engines_evaluate_a_generated_mask(backend):
+    """The PyTorch-op engines and the dense reference read a generated mask's tiles by
+    evaluating its graph where they ask: the same outputs and gradients as its stored
+    tiles give them (these engines are not bitwise the kernel: compared with themselves)."""
+    if os.environ.get("ATTNKIT_NATIVE_ISA") != kernel_isas()[0]:
+        pytest.skip("once per run: no native build is involved")
+    t = 150
+    gen = create_block_mask(_dilated, B, None, t, t, block_size=32)
+    stored = create_block_mask(_dilated, B, None, t, t, block_size=32, generated=False)
+    q, k, v = _qkv(t, seed=11)
+    g_out = torch.randn(B, HQ, t, D, generator=torch.Generator().manual_seed(11))
+    runs = []
+    for bm in (gen, stored):
+        xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        out = attention(*xs, block_mask=bm, backend=backend)
+        runs.append((out, *torch.autograd.grad((out * g_out).sum(), xs)))
+    _same_bits(runs[0], runs[1], backend)
