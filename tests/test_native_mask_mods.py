@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from attnkit import attention, explain_dispatch
 from attnkit import mod_graph as G
-from attnkit.backends.blockwise.native import codegen
+from attnkit.backends.blockwise.native import mask_codegen
 from attnkit.block_mask import create_block_mask
 from tests.conftest import kernel_isas
 from tests.test_mods_catalogue import CATALOGUE
@@ -267,12 +267,12 @@ def test_generated_mask_cross_compiles_for_neon(tmp_path):
         return near & flags[kv] & (docs[q] == docs[kv]) | ((h + b) % 3 == 1)
 
     graph = G.trace(mod, "mask")
-    assert codegen.mask_why_not(graph) is None
+    assert mask_codegen.mask_why_not(graph) is None
     src = tmp_path / "mask.cpp"
-    src.write_text(codegen.mask_source(graph, set(), True, True))
+    src.write_text(mask_codegen.mask_source(graph, set(), True, True))
     run = subprocess.run(
         [gxx, "-std=c++17", "-O2", "-march=armv8-a", "-ffp-contract=fast", "-fPIC", "-c",
-         "-I", str(Path(codegen.__file__).parent), "-o", str(tmp_path / "mask.o"), str(src)],
+         "-I", str(Path(mask_codegen.__file__).parent), "-o", str(tmp_path / "mask.o"), str(src)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]

@@ -35,7 +35,7 @@ import ctypes
 import torch
 
 from attnkit import mod_graph
-from attnkit.backends.blockwise.native import abi, calibrate, codegen
+from attnkit.backends.blockwise.native import abi, calibrate, codegen, mask_codegen
 from attnkit.backends.blockwise.native.build import library, status, warn_once
 from attnkit.backends.blockwise.plan import Band, TilePlan
 from attnkit.block_mask import PARTIAL
@@ -186,9 +186,9 @@ def _program(plan: TilePlan) -> codegen.CompiledMod | str:
     return codegen.compile_mod(graph, sizes)
 
 
-def mask_program(plan: TilePlan) -> codegen.CompiledMask | str:
+def mask_program(plan: TilePlan) -> mask_codegen.CompiledMask | str:
     """The plan's block mask's traced ``mask_mod`` compiled into the kernel's mask test
-    (:func:`.codegen.compile_mask`), or why not: a block mask that stores its tiles
+    (:func:`.mask_codegen.compile_mask`), or why not: a block mask that stores its tiles
     (``BlockMask.stored_why``), or a build that failed (the kernel then reads the tiles,
     evaluated once). Made once per plan (``plan.memo``)."""
     if "native-mask-mod" not in plan.memo:
@@ -202,12 +202,12 @@ def explain_block_mask(plan: TilePlan) -> str:
     if not _band(plan)[2]:
         return "block mask: read as a band (no tile read)"
     program = mask_program(plan)
-    if isinstance(program, codegen.CompiledMask):
+    if isinstance(program, mask_codegen.CompiledMask):
         return "block mask: partial tiles made in the kernel (the mask_mod, generated)"
     return f"block mask: partial tiles stored ({program})"
 
 
-def _mask_program(bm) -> codegen.CompiledMask | str:
+def _mask_program(bm) -> mask_codegen.CompiledMask | str:
     if bm is None:
         return "no block mask"
     if bm.mask_graph is None:
@@ -215,7 +215,7 @@ def _mask_program(bm) -> codegen.CompiledMask | str:
     bk, hk = bm.block_kind.shape[:2]
     off = bm.graph_q_offset
     sizes = (bk, hk, bm.Q_LEN, bm.KV_LEN, off, 0)
-    return codegen.compile_mask(bm.mask_graph, sizes)
+    return mask_codegen.compile_mask(bm.mask_graph, sizes)
 
 
 def _program_of(plan: TilePlan) -> codegen.CompiledMod | None:
@@ -282,7 +282,7 @@ def _args(plan: TilePlan, q, k, v, out, lse) -> tuple[abi.Args, list[object]]:
     bm = plan.block_mask
     if bm is not None and read_block_mask:
         generated = None if bm.stored else mask_program(plan)
-        if isinstance(generated, codegen.CompiledMask):  # rows made in-tile: no tiles read
+        if isinstance(generated, mask_codegen.CompiledMask):  # rows made in-tile: no tiles read
             mask_call = codegen.ModCall(generated, s - 1, bm.graph_q_offset, 0)
             args.mask_row, args.mask_ctx = generated.row, mask_call.address
             kind = bm.block_kind.to(torch.int8).contiguous()
