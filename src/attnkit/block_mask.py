@@ -22,7 +22,6 @@ Indices the ``mask_mod`` receives are absolute positions ``q_idx in [0, Q_LEN)``
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -32,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkit._validate import check_bool, check_int
+from attnkit.block_mask_graph import evaluate_graph, generated_graph
 from attnkit.mods import eval_mask_mod
 
 if TYPE_CHECKING:  # mod_graph reaches this module through block_mask_cache: no cycle
@@ -434,55 +434,13 @@ class BlockMask:
         if graph is None:  # pragma: no cover - stored tiles are read, not evaluated
             raise ValueError("a BlockMask with stored tiles is not evaluated")
         off = self.graph_q_offset
-        return _eval_graph(graph, bk, hk, q0 + off, q1 + off, k0, k1, self.device)
+        return evaluate_graph(graph, bk, hk, q0 + off, q1 + off, k0, k1, self.device)
 
 
 def _tril_flags(masks: torch.Tensor) -> np.ndarray:
     """Which of the tile masks ``(n, qb, kb)`` are exactly the top-left causal triangle."""
     tri = torch.ones(masks.shape[1:], dtype=torch.bool, device=masks.device).tril()
     return (masks == tri).flatten(1).all(1).cpu().numpy()
-
-
-def _eval_graph(
-    graph: ModGraph, b: int, h: int, q0: int, q1: int, k0: int, k1: int, device: torch.device
-) -> torch.Tensor:
-    """A traced mask_mod on rows ``[q0, q1)`` x keys ``[k0, k1)`` with torch ops on
-    broadcast index grids (no Python per element): bool ``(b|1, h|1, rows, keys)``. Ints
-    in int32 (a generated mask's graph passed :meth:`ModGraph.check` for its sizes)."""
-
-    def grid(n0: int, n1: int, dim: int) -> torch.Tensor:
-        shape = [1, 1, 1, 1]
-        shape[dim] = n1 - n0
-        return torch.arange(n0, n1, dtype=torch.int32, device=device).view(shape)
-
-    grids = (grid(0, b, 0), grid(0, h, 1), grid(q0, q1, 2), grid(k0, k1, 3))
-    out = graph.evaluate(None, *grids, int_dtype=torch.int32)
-    out = out.to(torch.bool)
-    out = out.view((1,) * (4 - out.dim()) + tuple(out.shape))
-    return out.expand(out.shape[0], out.shape[1], q1 - q0, k1 - k0)
-
-
-def _generated_graph(
-    mask_mod: Callable[..., Any], b: int, h: int, q_len: int, kv_len: int, device: torch.device
-) -> tuple[ModGraph | None, str | None]:
-    """``(graph, None)`` where the native kernel can make ``mask_mod``'s partial tiles
-    itself (traced, exact, in range for these sizes), else ``(None, why not)``."""
-    from attnkit import mod_graph  # here: mod_graph imports this module's cache
-
-    if device.type != "cpu":
-        return None, f"a block mask on {device.type} (generated masks run in the CPU kernel)"
-    graph = mod_graph.traced(mask_mod, "mask")
-    if isinstance(graph, mod_graph.Unsupported):
-        return None, f"the mask_mod does not trace ({graph.reason})"
-    why = graph.inexact() or graph.check(b, h, q_len, kv_len)
-    if why is None and any(t.dim() > 6 for t in graph.tensors):
-        why = "a captured tensor of more than 6 dimensions"
-    if why:
-        return None, f"the mask_mod is not generated: {why}"
-    # a snapshot of what it reads, as stored tiles would be: a tensor mutated in place
-    # later changes neither the kinds nor the rows the kernel makes
-    tensors = tuple(t.detach().clone() for t in graph.tensors)
-    return dataclasses.replace(graph, tensors=tensors, _int_ranges={}), None
 
 
 class _ShiftedMod:
@@ -638,7 +596,7 @@ def create_block_mask(
     dev = torch.device("cpu") if device is None else torch.device(device)
     generated = check_bool(generated, "generated")
     graph, why = (
-        _generated_graph(mask_mod, b, h, q_len, kv_len, dev)
+        generated_graph(mask_mod, b, h, q_len, kv_len, dev)
         if generated
         else (None, "create_block_mask(generated=False)")
     )
@@ -652,7 +610,7 @@ def create_block_mask(
         if graph is None:
             dense = eval_mask_mod(mask_mod, b, h, q0, q1, 0, kv_len, dev)  # (b|1, h|1, rows, kv)
         else:
-            dense = _eval_graph(graph, b, h, q0, q1, 0, kv_len, dev)
+            dense = evaluate_graph(graph, b, h, q0, q1, 0, kv_len, dev)
         builder.add_rows(q0, dense)
     return builder.finish(mask_mod, B, H, mask_graph=graph, stored_why=why)
 
