@@ -296,3 +296,16 @@ def test_other_engines_evaluate_a_generated_mask(backend):
         out = attention(*xs, block_mask=bm, backend=backend)
         runs.append((out, *torch.autograd.grad((out * g_out).sum(), xs)))
     _same_bits(runs[0], runs[1], backend)
+
+
+def test_block_mask_bench_measures_both_paths():
+    """``python -m attnkit.bench.block_masks``'s build row at toy size: the generated mask
+    holds no tile (kinds and indices only), the stored one a tile per partial tile."""
+    if os.environ.get("ATTNKIT_NATIVE_ISA") != kernel_isas()[0]:
+        pytest.skip("once per run")
+    from attnkit.bench import block_masks
+
+    row = block_masks.build_row(512, 1)
+    tiles = row["stored"]["partial_tiles"]
+    assert tiles == row["generated"]["partial_tiles"] == 16  # every one of the 4 x 4 tiles
+    assert row["stored"]["bytes"] - row["generated"]["bytes"] == tiles * 128 * 128
