@@ -161,8 +161,14 @@ def explain_call(call: AttentionCall, backend: str) -> list[str]:
     engine = _ENGINE_OF.get(backend)
     if engine is None:
         return []
-    engines = _plan(call, engine).engines
-    return [] if engines is None else engines.explain().splitlines()
+    plan = _plan(call, engine)
+    engines = plan.engines
+    if engines is None:
+        return []
+    lines = engines.explain().splitlines()
+    if plan.block_mask is not None and NATIVE_CPU in (engines.forward, engines.backward):
+        lines.append(native.explain_block_mask(plan))
+    return lines
 
 
 def blockwise_attention(call: AttentionCall) -> BackendResult:

@@ -62,7 +62,7 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int8_t EMPTY = 0, PARTIAL = 1, FULL = 2;  // attnkit.block_mask's kinds
 
 // Bumped whenever Args or Grads change; native/__init__.py checks it and the sizes at load.
-constexpr int64_t ABI_VERSION = 6;
+constexpr int64_t ABI_VERSION = 7;
 
 enum Code : int {
   OK = 0,
@@ -135,6 +135,12 @@ struct Args {
   // With pages, in a decode step (direct_keys): row b attends to its first key_lens[b]
   // keys (sequences of different lengths in one call); null: every row to S.
   const int64_t *key_lens;
+  // -- generated mask tests (feature "compiled mask_mods", native/codegen.py) --
+  // With mask_row set, a block mask's PARTIAL tiles have no stored bool tile (bm_index and
+  // bm_masks unused): mask_row(mask_ctx, b, h, i, c0, keep) writes keep[0..KC) = whether
+  // query i of (b, h) may attend to keys c0 .. c0 + KC (the traced mask_mod, generated).
+  void (*mask_row)(const void *, int64_t, int64_t, int64_t, int64_t, uint8_t *);
+  const void *mask_ctx;
 };
 
 // The gradients' tensors (contiguous: (B, H, T, DV), (B, H, T), (B, H, T, D),
@@ -344,6 +350,7 @@ struct Chunk {
   const uint8_t *keep;  // the block mask's bool tile, or null
   int64_t keep_width;   // its row length (bm_kb, or KC for a chunk's rows assembled)
   int64_t keep_col;     // column of key c0 in that tile (negative: the chunk starts before it)
+  bool gen = false;     // a PARTIAL tile of a generated mask: Args.mask_row gives the rows
 };
 
 // f(chunk) for every chunk with index in [cmin, cmax] that the rows [i0, i1) of (b, h) may
@@ -360,7 +367,8 @@ void for_each_chunk(const Args &a, int64_t b, int64_t h, int64_t i0, int64_t i1,
   const int64_t hi = std::min({keys, i1 - 1 + a.band_hi + 1, (cmax + 1) * KC});
   if (lo >= hi) return;
   // keys [k0, k1), masked by `keep` (rows `width` long, key k0 at column keep_col0) or not
-  auto run = [&](int64_t k0, int64_t k1, const uint8_t *keep, int64_t width, int64_t keep_col0) {
+  auto run = [&](int64_t k0, int64_t k1, const uint8_t *keep, int64_t width, int64_t keep_col0,
+                 bool gen) {
     for (int64_t ci = k0 / KC; ci * KC < k1; ++ci) {
       Chunk c;
       c.ci = ci;
@@ -376,11 +384,12 @@ void for_each_chunk(const Args &a, int64_t b, int64_t h, int64_t i0, int64_t i1,
       c.keep = keep;
       c.keep_width = width;
       c.keep_col = keep_col0 + (c.c0 - k0);
+      c.gen = gen;
       f(c);
     }
   };
   if (!a.bm_kind) {
-    run(lo, hi, nullptr, 0, 0);
+    run(lo, hi, nullptr, 0, 0, false);
     return;
   }
   const int64_t kb = a.bm_kb, at = b * a.bm_sb + h * a.bm_sh + (i0 / a.bm_qb) * a.bm_si;
@@ -391,7 +400,11 @@ void for_each_chunk(const Args &a, int64_t b, int64_t h, int64_t i0, int64_t i1,
     for (int64_t bj = lo / kb; bj * kb < hi; ++bj) {
       if (kind[bj] == EMPTY) continue;
       const int64_t k0 = std::max(lo, bj * kb), k1 = std::min(hi, (bj + 1) * kb);
-      run(k0, k1, kind[bj] == FULL ? nullptr : tile(bj), kb, k0 - bj * kb);
+      if (kind[bj] == PARTIAL && a.mask_row) {  // generated: rows made in the Masker
+        run(k0, k1, nullptr, 0, 0, true);
+        continue;
+      }
+      run(k0, k1, kind[bj] == FULL ? nullptr : tile(bj), kb, k0 - bj * kb, false);
     }
     return;
   }
@@ -404,22 +417,28 @@ void for_each_chunk(const Args &a, int64_t b, int64_t h, int64_t i0, int64_t i1,
     }
     if (!any) continue;
     if (full) {
-      run(k0, k1, nullptr, 0, 0);
+      run(k0, k1, nullptr, 0, 0, false);
       continue;
     }
+    uint8_t gen_row[KC];  // a generated mask's row over the chunk (made at most once a row)
     for (int64_t r = 0; r < rows; ++r) {  // the chunk's row r: key c0 + n at column n
       uint8_t *row = buf + r * KC;
+      bool made = false;
       for (int64_t bj = k0 / kb; bj * kb < k1; ++bj) {
         const int64_t from = std::max(k0, bj * kb), to = std::min(k1, (bj + 1) * kb);
         if (kind[bj] == EMPTY || kind[bj] == FULL) {
           std::fill(row + (from - c0), row + (to - c0), uint8_t(kind[bj] == FULL));
+        } else if (a.mask_row) {
+          if (!made) a.mask_row(a.mask_ctx, b, h, i0 + r, c0, gen_row);
+          made = true;
+          std::copy(gen_row + (from - c0), gen_row + (to - c0), row + (from - c0));
         } else {
           const uint8_t *src = tile(bj) + r * kb - bj * kb;  // key k at src[k]
           std::copy(src + from, src + to, row + (from - c0));
         }
       }
     }
-    run(k0, k1, buf, KC, k0 - c0);
+    run(k0, k1, buf, KC, k0 - c0, false);
   }
 }
 
@@ -431,6 +450,7 @@ struct Masker {
   int64_t b, h;
   const float *rel;
   bool keep_direct, plain;
+  bool mod_plain;  // a compiled score_mod on a chunk with nothing else to mask: its output is x
   vi lane;
   uint8_t kbuf[KC], mbuf[KC];
   float fbuf[KC];
@@ -439,7 +459,9 @@ struct Masker {
   Masker(const Args &a_, const Chunk &c_, int64_t b_, int64_t h_) : a(a_), c(c_), b(b_), h(h_) {
     rel = a.rel ? a.rel + h * a.rel_sh : nullptr;
     keep_direct = c.keep && c.keep_col >= 0 && c.keep_col + KC <= c.keep_width;
-    plain = !c.band && !c.keep && !rel && !a.mask && c.lo == 0 && c.hi == KC && !a.mod_forward;
+    const bool nothing = !c.band && !c.keep && !c.gen && !rel && !a.mask && c.lo == 0 && c.hi == KC;
+    plain = nothing && !a.mod_forward;
+    mod_plain = nothing && a.mod_forward;
     lane = simd::lanes();
   }
 
@@ -461,6 +483,13 @@ struct Masker {
       for (int vv = 0; vv < NV; ++vv) x[vv] = simd::load(s + W * vv) * scale;
       return;
     }
+    if (mod_plain) {  // the mod's row is the row (mod_in kept for backward)
+      for (int vv = 0; vv < NV; ++vv) simd::store(mod_in + W * vv, simd::load(s + W * vv) * scale);
+      a.mod_forward(a.mod_ctx, b, h, i, c.c0, mod_in, mod_out);
+#pragma GCC unroll 16
+      for (int vv = 0; vv < NV; ++vv) x[vv] = simd::load(mod_out + W * vv);
+      return;
+    }
     int64_t lo = c.lo, hi = c.hi;  // the columns this row keeps by range and band
     if (c.band) {
       lo = std::min<int64_t>(KC, std::max<int64_t>(lo, i + a.band_lo - c.c0));
@@ -476,6 +505,10 @@ struct Masker {
           kbuf[j] = (j >= c.lo && j < c.hi) ? tile_row[c.keep_col + j] : 0;
         keep = kbuf;
       }
+    }
+    if (c.gen) {  // a generated mask's tile: the row made here (compiled mask_mods)
+      a.mask_row(a.mask_ctx, b, h, i, c.c0, kbuf);
+      keep = kbuf;
     }
     const uint8_t *mkeep = a.mask_kind == MASK_BOOL ? mask_row<uint8_t>(i, mbuf) : nullptr;
     const float *madd = a.mask_kind == MASK_FLOAT ? mask_row<float>(i, fbuf) : nullptr;
