@@ -13,6 +13,8 @@ or a ``mask_mod`` leave empty are skipped. Read top-down:
   (attnkit's own kernel, :mod:`.native`, forward and backward, where that is built and
   takes the plan, else torch's fused flash kernel), else PyTorch ops (every request,
   any device);
+* :mod:`.plan_cache`: plans of repeated calls (decode steps) kept, keyed by all they
+  depend on;
 * :mod:`.merge`: the one log-sum-exp merge;
 * :mod:`.autograd`: the autograd function (sinks merged in, LSE gradients);
 * :mod:`.segment`: one segment's forward/backward for context parallelism.
@@ -33,7 +35,7 @@ import dataclasses
 
 import torch
 
-from attnkit.backends.blockwise import native
+from attnkit.backends.blockwise import native, plan_cache
 from attnkit.backends.blockwise.autograd import BlockwiseAttention
 from attnkit.backends.blockwise.engines import plan_call
 from attnkit.backends.blockwise.merge import merge_partials
@@ -110,10 +112,17 @@ def _supports(call: AttentionCall) -> str | None:
 
 def _plan(call: AttentionCall, engine: str) -> TilePlan:
     """The call's plan from ``engine`` down the priority list, built once per call (kept in
-    ``call.memo``: ``auto_first`` and the run read the same)."""
+    ``call.memo``: ``auto_first`` and the run read the same) and once per repeated call
+    (:mod:`.plan_cache`: a decode step's plan is reused token after token)."""
     key = ("blockwise", engine)
     if key not in call.memo:
-        call.memo[key] = _new_plan(call, engine)
+        cache_key = plan_cache.key(call, engine)
+        plan = None if cache_key is None else plan_cache.get(cache_key, call)
+        if plan is None:
+            plan = _new_plan(call, engine)
+            if cache_key is not None:
+                plan_cache.put(cache_key, plan)
+        call.memo[key] = plan
     return call.memo[key]
 
 
