@@ -37,6 +37,7 @@ import torch
 
 from attnkit.backends.blockwise import native, plan_cache
 from attnkit.backends.blockwise.autograd import BlockwiseAttention
+from attnkit.backends.blockwise.autograd import forward as blockwise_forward
 from attnkit.backends.blockwise.engines import plan_call
 from attnkit.backends.blockwise.merge import merge_partials
 from attnkit.backends.blockwise.plan import (
@@ -145,11 +146,17 @@ def _new_plan(call: AttentionCall, engine: str) -> TilePlan:
 
 def _run(call: AttentionCall, engine: str) -> BackendResult:
     plan = _plan(call, engine)
-    out, lse = BlockwiseAttention.apply(
-        plan, call.query, call.key, call.value, call.sinks, *_extra(call)
-    )
+    if _wants_grad(call):
+        out, lse = BlockwiseAttention.apply(
+            plan, call.query, call.key, call.value, call.sinks, *_extra(call)
+        )
+    else:  # nothing to record: the same forward without autograd's own cost
+        out, lse = blockwise_forward(plan, call.query, call.key, call.value, call.sinks)
     lead = call.query.shape[:-1]  # (..., h, t)
-    out = out.reshape(*lead, call.value.shape[-1]).to(call.query.dtype)  # (..., h, t, d_v)
+    if out.dim() != len(lead) + 1:
+        out = out.reshape(*lead, call.value.shape[-1])  # (..., h, t, d_v)
+    if out.dtype != call.query.dtype:
+        out = out.to(call.query.dtype)
     weights = None
     if call.need_weights:
         tiles_plan = dataclasses.replace(plan, engine=TORCH_TILES)

@@ -73,7 +73,10 @@ def engine_views(
     acc = acc_dtype(q.dtype) if upcast else q.dtype
 
     def fix(x: torch.Tensor, n: int, lead: int) -> torch.Tensor:
-        x = x.reshape(plan.b, lead, n, x.shape[-1]).to(acc)
+        if x.shape[:-1] != (plan.b, lead, n):  # (no reshape where it is one already)
+            x = x.reshape(plan.b, lead, n, x.shape[-1])
+        if x.dtype != acc:
+            x = x.to(acc)
         return x if x.stride(-1) == 1 else x.contiguous()
 
     return fix(q, plan.t, plan.h), fix(k, plan.s, plan.h_kv), fix(v, plan.s, plan.h_kv)
