@@ -272,8 +272,8 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     layout = toeplitz.layout(plan)
     if layout is None:
         whole = _one_call(plan, q, k, v)
-        if whole is not None:
-            return whole[0].to(acc), whole[1].to(acc)
+        if whole is not None:  # (contiguous, as the buffers of the general path)
+            return whole[0].to(acc).contiguous(), whole[1].to(acc).contiguous()
     if layout == "band":  # writes every row: no need to clear them first
         out = torch.empty(b, h, plan.t, dv, dtype=acc, device=q.device)
         lse = torch.empty((b, h, plan.t), dtype=acc, device=q.device)
