@@ -184,6 +184,7 @@ def test_the_isa_variable_is_seen_at_once(monkeypatch):
     q, k, v = _decode()
     attention(q, k, v, backend="blockwise")
     monkeypatch.setenv("ATTNKIT_NATIVE_ISA", "no-such-isa")
+    monkeypatch.setattr(build, "_warned", set())  # (warned once per process and reason)
     with pytest.warns(RuntimeWarning):
         explained = explain_dispatch(q, k, v, backend="blockwise")
     assert "no-such-isa" in explained
