@@ -567,10 +567,19 @@ struct Operands {
   }
 };
 
+// -- base-2 softmax (feature "kfwd": the forward at peak) --------------------------------
+// The forward's softmax runs in base 2: scores are multiplied by scale * log2(e) once (a
+// plain chunk row: in the same multiply as the scale; masked rows: after the masker), the
+// running max m is kept in those units, weights are 2^(x - m) (simd::exp2, no range
+// reduction multiply) and O's rescale 2^(m_old - m_new); lse = m ln 2 + log l at the end.
+constexpr double LOG2E = 1.4426950408889634, LN2 = 0.6931471805599453;
+
 // Scores -> weights in place (bf16 calls: into w.p16, rounded to bf16), the online softmax
-// state updated (alpha: O's rescale).
+// state updated (alpha: O's rescale; m in base-2 units, see above).
 void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Scratch &w) {
   Masker masker(a, c, b, h);
+  const vf to_base2 = simd::splat(float(LOG2E));
+  const vf scale2 = simd::splat(float(a.scale * LOG2E));
   for (int64_t r = c.r0; r < c.r1; ++r) {
     float *s = w.s.data() + r * KC;
 #if defined(ATTNKIT_BF16)
@@ -585,7 +594,14 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
     auto put = [&](int vv, vf p) { simd::store(s + W * vv, p); };
 #endif
     vf x[NV];
-    masker.row(r, i0 + r, s, x);
+    if (masker.plain) {
+#pragma GCC unroll 16
+      for (int vv = 0; vv < NV; ++vv) x[vv] = simd::load(s + W * vv) * scale2;
+    } else {
+      masker.row(r, i0 + r, s, x);
+#pragma GCC unroll 16
+      for (int vv = 0; vv < NV; ++vv) x[vv] *= to_base2;
+    }
     vf mx = x[0];
 #pragma GCC unroll 16
     for (int vv = 1; vv < NV; ++vv) mx = simd::vmax(mx, x[vv]);
@@ -605,7 +621,7 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
     const vf m = simd::splat(m_new);
 #pragma GCC unroll 16
     for (int vv = 0; vv < NV; ++vv) {
-      const vf p = simd::exp(x[vv] - m);
+      const vf p = simd::exp2(x[vv] - m);
       put(vv, p);
       sum += p;
     }
@@ -616,7 +632,7 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
       continue;
     }
     // the max moved: rescale what was gathered
-    const float alpha = (m_old == NEG_INF) ? 0.0f : std::exp(m_old - m_new);
+    const float alpha = (m_old == NEG_INF) ? 0.0f : std::exp2(m_old - m_new);
     const vf al = simd::splat(alpha);
     float *o = w.o.data() + r * a.DV, *l = w.l.data() + r * W;
     for (int64_t d = 0; d < a.DV; d += W) simd::store(o + d, simd::load(o + d) * al);
@@ -937,7 +953,7 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
     }
     const float l = simd::hsum(simd::load(w.l.data() + r * W)), inv = 1.0f / l;
     for (int64_t d = 0; d < a.DV; ++d) o[d] = w.o[r * a.DV + d] * inv;
-    lse[i0 + r] = w.m[r] + std::log(l);
+    lse[i0 + r] = float(double(w.m[r]) * LN2 + std::log(double(l)));  // (m: base 2)
   }
 }
 
