@@ -209,6 +209,26 @@ inline vf exp2(vf x) {
   return p * (vf)bits;
 }
 
+// -- register tiles at full width (feature "kfwd") ------------------------------------
+// A tile whose rows all keep alpha = 1 (their max did not move: most chunks of a long row)
+// skips the rescale, exactly; and a product's last rows are cut into tiles of nearly equal
+// height (an 8-row rest: 4 + 4, not 6 + 2 of which 4 rows are computed twice and dropped).
+
+// alpha, or null where its first nr entries are all 1.
+inline const float *rescaled(const float *alpha, int nr) {
+  if (!alpha) return nullptr;
+  for (int r = 0; r < nr; ++r)
+    if (alpha[r] != 1.0f) return alpha;
+  return nullptr;
+}
+
+// Rows of the next register tile of a product with `left` rows to go: TILE_R, or where
+// fewer than 2 TILE_R are left, half of them (rounded up), then the rest.
+inline int tile_rows(int64_t left) {
+  if (left >= 2 * TILE_R || left == TILE_R) return TILE_R;
+  return int(left > TILE_R ? (left + 1) / 2 : left);
+}
+
 // C (rows x NC vectors, row stride ldc) = alpha (.) C + A B, or = A B when !ACC, with
 // A(r, k) = a[r * ars + k * aks] and B(k, :) the NC vectors at b + k * ldb, k < kn.
 // Rows past `nr` (< R) are computed on a copy of the last row and not stored.
@@ -218,6 +238,7 @@ inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int
                  const float *b, int64_t ldb, int64_t kn, const float *alpha) {
   vf acc[R][NC];
   const float *ar[R];
+  alpha = ACC ? rescaled(alpha, nr) : nullptr;
   for (int r = 0; r < R; ++r) {
     const int rr = r < nr ? r : nr - 1;
     ar[r] = a + rr * ars;
@@ -244,16 +265,29 @@ inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int
     for (int v = 0; v < NC; ++v) store(c + r * ldc + W * v, acc[r][v]);
 }
 
+// tile() of nr rows: a tile of that height from 3 rows up, below on copies of the last.
+template <int NC, bool ACC>
+inline void tile_n(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int64_t aks,
+                   const float *b, int64_t ldb, int64_t kn, const float *alpha) {
+  if constexpr (TILE_R > 5)
+    if (nr == 5) return tile<5, NC, ACC>(c, ldc, nr, a, ars, aks, b, ldb, kn, alpha);
+  if constexpr (TILE_R > 4)
+    if (nr == 4) return tile<4, NC, ACC>(c, ldc, nr, a, ars, aks, b, ldb, kn, alpha);
+  if constexpr (TILE_R > 3)
+    if (nr == 3) return tile<3, NC, ACC>(c, ldc, nr, a, ars, aks, b, ldb, kn, alpha);
+  tile<TILE_R, NC, ACC>(c, ldc, nr, a, ars, aks, b, ldb, kn, alpha);
+}
+
 // The product above over `rows` rows and `cols` columns (a multiple of W), in register
-// tiles of TILE_R rows x TILE_C vectors.
+// tiles of TILE_R rows x TILE_C vectors (the last ones lower: tile_rows).
 template <bool ACC>
 inline void gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float *a,
                  int64_t ars, int64_t aks, const float *b, int64_t ldb, int64_t kn,
                  const float *alpha) {
   for (int64_t c0 = 0; c0 < cols; c0 += TILE_C * W) {
     const int64_t nv = (cols - c0) / W < TILE_C ? (cols - c0) / W : TILE_C;
-    for (int64_t r0 = 0; r0 < rows; r0 += TILE_R) {
-      const int nr = int(rows - r0 < TILE_R ? rows - r0 : TILE_R);
+    for (int64_t r0 = 0, nr = 0; r0 < rows; r0 += nr) {
+      nr = tile_rows(rows - r0);
       float *cc = c + r0 * ldc + c0;
       const float *aa = a + r0 * ars;
       const float *al = alpha ? alpha + r0 : nullptr;
@@ -261,13 +295,13 @@ inline void gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float 
 #define ATTNKIT_CASE(n)                                                          \
   case n:                                                                        \
     if constexpr (n <= TILE_C)                                                   \
-      tile<TILE_R, n, ACC>(cc, ldc, nr, aa, ars, aks, b + c0, ldb, kn, al);       \
+      tile_n<n, ACC>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al);        \
     break;
         ATTNKIT_CASE(4)
         ATTNKIT_CASE(3)
         ATTNKIT_CASE(2)
         default:
-          tile<TILE_R, 1, ACC>(cc, ldc, nr, aa, ars, aks, b + c0, ldb, kn, al);
+          tile_n<1, ACC>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al);
 #undef ATTNKIT_CASE
       }
     }
