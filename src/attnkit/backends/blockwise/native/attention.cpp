@@ -543,12 +543,15 @@ struct Scratch {
   std::vector<float> s, o, o_blk, m, l, l_blk, alpha;
   std::vector<uint8_t> keep;  // a chunk's assembled block-mask rows
   std::vector<uint16_t> p16;  // bf16 calls: the chunk's weights rounded to bf16
+  std::vector<float> mx;      // (kfwd) each row's max raw score in the chunk
   Scratch(const Args &a) : Scratch(a, a.nseq > 0 ? a.bq : std::min(a.bq, a.T)) {}
   // (rows: the most a block has; a decode step's one row, not bq, is allocated and zeroed
-  // per thread and call)
+  // per thread and call. m, alpha and mx have W more floats: softmax_plain reads and
+  // writes W rows at a time)
   Scratch(const Args &a, int64_t rows)
-      : s(rows * KC), o(rows * a.DV), o_blk(rows * a.DV), m(rows), l(rows * W),
-        l_blk(rows * W), alpha(rows), keep(rows * KC), p16(a.dtype == DT_BF16 ? rows * KC : 0) {}
+      : s(rows * KC), o(rows * a.DV), o_blk(rows * a.DV), m(rows + W), l(rows * W),
+        l_blk(rows * W), alpha(rows + W), keep(rows * KC),
+        p16(a.dtype == DT_BF16 ? rows * KC : 0), mx(rows + W) {}
 };
 
 // What the forward's two products read: keys transposed (float32), or keys and values
@@ -574,10 +577,83 @@ struct Operands {
 // reduction multiply) and O's rescale 2^(m_old - m_new); lse = m ln 2 + log l at the end.
 constexpr double LOG2E = 1.4426950408889634, LN2 = 0.6931471805599453;
 
+// The weights of row r (W at a time): into w.p16 rounded to bf16 on bf16 calls, else in
+// place of the scores.
+struct Weights {
+  float *s;
+  uint16_t *p16 = nullptr;
+  Weights(const Args &a, Scratch &w, int64_t r) : s(w.s.data() + r * KC) {
+#if defined(ATTNKIT_BF16)
+    if (a.dtype == DT_BF16) p16 = w.p16.data() + r * KC;
+#else
+    (void)a;
+#endif
+  }
+  void put(int vv, vf p) const {
+#if defined(ATTNKIT_BF16)
+    if (p16) return simd::store_bf16(p16 + W * vv, p);
+#endif
+    simd::store(s + W * vv, p);
+  }
+};
+
+// The softmax of a chunk that no mask or band touches (scale > 0), with one branch a row
+// (whether its max moved) instead of three: every row's max raw score, then W rows at a
+// time their new max and O's rescale (simd::exp2; 1 where the max stayed), then the
+// weights and sums. False, with nothing of the state changed, where a row's max is -inf
+// or NaN (now or before): softmax() then takes the chunk row by row.
+bool softmax_plain(const Args &a, const Chunk &c, Scratch &w) {
+  float *mx = w.mx.data(), *m = w.m.data(), *alpha = w.alpha.data();
+  for (int64_t r = c.r0; r < c.r1; ++r) {
+    const float *s = w.s.data() + r * KC;
+    vf x = simd::load(s);
+#pragma GCC unroll 16
+    for (int vv = 1; vv < NV; ++vv) x = simd::vmax(x, simd::load(s + W * vv));
+    mx[r] = simd::hmax(x);
+  }
+  const vf scale2 = simd::splat(float(a.scale * LOG2E)), ninf = simd::splat(NEG_INF);
+  const vi lane = simd::lanes();
+  for (int64_t r = c.r0; r < c.r1; r += W) {  // check first: then change the state
+    const vf m_old = simd::load(m + r), m_new = simd::vmax(m_old, simd::load(mx + r) * scale2);
+    const vi odd = ~(m_new > ninf) | (m_old != m_old);  // -inf or NaN
+    const vi active = (lane + int32_t(r)) < int32_t(c.r1);
+    if (simd::any(odd & active)) return false;
+  }
+  for (int64_t r = c.r0; r < c.r1; r += W) {
+    const vf m_old = simd::load(m + r), m_new = simd::vmax(m_old, simd::load(mx + r) * scale2);
+    const vi active = (lane + int32_t(r)) < int32_t(c.r1);
+    simd::store(m + r, simd::select(active, m_new, m_old));
+    simd::store(alpha + r, simd::exp2(m_old - m_new));  // 2^0 = 1 exactly; 2^-inf = 0
+  }
+  for (int64_t r = c.r0; r < c.r1; ++r) {
+    const Weights out(a, w, r);
+    const vf mr = simd::splat(m[r]);
+    vf sum = simd::splat(0.0f);
+#pragma GCC unroll 16
+    for (int vv = 0; vv < NV; ++vv) {
+      const vf p = simd::exp2(simd::load(out.s + W * vv) * scale2 - mr);
+      out.put(vv, p);
+      sum += p;
+    }
+    float *l_blk = w.l_blk.data() + r * W;
+    if (alpha[r] == 1.0f) {
+      simd::store(l_blk, simd::load(l_blk) + sum);
+      continue;
+    }
+    const vf al = simd::splat(alpha[r]);  // the max moved: rescale what was gathered
+    float *o = w.o.data() + r * a.DV, *l = w.l.data() + r * W;
+    for (int64_t d = 0; d < a.DV; d += W) simd::store(o + d, simd::load(o + d) * al);
+    simd::store(l, simd::load(l) * al);
+    simd::store(l_blk, simd::load(l_blk) * al + sum);
+  }
+  return true;
+}
+
 // Scores -> weights in place (bf16 calls: into w.p16, rounded to bf16), the online softmax
 // state updated (alpha: O's rescale; m in base-2 units, see above).
 void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Scratch &w) {
   Masker masker(a, c, b, h);
+  if (masker.plain && a.scale > 0 && softmax_plain(a, c, w)) return;
   const vf to_base2 = simd::splat(float(LOG2E));
   const vf scale2 = simd::splat(float(a.scale * LOG2E));
   for (int64_t r = c.r0; r < c.r1; ++r) {

@@ -156,6 +156,13 @@ inline void hsum4(const vf *v, float *out) {
   vst1q_f32(out, vpaddq_f32(p01, p23));
 #endif
 }
+inline bool any(vi x) {  // some lane nonzero
+  int32_t t[W];
+  std::memcpy(t, &x, sizeof t);
+  int32_t r = 0;
+  for (int l = 0; l < W; ++l) r |= t[l];
+  return r != 0;
+}
 inline bool any_nan(vf x) {
   float t[W];
   store(t, x);
