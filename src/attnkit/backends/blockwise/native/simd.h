@@ -326,6 +326,7 @@ inline void tile_bf16(float *c, int64_t ldc, int nr, const uint16_t *a, int64_t 
                       const uint16_t *b, int64_t ldb, int64_t kp, const float *alpha) {
   __m512 acc[R][NC];
   const uint16_t *ar[R];
+  alpha = ACC ? rescaled(alpha, nr) : nullptr;
   for (int r = 0; r < R; ++r) {
     const int rr = r < nr ? r : nr - 1;
     ar[r] = a + rr * ars;
@@ -355,23 +356,38 @@ inline void tile_bf16(float *c, int64_t ldc, int nr, const uint16_t *a, int64_t 
     for (int v = 0; v < NC; ++v) _mm512_storeu_ps(c + r * ldc + W * v, acc[r][v]);
 }
 
-// tile_bf16 over `rows` rows and `cols` columns (a multiple of W) in register tiles.
+// tile_bf16() of nr rows, as tile_n().
+template <int NC, bool ACC>
+inline void tile_bf16_n(float *c, int64_t ldc, int nr, const uint16_t *a, int64_t ars,
+                        const uint16_t *b, int64_t ldb, int64_t kp, const float *alpha) {
+  if constexpr (TILE_R > 5)
+    if (nr == 5) return tile_bf16<5, NC, ACC>(c, ldc, nr, a, ars, b, ldb, kp, alpha);
+  if constexpr (TILE_R > 4)
+    if (nr == 4) return tile_bf16<4, NC, ACC>(c, ldc, nr, a, ars, b, ldb, kp, alpha);
+  if constexpr (TILE_R > 3)
+    if (nr == 3) return tile_bf16<3, NC, ACC>(c, ldc, nr, a, ars, b, ldb, kp, alpha);
+  tile_bf16<TILE_R, NC, ACC>(c, ldc, nr, a, ars, b, ldb, kp, alpha);
+}
+
+// tile_bf16 over `rows` rows and `cols` columns (a multiple of W) in register tiles (the
+// last ones lower: tile_rows).
 template <bool ACC>
 inline void gemm_bf16(float *c, int64_t ldc, int64_t rows, int64_t cols, const uint16_t *a,
                       int64_t ars, const uint16_t *b, int64_t ldb, int64_t kp,
                       const float *alpha) {
   for (int64_t c0 = 0; c0 < cols; c0 += TILE_C * W) {
     const int64_t nv = (cols - c0) / W < TILE_C ? (cols - c0) / W : TILE_C;
-    for (int64_t r0 = 0; r0 < rows; r0 += TILE_R) {
-      const int nr = int(rows - r0 < TILE_R ? rows - r0 : TILE_R);
+    for (int64_t r0 = 0, nr = 0; r0 < rows; r0 += nr) {
+      nr = tile_rows(rows - r0);
       float *cc = c + r0 * ldc + c0;
       const uint16_t *aa = a + r0 * ars, *bb = b + 2 * c0;
       const float *al = alpha ? alpha + r0 : nullptr;
+      const int n = int(nr);
       switch (nv) {
-        case 4: tile_bf16<TILE_R, 4, ACC>(cc, ldc, nr, aa, ars, bb, ldb, kp, al); break;
-        case 3: tile_bf16<TILE_R, 3, ACC>(cc, ldc, nr, aa, ars, bb, ldb, kp, al); break;
-        case 2: tile_bf16<TILE_R, 2, ACC>(cc, ldc, nr, aa, ars, bb, ldb, kp, al); break;
-        default: tile_bf16<TILE_R, 1, ACC>(cc, ldc, nr, aa, ars, bb, ldb, kp, al);
+        case 4: tile_bf16_n<4, ACC>(cc, ldc, n, aa, ars, bb, ldb, kp, al); break;
+        case 3: tile_bf16_n<3, ACC>(cc, ldc, n, aa, ars, bb, ldb, kp, al); break;
+        case 2: tile_bf16_n<2, ACC>(cc, ldc, n, aa, ars, bb, ldb, kp, al); break;
+        default: tile_bf16_n<1, ACC>(cc, ldc, n, aa, ars, bb, ldb, kp, al);
       }
     }
   }
