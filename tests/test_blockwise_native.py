@@ -138,6 +138,47 @@ def test_large_scores_rescale_exactly(calls):
     assert calls
 
 
+def test_rows_the_fast_softmax_hands_back(calls):
+    """Chunks no mask tensor touches take the kernel's branch-light softmax; a row whose
+    scores in a chunk are all -inf (keys with a -inf coordinate) sends that chunk to the
+    row-by-row path: rows before key 70 are dead, the others keep their finite keys."""
+    q, k, v = _qkv(1, 2, 2, 200, 200, 32, 32, seed=12)
+    q[..., 0] = 1.0  # score = -inf + finite where a key's first coordinate is -inf
+    k[:, :, :70, 0] = float("-inf")
+    out = _check(q, k, v, ref_band_keep(200, 200, "top_left", None), causal="top_left")
+    assert (out[:, :, :70] == 0).all() and torch.isfinite(out).all()
+    assert calls
+
+
+@pytest.mark.parametrize("scale", [-10.0, 0.0])
+def test_the_kernel_takes_a_scale_of_any_sign(scale):
+    """The kernel's fast softmax takes the max of the raw scores, the max of the scaled
+    ones only for scale > 0 (attention() hands it that: a negative scale is folded into
+    q); called with another scale, it runs the row-by-row softmax and matches float64.
+    Scaled scores span 100s, so a max taken the wrong way would overflow the weights."""
+    import ctypes
+
+    from attnkit.backends.blockwise.native import abi
+
+    t, d = 150, 32
+    q, k, v = (x.contiguous() for x in _qkv(1, 1, 1, t, t, d, d, seed=13))
+    out, lse = torch.empty(1, 1, t, d), torch.empty(1, 1, t)
+    args = abi.Args(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        1, 1, 1, t, t, d, d, scale, -t, 0, 128,
+    )  # fmt: skip
+    args.threads, args.kv_splits = 1, 1
+    assert build.library().attnkit_forward(ctypes.byref(args)) == 0
+    keep = ref_band_keep(t, t, "top_left", None)
+    want, want_lse = ref_attention_lse(q, k, v, keep=keep, scale=scale)
+    s = (q @ k.transpose(-1, -2) * scale).masked_fill(~keep, float("-inf"))
+    plain = torch.softmax(s, -1) @ v
+    err = (out.double() - want).abs().max().item()
+    assert err <= 2 * (plain.double() - want).abs().max().item() + EPS[torch.float32]
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-4, rtol=1e-5)
+
+
 def test_half_precision_is_upcast(calls):
     q, k, v = _qkv(1, 2, 2, 150, 150, 32, 32, seed=7, dtype=torch.float16)
     _check(q, k, v, ref_band_keep(150, 150, "top_left", 40), causal="top_left", window=40)

@@ -597,22 +597,40 @@ struct Weights {
   }
 };
 
-// The softmax of a chunk that no mask or band touches (scale > 0), with one branch a row
-// (whether its max moved) instead of three: every row's max raw score, then W rows at a
-// time their new max and O's rescale (simd::exp2; 1 where the max stayed), then the
-// weights and sums. False, with nothing of the state changed, where a row's max is -inf
-// or NaN (now or before): softmax() then takes the chunk row by row.
-bool softmax_plain(const Args &a, const Chunk &c, Scratch &w) {
+// The softmax of a chunk that no mask touches (BAND: where the band or the keys' range
+// drops some columns; scale > 0), with one branch a row (whether its max moved) instead
+// of three: every row's max raw score, then W rows at a time their new max and O's
+// rescale (simd::exp2; 1 where the max stayed), then the weights and sums. False, with
+// nothing of the state changed, where a row's max is -inf or NaN (now or before):
+// softmax() then takes the chunk row by row.
+template <bool BAND>
+bool softmax_plain(const Args &a, const Chunk &c, int64_t i0, Scratch &w) {
   float *mx = w.mx.data(), *m = w.m.data(), *alpha = w.alpha.data();
-  for (int64_t r = c.r0; r < c.r1; ++r) {
-    const float *s = w.s.data() + r * KC;
-    vf x = simd::load(s);
-#pragma GCC unroll 16
-    for (int vv = 1; vv < NV; ++vv) x = simd::vmax(x, simd::load(s + W * vv));
-    mx[r] = simd::hmax(x);
-  }
   const vf scale2 = simd::splat(float(a.scale * LOG2E)), ninf = simd::splat(NEG_INF);
   const vi lane = simd::lanes();
+  auto kept = [&](int64_t r, int64_t &lo, int64_t &hi) {  // the row's columns [lo, hi)
+    lo = c.lo, hi = c.hi;
+    if (!c.band) return;
+    const int64_t i = i0 + r;
+    lo = std::min<int64_t>(KC, std::max<int64_t>(lo, i + a.band_lo - c.c0));
+    hi = std::max<int64_t>(0, std::min<int64_t>(hi, i + a.band_hi - c.c0 + 1));
+  };
+  for (int64_t r = c.r0; r < c.r1; ++r) {
+    const float *s = w.s.data() + r * KC;
+    int64_t lo = 0, hi = KC;
+    if (BAND) kept(r, lo, hi);
+    vf x = ninf;
+#pragma GCC unroll 16
+    for (int vv = 0; vv < NV; ++vv) {
+      vf sv = simd::load(s + W * vv);
+      if (BAND) {
+        const vi col = lane + int32_t(W * vv);
+        sv = simd::select((col < int32_t(lo)) | (col >= int32_t(hi)), ninf, sv);
+      }
+      x = simd::vmax(x, sv);
+    }
+    mx[r] = simd::hmax(x);
+  }
   for (int64_t r = c.r0; r < c.r1; r += W) {  // check first: then change the state
     const vf m_old = simd::load(m + r), m_new = simd::vmax(m_old, simd::load(mx + r) * scale2);
     const vi odd = ~(m_new > ninf) | (m_old != m_old);  // -inf or NaN
@@ -627,11 +645,18 @@ bool softmax_plain(const Args &a, const Chunk &c, Scratch &w) {
   }
   for (int64_t r = c.r0; r < c.r1; ++r) {
     const Weights out(a, w, r);
+    int64_t lo = 0, hi = KC;
+    if (BAND) kept(r, lo, hi);
     const vf mr = simd::splat(m[r]);
     vf sum = simd::splat(0.0f);
 #pragma GCC unroll 16
     for (int vv = 0; vv < NV; ++vv) {
-      const vf p = simd::exp2(simd::load(out.s + W * vv) * scale2 - mr);
+      vf x = simd::load(out.s + W * vv) * scale2;
+      if (BAND) {
+        const vi col = lane + int32_t(W * vv);
+        x = simd::select((col < int32_t(lo)) | (col >= int32_t(hi)), ninf, x);
+      }
+      const vf p = simd::exp2(x - mr);  // (0 where dropped)
       out.put(vv, p);
       sum += p;
     }
@@ -653,7 +678,9 @@ bool softmax_plain(const Args &a, const Chunk &c, Scratch &w) {
 // state updated (alpha: O's rescale; m in base-2 units, see above).
 void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Scratch &w) {
   Masker masker(a, c, b, h);
-  if (masker.plain && a.scale > 0 && softmax_plain(a, c, w)) return;
+  if (a.scale > 0 && !c.keep && !masker.rel && !a.mask && !a.mod_forward &&
+      (masker.plain ? softmax_plain<false>(a, c, i0, w) : softmax_plain<true>(a, c, i0, w)))
+    return;
   const vf to_base2 = simd::splat(float(LOG2E));
   const vf scale2 = simd::splat(float(a.scale * LOG2E));
   for (int64_t r = c.r0; r < c.r1; ++r) {
