@@ -651,12 +651,12 @@ bool softmax_plain(const Args &a, const Chunk &c, int64_t i0, Scratch &w) {
     vf sum = simd::splat(0.0f);
 #pragma GCC unroll 16
     for (int vv = 0; vv < NV; ++vv) {
-      vf x = simd::load(out.s + W * vv) * scale2;
+      vf x = simd::load(out.s + W * vv) * scale2 - mr;  // (one FMA)
       if (BAND) {
         const vi col = lane + int32_t(W * vv);
         x = simd::select((col < int32_t(lo)) | (col >= int32_t(hi)), ninf, x);
       }
-      const vf p = simd::exp2(x - mr);  // (0 where dropped)
+      const vf p = simd::exp2(x);  // (0 where dropped)
       out.put(vv, p);
       sum += p;
     }
@@ -1364,8 +1364,10 @@ Code forward_call(const Args &a) {
   const int64_t nq = (a.T + a.bq - 1) / a.bq;  // query blocks per (batch, head)
   const int64_t splits = kv_splits(a, a.B * a.H * nq, ops.chunks());
   if (splits > 1) return forward_split(a, ops, nq, splits);
+  // (kfwd) a head's last query blocks first: under a causal band they see the most keys,
+  // so the threads end on the cheapest items, not one on the dearest
   return parallel<Scratch>(a, a.B * a.H * nq, [&](Scratch &w, int64_t it) {
-    const int64_t qi = it % nq, bh = it / nq;
+    const int64_t qi = nq - 1 - it % nq, bh = it / nq;
     const int64_t i0 = qi * a.bq, i1 = std::min(a.T, i0 + a.bq);
     forward_block(a, ops, bh / a.H, bh % a.H, i0, i1, w, 0, ops.chunks() - 1);
   });
