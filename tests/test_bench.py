@@ -91,3 +91,22 @@ def test_machine_peak_and_the_kernel_report(tmp_path):
     for needle in ("## avx2", "| 1 thread | 50.0 | 20.0 |", "| native/sdpa fwd | 0.70 |",
                    "worst auto / fastest: 1.01", "## neon", "cannot run the neon build"):  # fmt: skip
         assert needle in text, needle
+
+
+def test_native_ab_times_two_sources_on_the_same_call(capsys):
+    """The A/B bench builds the kernel from each source directory and times the same call
+    on each: the same source twice gives the same bits and a positive FLOP rate; bad
+    sizes are a one-line usage error (exit 2)."""
+    from attnkit.backends.blockwise import native
+    from attnkit.backends.blockwise.native import build
+    from attnkit.bench import native_ab
+
+    if not native.available():
+        pytest.skip(f"no native kernel: {native.status()}")
+    here = build.SOURCE.parent
+    rows = native_ab.compare([here, here], build.selected_isa(), t=200, threads=1, reps=2)
+    assert rows[0]["vs_first"] == 1.0 and len(rows) == 2
+    assert all(r["same_bits_as_first"] and r["gflops"] > 0 for r in rows)
+    with pytest.raises(SystemExit) as err:
+        native_ab.main([str(here), "--t", "0"])
+    assert err.value.code == 2 and "--t" in capsys.readouterr().err
