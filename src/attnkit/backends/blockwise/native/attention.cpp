@@ -678,7 +678,9 @@ bool softmax_plain(const Args &a, const Chunk &c, int64_t i0, Scratch &w) {
 // state updated (alpha: O's rescale; m in base-2 units, see above).
 void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Scratch &w) {
   Masker masker(a, c, b, h);
-  if (a.scale > 0 && !c.keep && !masker.rel && !a.mask && !a.mod_forward &&
+  // only the band and the keys' range cut the chunk (no mask of any kind, bias or mod)
+  const bool band_only = !c.keep && !c.gen && !masker.rel && !a.mask && !a.mod_forward;
+  if (a.scale > 0 && band_only &&
       (masker.plain ? softmax_plain<false>(a, c, i0, w) : softmax_plain<true>(a, c, i0, w)))
     return;
   const vf to_base2 = simd::splat(float(LOG2E));
