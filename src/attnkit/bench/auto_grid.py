@@ -145,7 +145,6 @@ def grid(
     useful FLOP rate as a share of ``peak_gflops`` (fp32 rows; the kept (query, key) pairs
     only: 4 d FLOPs each forward, 2.5x that more backward)."""
     rows = []
-    b, h, d = SHAPE
     for pattern in PATTERNS:
         for t in sizes:
             for dtype_name in dtypes:

@@ -28,7 +28,8 @@ import torch
 
 from attnkit import attention, explain_dispatch
 from attnkit.backends.blockwise.native import build
-from attnkit.bench.native_kernel import _best, _env
+from attnkit.bench.auto_grid import env
+from attnkit.bench.native_kernel import _best
 
 SHAPE = (1, 4, 64)  # (b, h, d)
 #: Goals of issue 21: mod / plain causal.
@@ -110,7 +111,7 @@ def run(quick: bool, reps: int, flex: bool = False) -> dict:
     t = 512 if quick else 4096
     result: dict = {"machine": machine(peaks=False), "t": t, "builds": {}}
     for isa in build.host_isas():
-        with _env(ATTNKIT_NATIVE_ISA=isa, ATTNKIT_NATIVE_SPEED=None):
+        with env(ATTNKIT_NATIVE_ISA=isa, ATTNKIT_NATIVE_SPEED=None):
             if build.library() is None:
                 result["builds"][isa] = {"status": build.status()}
                 continue

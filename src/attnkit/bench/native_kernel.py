@@ -48,7 +48,9 @@ from attnkit.bench.timing import interleaved, spread
 MIN_SAMPLE = 0.03
 
 
-def _best(fns: dict[str, Callable[[], object]], reps: int, min_sample: float) -> dict[str, float]:
+def _best(
+    fns: dict[str, Callable[[], object]], reps: int, min_sample: float = 0.0
+) -> dict[str, float]:
     """Median seconds per call of each closure (:func:`~attnkit.bench.timing.interleaved`)."""
     return {name: spread(ts)[0] for name, ts in interleaved(fns, reps, min_sample).items()}
 

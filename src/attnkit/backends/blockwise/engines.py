@@ -86,12 +86,12 @@ def choose(
         # products, other half precision upcast to float32, float32/float64 as they are
         bf16 = dtype == torch.bfloat16 and native.bf16()
         view = dtype if dtype in (torch.float32, torch.float64) or bf16 else torch.float32
-        why = native.why_not(plan, view, d, d_v)
+        why = native.why_not(plan, view, d, d_v, call_dtype=dtype)
         if why is None:
             forward = NATIVE_CPU
         else:
             passed.append(("forward", NATIVE_CPU, why))
-        why = native.why_not_backward(plan, view, d, d_v, extra)
+        why = native.why_not_backward(plan, view, d, d_v, extra, call_dtype=dtype)
         if why is None:
             backward = NATIVE_CPU
         else:

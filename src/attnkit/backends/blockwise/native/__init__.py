@@ -110,7 +110,13 @@ def available() -> bool:
 
 
 def why_not(
-    plan: TilePlan, dtype: torch.dtype, d: int, d_v: int, *, paged: bool = False
+    plan: TilePlan,
+    dtype: torch.dtype,
+    d: int,
+    d_v: int,
+    *,
+    paged: bool = False,
+    call_dtype: torch.dtype | None = None,
 ) -> str | None:
     """Why the kernel cannot run this fused plan (CPU tensors) on the engine's views of
     ``dtype`` (None when it can): it takes float32 (bf16 on an avx512-bf16 build), value
@@ -118,7 +124,9 @@ def why_not(
     relative bias, and any ``score_mod`` that compiles (:func:`score_mod_program`), not
     under ``torch.compile``. Asked once per call, by :mod:`..engines` (and by
     :mod:`attnkit.paged_attention` with ``paged``: no torch kernel reads paged keys, so the
-    speed measured against torch's does not apply)."""
+    speed measured against torch's does not apply). ``call_dtype``: the dtype of the call's
+    own tensors (default ``dtype``), whose measured speed (:func:`.calibrate.speed`)
+    decides dense plans."""
     if dtype not in (torch.float32, torch.bfloat16):
         return "the native kernel runs float32 (and bf16) tensors"
     if dtype == torch.bfloat16 and not bf16():
@@ -148,7 +156,7 @@ def why_not(
             return f"a score_mod not compiled ({program})"
     if paged or not _dense(plan) or calibrate.measuring():
         return None  # (no torch kernel reads pages; the measurement runs the kernel itself)
-    speed = calibrate.speed()  # dense plans: torch's kernel runs them too, where faster
+    speed = calibrate.speed(call_dtype or dtype)  # dense plans: torch's runs them too
     if not speed.forward_ok:
         return _slower("forward", speed.forward)
     rows = plan.t * (plan.h // plan.h_kv)  # query rows each kv head's keys serve
@@ -205,8 +213,8 @@ def _dense(plan: TilePlan) -> bool:
 
 def _slower(direction: str, ratio: float) -> str:
     return (
-        f"slower than torch's kernel on this machine for dense {direction} plans "
-        f"({ratio:.2f}x, measured once: see native.calibrate)"
+        f"slower than torch's kernel on this machine for dense {direction} plans, or within "
+        f"{calibrate.TIE:.0%} of it ({ratio:.2f}x, measured once: see native.calibrate)"
     )
 
 
@@ -344,7 +352,13 @@ def forward_paged(
 
 
 def why_not_backward(
-    plan: TilePlan, dtype: torch.dtype, d: int, d_v: int, extra: tuple
+    plan: TilePlan,
+    dtype: torch.dtype,
+    d: int,
+    d_v: int,
+    extra: tuple,
+    *,
+    call_dtype: torch.dtype | None = None,
 ) -> str | None:
     """Why :func:`backward` cannot run (None when it can): as :func:`why_not` (float32
     views: the backward upcasts), with head sizes a multiple of 16, and a ``score_mod``
@@ -362,10 +376,11 @@ def why_not_backward(
             )
     if d % 16:
         return "the native backward needs query heads a multiple of 16 wide"
-    why = why_not(plan, dtype, d, d_v)
+    why = why_not(plan, dtype, d, d_v, call_dtype=call_dtype)
     dense = why is None and _dense(plan) and not calibrate.measuring()
-    if dense and not calibrate.speed().backward_ok:
-        return _slower("forward+backward", calibrate.speed().backward)
+    speed = calibrate.speed(call_dtype or dtype) if dense else None
+    if speed is not None and not speed.backward_ok:
+        return _slower("forward+backward", speed.backward)
     return why
 
 

@@ -2,25 +2,36 @@
 
 A kernel that is fast on one CPU can be slow on another (its AVX2 build ran 15x slower
 than torch's on a Zen 3 before the kernel was made portable), so ``"auto"`` never trusts
-a speed it has not seen here. On first use, each build times itself against
+a speed it has not seen here. On first use for a dtype, each build times itself against
 :func:`torch.nn.functional.scaled_dot_product_attention` on one dense causal case
-(B=1, H=4, T=1024, d=64, float32, this process's thread count), forward and
-forward+backward, medians of interleaved runs, and keeps the two ratios
-(:class:`Speed`). They are cached as JSON beside the build (same private directory, keyed
-by the library, torch's version and the thread count), so the decision is made once per
-machine and is the same in every later process.
+(B=1, H=4, T=1024, d=64, in that dtype, this process's thread count), forward and
+forward+backward, and keeps the two ratios (:class:`Speed`).
 
-Where the ratio is above 1, the native kernel does not run dense plans (no mask or block
-mask beyond causal): the fused engine takes torch's kernel there, and ``"auto"`` keeps
-sdpa first; masked and sparse plans still run natively, where skipping tiles is what
-makes it fast. ``ATTNKIT_NATIVE_SPEED=fast|slow`` skips the measurement (tests, or a
-user who knows better).
+The measurement is made to be the same in every run on one machine: each sample repeats
+a call until it lasts at least :data:`MIN_SAMPLE` seconds (one 3 ms call is mostly the
+noise of the clock and the scheduler), native and torch alternate in :data:`REPS` pairs,
+and the ratio kept is the median of the pairs' ratios. A ratio within :data:`TIE` of 1
+(the two within 3%) counts as a tie, which torch's kernel takes: a wrong call there costs
+at most 3%, while a noisy "faster" could cost more.
+
+The ratios are cached as JSON beside the build (same private directory, keyed by the
+library, torch's version, the vector code torch's own kernels run
+(``torch.backends.cpu.get_cpu_capability()``: ``ATEN_CPU_CAPABILITY`` changes it), the
+thread count and the dtype), so the decision is made once per machine and is the same
+in every later process.
+
+Where the ratio is above 1, the native kernel does not run dense plans of that dtype (no
+mask or block mask beyond causal, no score_mod): the fused engine takes torch's kernel
+there, and ``"auto"`` keeps sdpa first; masked and sparse plans still run natively, where
+skipping tiles is what makes it fast. ``ATTNKIT_NATIVE_SPEED=fast|slow`` skips the
+measurement (tests, or a user who knows better).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import statistics
 import threading
@@ -34,9 +45,14 @@ from attnkit.backends.blockwise.native import build
 
 __all__ = ["Speed", "speed"]
 
-#: The measured case: (batch, heads, tokens, head size), causal, float32.
+#: The measured case: (batch, heads, tokens, head size), causal.
 CASE = (1, 4, 1024, 64)
-REPS = 5
+#: Timed (native, torch) pairs per direction; their median ratio is kept.
+REPS = 7
+#: Seconds each timed sample lasts at least (a call is repeated until it does).
+MIN_SAMPLE = 0.02
+#: Ratios up to 1 + TIE are ties; torch's kernel keeps those.
+TIE = 0.03
 
 _lock = threading.Lock()
 _cache: dict[tuple, Speed] = {}
@@ -53,11 +69,13 @@ class Speed:
 
     @property
     def forward_ok(self) -> bool:
-        return self.forward <= 1.0
+        """Whether the native kernel runs dense forward plans (measurably faster)."""
+        return self.forward <= 1.0 - TIE
 
     @property
     def backward_ok(self) -> bool:
-        return self.backward <= 1.0
+        """Whether the native kernel runs dense forward+backward plans."""
+        return self.backward <= 1.0 - TIE
 
 
 #: ``Speed.source`` when ``ATTNKIT_NATIVE_SPEED`` decides instead of a measurement.
@@ -69,30 +87,39 @@ def measuring() -> bool:
     return getattr(_measuring, "on", False)
 
 
-def speed() -> Speed:
-    """This machine's :class:`Speed` for the loaded build (measured on first use)."""
+def speed(dtype: torch.dtype = torch.float32) -> Speed:
+    """This machine's :class:`Speed` for the loaded build on calls of ``dtype`` (each
+    dtype measured on its first use: torch's bf16 kernel and ours differ from fp32 in
+    other ways on each CPU)."""
     forced = os.environ.get("ATTNKIT_NATIVE_SPEED")
     if forced in ("fast", "slow"):
         ratio = 0.5 if forced == "fast" else 2.0
         return Speed(ratio, ratio, FORCED)
-    key = (build.status(), torch.__version__, torch.get_num_threads())
+    key = (
+        build.status(),
+        torch.__version__,
+        torch.get_num_threads(),
+        str(torch.backends.cpu.get_cpu_capability()),
+        str(dtype).removeprefix("torch."),
+    )
     with _lock:
         if key not in _cache:
-            _cache[key] = _load_or_measure(key)
+            _cache[key] = _load_or_measure(key, dtype)
     return _cache[key]
 
 
 def _cache_file(key: tuple) -> Path | None:
     """Beside the loaded library in the (private) cache directory; None for a private
     temporary build, whose measurement is kept for this process only."""
-    _, version, threads = key
+    _, version, threads, capability, dtype = key
     library = build.library_file()
     if library is None or build._private_dir(library.parent) is not None:
         return None
-    return library.with_name(f"{library.stem}.speed-torch{version}-{threads}t.json")
+    name = f"{library.stem}.speed-torch{version}-{capability.lower()}-{threads}t-{dtype}.json"
+    return library.with_name(name)
 
 
-def _load_or_measure(key: tuple) -> Speed:
+def _load_or_measure(key: tuple, dtype: torch.dtype) -> Speed:
     path = _cache_file(key)
     if path is not None:
         try:
@@ -100,27 +127,45 @@ def _load_or_measure(key: tuple) -> Speed:
             return Speed(float(data["forward"]), float(data["backward"]), "cached")
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    measured = _measure()
+    measured = _measure(dtype)
     if path is not None and measured.source == "measured":  # a failure is not kept
         with contextlib.suppress(OSError):
             build._write_atomic(path, json.dumps(asdict(measured)))
     return measured
 
 
+def _repeats(fn) -> int:
+    """How many calls of ``fn`` in a row last at least :data:`MIN_SAMPLE` (after a warm-up)."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return max(1, math.ceil(MIN_SAMPLE / max(time.perf_counter() - t0, 1e-7)))
+
+
+def _sample(fn, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
 def _median_ratio(native, torch_fn) -> float:
-    native(), torch_fn()  # warm up
+    """Median over :data:`REPS` pairs of native's time over torch's, each sample at least
+    :data:`MIN_SAMPLE` long; the pair's order alternates (neither always runs first)."""
+    n_native, n_torch = _repeats(native), _repeats(torch_fn)
     ratios = []
-    for _ in range(REPS):
-        t0 = time.perf_counter()
-        native()
-        t1 = time.perf_counter()
-        torch_fn()
-        t2 = time.perf_counter()
-        ratios.append((t1 - t0) / max(t2 - t1, 1e-9))
+    for i in range(REPS):
+        if i % 2:
+            theirs = _sample(torch_fn, n_torch)
+            ours = _sample(native, n_native)
+        else:
+            ours = _sample(native, n_native)
+            theirs = _sample(torch_fn, n_torch)
+        ratios.append(ours / max(theirs, 1e-9))
     return statistics.median(ratios)
 
 
-def _measure() -> Speed:
+def _measure(dtype: torch.dtype = torch.float32) -> Speed:
     """Time the case; a measurement that fails for any reason counts as "slower" (torch's
     kernel keeps dense plans), never as an error in the call that triggered it."""
     _measuring.on = True
@@ -128,7 +173,7 @@ def _measure() -> Speed:
         # The first dense call may come from inside no_grad() or inference_mode(): measure
         # in a context of our own, with gradients on for the backward.
         with torch.inference_mode(False), torch.enable_grad():
-            forward, backward = _time_case()
+            forward, backward = _time_case(dtype)
     except Exception as err:  # any failure: the safe answer, and why
         return Speed(2.0, 2.0, f"measurement failed ({type(err).__name__}: {err})")
     finally:
@@ -136,12 +181,12 @@ def _measure() -> Speed:
     return Speed(round(forward, 3), round(backward, 3), "measured")
 
 
-def _time_case() -> tuple[float, float]:
+def _time_case(dtype: torch.dtype = torch.float32) -> tuple[float, float]:
     from attnkit.attention import attention  # (the core imports the backends)
 
     b, h, t, d = CASE
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(b, h, t, d, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(b, h, t, d, generator=g).to(dtype) for _ in range(3))
     sdpa = torch.nn.functional.scaled_dot_product_attention
     with torch.no_grad():
         forward = _median_ratio(
