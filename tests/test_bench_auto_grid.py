@@ -47,9 +47,7 @@ def test_the_grid_reports_ratio_spread_and_what_auto_ran():
     assert len(rows) == len(auto_grid.PATTERNS) * 2 * 2
     for r in rows:
         assert r["fastest"] in ("sdpa", "blockwise", "blockwise-flash")
-        assert r["seconds"][r["fastest"]] == min(
-            s for n, s in r["seconds"].items() if n != "auto"
-        )
+        assert r["seconds"][r["fastest"]] == min(s for n, s in r["seconds"].items() if n != "auto")
         q1, q3 = r["auto/fastest quartiles"]
         assert 0 < q1 <= r["auto/fastest"] <= q3
         assert set(r["ran"]) == set(auto_grid.BACKENDS) and r["ran"]["sdpa"] == "sdpa"
@@ -108,3 +106,19 @@ def test_an_isa_this_cpu_cannot_run_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_:
         native_kernel.main(["--quick", "--isa", "sparc"])
     assert exit_.value.code == 2 and "sparc" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_quick_bench_of_a_held_build_runs_for_real():
+    """The whole --quick path of a build narrower than torch's kernels, child included
+    (the faked child and the grid test above cover the same pieces in the default tier)."""
+    from attnkit.backends.blockwise.native import build
+
+    isa = next((i for i in build.host_isas() if isa_env.held_env(i) is not None), None)
+    if isa is None:
+        pytest.skip("no build narrower than torch's kernels on this CPU")
+    result = native_kernel.run(quick=True, reps=1, isas=[isa])
+    rows = result["builds"][isa]
+    assert rows["torch"].lower() == isa, rows.get("status")
+    assert len(rows["grid"]) == len(auto_grid.PATTERNS) * 2 * 2 * 2
+    assert f"## {isa}" in native_kernel.markdown(result)
