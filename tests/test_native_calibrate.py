@@ -58,14 +58,14 @@ def test_measured_once_then_cached(uncalibrated):
 
 def test_the_speed_file_sits_beside_its_build(monkeypatch, tmp_path):
     """Keyed by the library (so by ISA and source), torch's version, the vector code of
-    torch's own kernels, the threads and the dtype."""
+    torch's own kernels, the threads, the dtype and the measured length."""
     monkeypatch.setattr(build, "_state", {})
     monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
-    key = (build.status(), torch.__version__, 3, "AVX2", "bfloat16")
+    key = (build.status(), torch.__version__, 3, "AVX2", "bfloat16", 4096)
     path = calibrate._cache_file(key)
     assert path is not None and path.parent == tmp_path
     assert path.name.startswith(f"attention-{build.selected_isa()}-") and path.name.endswith(
-        f"torch{torch.__version__}-avx2-3t-bfloat16.json"
+        f"torch{torch.__version__}-avx2-3t-bfloat16-T4096.json"
     )
 
 
@@ -73,7 +73,7 @@ def test_a_failed_measurement_is_slower_and_not_kept(uncalibrated, monkeypatch):
     def broken():
         raise RuntimeError("no clock")
 
-    monkeypatch.setattr(calibrate, "_time_case", lambda dtype: broken())
+    monkeypatch.setattr(calibrate, "_time_case", lambda dtype, t: broken())
     speed = calibrate.speed()
     assert not speed.forward_ok and not speed.backward_ok
     assert "measurement failed" in speed.source and "no clock" in speed.source
@@ -88,7 +88,7 @@ def test_a_failed_measurement_is_slower_and_not_kept(uncalibrated, monkeypatch):
 @pytest.mark.parametrize("forced, ok", [("fast", True), ("slow", False)])
 def test_a_forced_speed_skips_the_measurement(uncalibrated, monkeypatch, forced, ok):
     monkeypatch.setenv("ATTNKIT_NATIVE_SPEED", forced)
-    monkeypatch.setattr(calibrate, "_time_case", lambda dtype: pytest.fail("measured"))
+    monkeypatch.setattr(calibrate, "_time_case", lambda dtype, t: pytest.fail("measured"))
     speed = calibrate.speed()
     assert speed.forward_ok is ok and speed.source == "ATTNKIT_NATIVE_SPEED"
 
@@ -109,7 +109,7 @@ def test_short_dense_plans_go_to_torch_by_measured_speed(
     if not native.available():
         pytest.skip(native.status())
     monkeypatch.setattr(
-        calibrate, "speed", lambda dtype=None: calibrate.Speed(0.5, 0.5, "measured")
+        calibrate, "speed", lambda dtype=None, keys=None: calibrate.Speed(0.5, 0.5, "measured")
     )
     q = torch.randn(1, 2 * groups, rows, 64)
     k = torch.randn(1, 2, keys, 64)
@@ -121,7 +121,9 @@ def test_short_dense_plans_go_to_torch_by_measured_speed(
         masked = explain_dispatch(q, k, k, window=64, return_lse=True, backend="blockwise")
         assert "forward: native_cpu" in masked  # nothing else runs a window this fast
     monkeypatch.setattr(
-        calibrate, "speed", lambda dtype=None: calibrate.Speed(0.5, 0.5, calibrate.FORCED)
+        calibrate,
+        "speed",
+        lambda dtype=None, keys=None: calibrate.Speed(0.5, 0.5, calibrate.FORCED),
     )
     text = explain_dispatch(q, k, k, return_lse=True, backend="blockwise")
     assert "forward: native_cpu" in text
@@ -132,7 +134,7 @@ def test_each_dtype_is_measured_in_that_dtype_and_kept_apart(uncalibrated, monke
     is decided by a bf16 measurement, made once, cached apart from the fp32 one."""
     measured: list[torch.dtype] = []
 
-    def fake(dtype):
+    def fake(dtype, t):
         measured.append(dtype)
         return (0.5, 0.6) if dtype == torch.float32 else (1.4, 1.5)
 
@@ -144,7 +146,7 @@ def test_each_dtype_is_measured_in_that_dtype_and_kept_apart(uncalibrated, monke
     assert fp32.forward_ok and not bf16.forward_ok and not bf16.backward_ok
     assert calibrate.speed(torch.bfloat16) is bf16 and calibrate.speed() is fp32
     assert measured == [torch.float32, torch.bfloat16]  # once each
-    assert sorted(key[-1] for key in files) == ["bfloat16", "float32"]
+    assert sorted(key[-2] for key in files) == ["bfloat16", "float32"]
 
 
 def test_a_bf16_call_follows_the_bf16_measurement(monkeypatch):
@@ -153,7 +155,7 @@ def test_a_bf16_call_follows_the_bf16_measurement(monkeypatch):
 
     asked: list[torch.dtype] = []
 
-    def fake(dtype=torch.float32):
+    def fake(dtype=torch.float32, keys=None):
         asked.append(dtype)
         ratio = 0.5 if dtype == torch.float32 else 1.5
         return calibrate.Speed(ratio, ratio, "measured")
@@ -201,3 +203,47 @@ def test_the_ratio_is_the_median_of_long_paired_samples(monkeypatch):
     ratio = calibrate._median_ratio(native_fn, torch_fn)
     assert ratio == pytest.approx(2.0)
     assert calls == {"native": 2 + 5 * 5, "torch": 2 + 5 * 10}  # warm-up, then 10 ms samples
+
+
+def test_long_dense_calls_follow_a_measurement_at_long_length(uncalibrated, monkeypatch):
+    """Which kernel wins can change with the length: up to twice CASE's tokens the short
+    measurement decides, above it one at LONG_TOKENS, made on the first such call."""
+    lengths: list[int] = []
+
+    def fake(dtype, t):
+        lengths.append(t)
+        return (1.2, 1.1) if t == 256 else (0.6, 0.5)
+
+    monkeypatch.setattr(calibrate, "_time_case", fake)
+    monkeypatch.setattr(calibrate, "LONG_TOKENS", 1024)
+    monkeypatch.setattr(calibrate, "_cache_file", lambda key: None)
+    short, edge, long = (calibrate.speed(torch.float32, keys) for keys in (100, 512, 513))
+    assert short is edge and (short.tokens, short.forward_ok) == (256, False)
+    assert (long.tokens, long.forward, long.backward_ok) == (1024, 0.6, True)
+    assert calibrate.speed() is short and lengths == [256, 1024]
+
+
+@pytest.mark.parametrize(("forward", "backward"), [(1.5, 0.5), (0.5, 1.5)])
+def test_a_gradient_call_is_judged_by_its_forward_plus_backward(monkeypatch, forward, backward):
+    """A call that records a backward costs its forward and its backward: its dense plan
+    runs natively where the measured forward+backward is faster (even if the forward
+    alone is not), and on torch's kernel where it is not (even if the forward alone is).
+    A call without gradients follows the forward's measurement."""
+    from attnkit import explain_dispatch
+
+    monkeypatch.setattr(
+        calibrate, "speed", lambda dtype=None, keys=None: calibrate.Speed(forward, backward, "x")
+    )
+    q = torch.randn(1, 2, 512, 64)
+    with torch.no_grad():
+        text = explain_dispatch(q, q, q, causal=True, backend="blockwise")
+    assert ("forward: native_cpu" in text) == (forward < 1), text
+    qg = q.clone().requires_grad_()
+    text = explain_dispatch(qg, qg, qg, causal=True, backend="blockwise")
+    lines = text.splitlines()
+    assert ("forward: native_cpu" in lines) == (backward < 1), text
+    assert ("backward: native_cpu" in lines) == (backward < 1), text
+    if backward > 1:
+        assert "forward+backward plans" in text
+    auto = explain_dispatch(qg, qg, qg, causal=True)
+    assert auto.splitlines()[0] == ("backend: blockwise" if backward < 1 else "backend: sdpa")

@@ -47,6 +47,11 @@ __all__ = ["Speed", "speed"]
 
 #: The measured case: (batch, heads, tokens, head size), causal.
 CASE = (1, 4, 1024, 64)
+#: Dense plans of more than twice CASE's tokens are decided by a second measurement at
+#: this many tokens (made on the first such call): which kernel is faster can change with
+#: the length (bf16 forward+backward on an avx512-bf16 build: 1.09x SDPA's time at 1024
+#: tokens, 0.63x at 4096).
+LONG_TOKENS = 4096
 #: Timed (native, torch) pairs per direction; their median ratio is kept.
 REPS = 7
 #: Seconds each timed sample lasts at least (a call is repeated until it does).
@@ -66,6 +71,7 @@ class Speed:
     forward: float
     backward: float  # forward + backward
     source: str  # "measured", "cached", "ATTNKIT_NATIVE_SPEED" or "measurement failed (...)"
+    tokens: int = 0  # the measured length (0: none measured)
 
     @property
     def forward_ok(self) -> bool:
@@ -87,47 +93,54 @@ def measuring() -> bool:
     return getattr(_measuring, "on", False)
 
 
-def speed(dtype: torch.dtype = torch.float32) -> Speed:
-    """This machine's :class:`Speed` for the loaded build on calls of ``dtype`` (each
-    dtype measured on its first use: torch's bf16 kernel and ours differ from fp32 in
-    other ways on each CPU)."""
+def speed(dtype: torch.dtype = torch.float32, keys: int | None = None) -> Speed:
+    """This machine's :class:`Speed` for the loaded build on dense calls of ``dtype``
+    against ``keys`` keys (each dtype and length class measured on its first use: torch's
+    bf16 kernel and ours differ from fp32 in other ways on each CPU, and long calls from
+    short ones). Up to twice :data:`CASE`'s tokens (or ``keys=None``) the measurement at
+    CASE's length decides, above it the one at :data:`LONG_TOKENS`."""
     forced = os.environ.get("ATTNKIT_NATIVE_SPEED")
     if forced in ("fast", "slow"):
         ratio = 0.5 if forced == "fast" else 2.0
         return Speed(ratio, ratio, FORCED)
+    tokens = CASE[2] if keys is None or keys <= 2 * CASE[2] else LONG_TOKENS
     key = (
         build.status(),
         torch.__version__,
         torch.get_num_threads(),
         str(torch.backends.cpu.get_cpu_capability()),
         str(dtype).removeprefix("torch."),
+        tokens,
     )
     with _lock:
         if key not in _cache:
-            _cache[key] = _load_or_measure(key, dtype)
+            _cache[key] = _load_or_measure(key, dtype, tokens)
     return _cache[key]
 
 
 def _cache_file(key: tuple) -> Path | None:
     """Beside the loaded library in the (private) cache directory; None for a private
     temporary build, whose measurement is kept for this process only."""
-    _, version, threads, capability, dtype = key
+    _, version, threads, capability, dtype, tokens = key
     library = build.library_file()
     if library is None or build._private_dir(library.parent) is not None:
         return None
-    name = f"{library.stem}.speed-torch{version}-{capability.lower()}-{threads}t-{dtype}.json"
+    name = (
+        f"{library.stem}.speed-torch{version}-{capability.lower()}-{threads}t-{dtype}"
+        f"-T{tokens}.json"
+    )
     return library.with_name(name)
 
 
-def _load_or_measure(key: tuple, dtype: torch.dtype) -> Speed:
+def _load_or_measure(key: tuple, dtype: torch.dtype, tokens: int) -> Speed:
     path = _cache_file(key)
     if path is not None:
         try:
             data = json.loads(path.read_text())
-            return Speed(float(data["forward"]), float(data["backward"]), "cached")
+            return Speed(float(data["forward"]), float(data["backward"]), "cached", tokens)
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    measured = _measure(dtype)
+    measured = _measure(dtype, tokens)
     if path is not None and measured.source == "measured":  # a failure is not kept
         with contextlib.suppress(OSError):
             build._write_atomic(path, json.dumps(asdict(measured)))
@@ -165,7 +178,7 @@ def _median_ratio(native, torch_fn) -> float:
     return statistics.median(ratios)
 
 
-def _measure(dtype: torch.dtype = torch.float32) -> Speed:
+def _measure(dtype: torch.dtype = torch.float32, tokens: int | None = None) -> Speed:
     """Time the case; a measurement that fails for any reason counts as "slower" (torch's
     kernel keeps dense plans), never as an error in the call that triggered it."""
     _measuring.on = True
@@ -173,18 +186,19 @@ def _measure(dtype: torch.dtype = torch.float32) -> Speed:
         # The first dense call may come from inside no_grad() or inference_mode(): measure
         # in a context of our own, with gradients on for the backward.
         with torch.inference_mode(False), torch.enable_grad():
-            forward, backward = _time_case(dtype)
+            forward, backward = _time_case(dtype, tokens or CASE[2])
     except Exception as err:  # any failure: the safe answer, and why
-        return Speed(2.0, 2.0, f"measurement failed ({type(err).__name__}: {err})")
+        return Speed(2.0, 2.0, f"measurement failed ({type(err).__name__}: {err})", tokens or 0)
     finally:
         _measuring.on = False
-    return Speed(round(forward, 3), round(backward, 3), "measured")
+    return Speed(round(forward, 3), round(backward, 3), "measured", tokens or CASE[2])
 
 
-def _time_case(dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+def _time_case(dtype: torch.dtype = torch.float32, t: int | None = None) -> tuple[float, float]:
     from attnkit.attention import attention  # (the core imports the backends)
 
-    b, h, t, d = CASE
+    b, h, t_case, d = CASE
+    t = t or t_case
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, h, t, d, generator=g).to(dtype) for _ in range(3))
     sdpa = torch.nn.functional.scaled_dot_product_attention
