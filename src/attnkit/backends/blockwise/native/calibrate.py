@@ -5,7 +5,10 @@ than torch's on a Zen 3 before the kernel was made portable), so ``"auto"`` neve
 a speed it has not seen here. On first use for a dtype, each build times itself against
 :func:`torch.nn.functional.scaled_dot_product_attention` on one dense causal case
 (B=1, H=4, T=1024, d=64, in that dtype, this process's thread count), forward and
-forward+backward, and keeps the two ratios (:class:`Speed`).
+forward+backward, and keeps the two ratios (:class:`Speed`). Dense calls against more
+than 2048 keys are decided by a second such measurement at :data:`LONG_TOKENS`, made on
+the first of them. A call that records a backward is judged by the forward+backward
+ratio (its whole cost), one without by the forward's.
 
 The measurement is made to be the same in every run on one machine: each sample repeats
 a call until it lasts at least :data:`MIN_SAMPLE` seconds (one 3 ms call is mostly the
@@ -17,10 +20,11 @@ at most 3%, while a noisy "faster" could cost more.
 The ratios are cached as JSON beside the build (same private directory, keyed by the
 library, torch's version, the vector code torch's own kernels run
 (``torch.backends.cpu.get_cpu_capability()``: ``ATEN_CPU_CAPABILITY`` changes it), the
-thread count and the dtype), so the decision is made once per machine and is the same
-in every later process.
+thread count, the dtype and the measured length), so the decision is made once per
+machine and is the same in every later process.
 
-Where the ratio is above 1, the native kernel does not run dense plans of that dtype (no
+Where the ratio is not below 1 - TIE, the native kernel does not run dense plans of that
+dtype and length class (no
 mask or block mask beyond causal, no score_mod): the fused engine takes torch's kernel
 there, and ``"auto"`` keeps sdpa first; masked and sparse plans still run natively, where
 skipping tiles is what makes it fast. ``ATTNKIT_NATIVE_SPEED=fast|slow`` skips the
@@ -50,7 +54,7 @@ CASE = (1, 4, 1024, 64)
 #: Dense plans of more than twice CASE's tokens are decided by a second measurement at
 #: this many tokens (made on the first such call): which kernel is faster can change with
 #: the length (bf16 forward+backward on an avx512-bf16 build: 1.09x SDPA's time at 1024
-#: tokens, 0.63x at 4096).
+#: tokens, 0.63x at 4096 in one busy run).
 LONG_TOKENS = 4096
 #: Timed (native, torch) pairs per direction; their median ratio is kept.
 REPS = 7
