@@ -382,12 +382,8 @@ def why_not_backward(
             )
     if d % 16:
         return "the native backward needs query heads a multiple of 16 wide"
-    why = why_not(plan, dtype, d, d_v, call_dtype=call_dtype, with_backward=True)
-    dense = why is None and _dense(plan) and not calibrate.measuring()
-    speed = calibrate.speed(call_dtype or dtype, plan.s) if dense else None
-    if speed is not None and not speed.backward_ok:
-        return _slower("forward+backward", speed.backward, speed.tokens)
-    return why
+    # (a dense plan: the measured forward+backward speed decides, in why_not)
+    return why_not(plan, dtype, d, d_v, call_dtype=call_dtype, with_backward=True)
 
 
 def _backward_tasks(plan: TilePlan, d: int) -> int:
