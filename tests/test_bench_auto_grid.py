@@ -92,6 +92,7 @@ def test_a_held_build_runs_in_a_child_with_torch_held(monkeypatch):
     assert seen["env"]["ATEN_CPU_CAPABILITY"] == "avx2"
     assert seen["env"]["ATTNKIT_NATIVE_ISA"] == "avx2"
     assert "ATTNKIT_NATIVE_SPEED" not in seen["env"]
+    assert seen["env"][native_kernel.CHILD] == "1"  # a child never starts another
     assert seen["argv"][seen["argv"].index("--isa") + 1] == "avx2" and "--quick" in seen["argv"]
 
     def failing(argv, env, **kwargs):

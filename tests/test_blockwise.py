@@ -392,3 +392,35 @@ def test_band_is_the_causal_window_rule(causal, window, offset, q0, rows, s):
         assert (lo, hi) == (int(cols[0]), int(cols[-1]) + 1)
     else:
         assert lo >= hi
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "lq, lk, causal", [(1, 77, False), (4, 4, True), (33, 33, True), (5, 40, "top_left")]
+)
+def test_one_kernel_call_plans_match_reference(monkeypatch, dtype, lq, lk, causal):
+    """A plan that is ONE unmasked call of torch's kernel (a decode step, a causal square)
+    returns the kernel's output as it is (flash_cpu._one_call): the same answer as the
+    general loop, in the accumulation dtype, with gradients."""
+    calls: list[object] = []
+    original = flash_cpu._one_call
+
+    def spy(*args):
+        calls.append(original(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(flash_cpu, "_one_call", spy)
+    q, k, v = _qkv(b=2, hq=4, hkv=2, lq=lq, lk=lk, d=16, dtype=dtype)
+    out, lse = attention(q, k, v, causal=causal, return_lse=True, backend="blockwise-flash")
+    assert calls and calls[0] is not None, "the one-call path did not run"
+    assert out.dtype == dtype and lse.dtype == (
+        torch.float64 if dtype == torch.float64 else torch.float32
+    )
+    align = None if causal is False else ("bottom_right" if causal is True else causal)
+    ref, _ = ref_attention(q, k, v, causal=align)
+    torch.testing.assert_close(out.double(), ref, **TOL[dtype])
+    out.double().sum().backward()
+    q64 = q.detach().double().requires_grad_()
+    ref, _ = ref_attention(q64, k.detach(), v.detach(), causal=align)
+    ref.sum().backward()
+    torch.testing.assert_close(q.grad.double(), q64.grad, **TOL[dtype])

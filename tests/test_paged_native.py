@@ -163,11 +163,16 @@ def test_a_gradient_takes_the_gathered_path(paged_calls):
     torch.testing.assert_close(dq.double(), want_dq, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("groups", [1, 4, 6])
-def test_a_decode_step_of_sequences_of_different_lengths(paged_calls, groups):
+@pytest.mark.parametrize(
+    "groups, dtype",
+    [(1, torch.float32), (6, torch.float32), (8, torch.bfloat16), (9, torch.float32)],
+)
+def test_a_decode_step_of_sequences_of_different_lengths(paged_calls, groups, dtype):
     """paged_decode: one call, each row to its own number of keys; the pool's other rows
-    and pages hold NaN, which no row may read (groups of 6 query heads a kv head: the
-    kernel declines, the gathered path runs)."""
+    and pages hold NaN, which no row may read (up to native.DIRECT_ROWS query heads a kv
+    head, float32 or bf16, in the kernel; 9: it declines, the gathered path runs)."""
+    if dtype == torch.bfloat16 and not native.bf16():
+        pytest.skip("bf16 products need an avx512-bf16 build")
     lens = [1, 70, 16, 33]
     gen = torch.Generator().manual_seed(groups)
     b, h_kv, d, ps = len(lens), 2, 32, 16
@@ -183,10 +188,12 @@ def test_a_decode_step_of_sequences_of_different_lengths(paged_calls, groups):
             k_pages[table[i, j // ps], :, j % ps] = k[0, :, j]
             v_pages[table[i, j // ps], :, j % ps] = v[0, :, j]
         keys.append((k, v))
+    q, k_pages, v_pages = q.to(dtype), k_pages.to(dtype), v_pages.to(dtype)
     with torch.no_grad():
         out = paged_decode(q, k_pages, v_pages, table, lens)
-    assert paged_calls == ([(1, 70)] if groups <= 4 else [])
+    assert paged_calls == ([(1, 70)] if groups <= native.DIRECT_ROWS else [])
     for i, (k, v) in enumerate(keys):
+        k, v = k.to(dtype), v.to(dtype)
         _check(out[i : i + 1], q[i : i + 1], k, v, torch.ones(1, lens[i], dtype=torch.bool))
     with pytest.raises(ValueError, match="key_lens has 3 lengths for a batch of 4"):
         paged_decode(q, k_pages, v_pages, table, lens[:3])

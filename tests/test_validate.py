@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnkit import (
     CausalAttention,
@@ -14,8 +16,10 @@ from attnkit import (
     causal_mask,
     load_seed_state_dict,
 )
+from attnkit import attention as attention_fn
 from attnkit import masks as M
 from attnkit._validate import (
+    broadcasts_to,
     check_backend,
     check_bool,
     check_choice,
@@ -316,3 +320,25 @@ def test_probed_calls_still_accept_good_arguments():
     assert cache.key_positions(torch.tensor([2])).tolist() == [0, 1, 2]
     att = CausalSelfAttention(8, 8, num_heads=2, qkv_bias=True, sinks=True)
     assert att(torch.randn(1, 3, 8), AttentionInputs(torch.arange(3))).shape == (1, 3, 8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 3), max_size=5),
+    st.lists(st.integers(0, 3), max_size=5),
+)
+def test_broadcasts_to_agrees_with_torch(shape, target):
+    """The plain-int check _check_mask uses agrees with torch.broadcast_shapes (exactly
+    the target: no dim grown, no dim added in front)."""
+    try:
+        want = tuple(torch.broadcast_shapes(tuple(shape), tuple(target))) == tuple(target)
+    except RuntimeError:
+        want = False
+    assert broadcasts_to(shape, target) == want
+
+
+def test_a_mask_that_does_not_broadcast_is_named():
+    q = torch.randn(1, 2, 3, 8)
+    for bad in (torch.ones(4, 5, dtype=torch.bool), torch.ones(2, 1, 2, 3, 5, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="mask of shape"):
+            attention_fn(q, q, q, mask=bad)

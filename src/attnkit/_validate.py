@@ -17,6 +17,7 @@ import torch
 __all__ = [
     "ALIGNMENTS",
     "Alignment",
+    "broadcasts_to",
     "check_alignment",
     "check_backend",
     "check_bool",
@@ -117,6 +118,17 @@ def check_positions(value: Any, name: str = "input_pos") -> torch.Tensor:
     if value.dim() != 1 or value.shape[0] == 0:
         raise ValueError(f"{name} must be a non-empty 1-D tensor, got shape {tuple(value.shape)}")
     return value
+
+
+def broadcasts_to(shape: Iterable[int], target: Iterable[int]) -> bool:
+    """Whether a tensor of ``shape`` broadcasts to exactly ``target`` (every dim, aligned
+    from the right, 1 or ``target``'s; no more dims than ``target``). Plain ints: this
+    runs on every masked attention call, where :func:`torch.broadcast_shapes` costs
+    about 15 us."""
+    shape, target = tuple(shape), tuple(target)
+    if len(shape) > len(target):
+        return False
+    return all(n in (1, m) for n, m in zip(reversed(shape), reversed(target), strict=False))
 
 
 def check_probability(value: Any, name: str) -> float:

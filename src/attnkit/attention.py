@@ -18,6 +18,7 @@ import torch
 
 from attnkit import backends, trace
 from attnkit._validate import (
+    broadcasts_to,
     check_bool,
     check_float,
     check_probability,
@@ -507,11 +508,7 @@ def _check_mask(
             f"mask must be bool (True = may attend) or float (added to scores), got {mask.dtype}"
         )
     target = (*query.shape[:-1], key.shape[-2])  # (..., h_q, l_q, l_k)
-    try:
-        ok = torch.broadcast_shapes(mask.shape, target) == torch.Size(target)
-    except RuntimeError:
-        ok = False
-    if not ok:
+    if not broadcasts_to(mask.shape, target):
         raise ValueError(
             f"mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape {target}"
         )
@@ -532,10 +529,15 @@ def _drop_removed_keys(
     """Zero the keys/values that ``mask``, or causal/window (outside ``[lo, hi)``), remove
     for every query: masked means removed, so a NaN there reaches no output and no
     gradient on any backend (a fused kernel would compute ``NaN - inf`` or ``0 * NaN``)."""
-    idx = torch.arange(key.shape[-2], device=key.device).unsqueeze(-1)  # (s, 1)
-    gone = (idx < lo) | (idx >= hi)
+    gone = None
     if mask is not None:
-        gone = gone | removed_keys(mask, key.shape[-3] if key.dim() >= 3 else 1)  # (.., s, 1)
+        gone = removed_keys(mask, key.shape[-3] if key.dim() >= 3 else 1)  # (..., s, 1)
+    if lo > 0 or hi < key.shape[-2]:
+        idx = torch.arange(key.shape[-2], device=key.device).unsqueeze(-1)  # (s, 1)
+        bounds = (idx < lo) | (idx >= hi)
+        gone = bounds if gone is None else gone | bounds
+    if gone is None:  # neither a mask nor a bound: nothing removed
+        return key, value
     # On CPU (where reading a value costs no device sync) skip the copies unless a key is
     # removed and something is not finite: a sum is a cheap test (NaN/inf propagate; an
     # overflow only costs the copies). Elsewhere, and under torch.compile, always copy.

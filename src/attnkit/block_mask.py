@@ -6,7 +6,11 @@ where the mod depends on them), whether the tile is
 
 * :data:`EMPTY`: no query in it may attend to any key in it (the kernels skip it);
 * :data:`FULL`: every query may attend to every key (the kernels run it with no mask);
-* :data:`PARTIAL`: some may; the tile's boolean mask is stored and used as it is.
+* :data:`PARTIAL`: some may; the tile's boolean mask is stored and used as it is, or,
+  for a ``mask_mod`` that traces into :mod:`attnkit.mod_graph`, not stored at all: the
+  native kernel generates the mod into its per-element mask test and makes each row of a
+  partial tile where it reads it, so the plan holds O(tiles) bytes, never
+  O(partial tiles x block size^2) (other readers evaluate the tiles they ask for).
 
 It is built once (:func:`create_block_mask`), vectorised and chunked so that no
 ``Q_LEN x KV_LEN`` tensor is ever held, and reused by every layer, call, forward and
@@ -20,14 +24,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from attnkit._validate import check_int
+from attnkit._validate import check_bool, check_int
+from attnkit.block_mask_graph import evaluate_graph, generated_graph
 from attnkit.mods import eval_mask_mod
+
+if TYPE_CHECKING:  # mod_graph reaches this module through block_mask_cache: no cycle
+    from attnkit.mod_graph import ModGraph
 
 __all__ = ["EMPTY", "FULL", "PARTIAL", "BlockMask", "create_block_mask"]
 
@@ -51,6 +59,10 @@ class BlockMask:
         Q_LEN, KV_LEN: query and key lengths.
         Q_BLOCK_SIZE, KV_BLOCK_SIZE: the tile sizes.
         block_kind: int8 ``(B or 1, H or 1, n_q_blocks, n_kv_blocks)`` of EMPTY / PARTIAL / FULL.
+        stored_why: why the partial tiles are stored (e.g. the mod does not trace), or
+            None when they are not (a generated mask: see :attr:`stored`).
+        mask_graph: a generated mask's traced mod (:class:`attnkit.mod_graph.ModGraph`),
+            its row 0 being query ``graph_q_offset``; None for stored tiles.
     """
 
     def __init__(
@@ -65,7 +77,11 @@ class BlockMask:
         KV_BLOCK_SIZE: int,
         block_kind: torch.Tensor,
         partial_index: torch.Tensor,
-        partial_masks: torch.Tensor,
+        partial_masks: torch.Tensor | None,
+        partial_tril: np.ndarray | None = None,
+        stored_why: str | None = "built from stored tiles",
+        mask_graph: ModGraph | None = None,
+        graph_q_offset: int = 0,
     ) -> None:
         self.mask_mod = mask_mod
         self.B, self.H = B, H
@@ -74,13 +90,24 @@ class BlockMask:
         self.block_kind = block_kind  # (Bk, Hk, nq, nk) int8
         #: index into ``partial_masks`` of each PARTIAL tile, -1 elsewhere
         self.partial_index = partial_index  # (Bk, Hk, nq, nk) int64
-        #: the stored masks of the partial tiles, padded with False past the ends
-        self.partial_masks = partial_masks  # (n_partial, Q_BLOCK_SIZE, KV_BLOCK_SIZE) bool
+        # the stored masks of the partial tiles, padded with False past the ends (None: a
+        # generated mask, whose tiles are evaluated where read; see partial_masks)
+        self._partial_masks = partial_masks  # (n_partial, Q_BLOCK_SIZE, KV_BLOCK_SIZE) bool
+        self.stored_why = None if partial_masks is None else stored_why
+        self._evaluated: torch.Tensor | None = None  # a generated mask's tiles, once read
+        #: the traced mask_mod a generated mask's tiles come from (None: stored tiles), and
+        #: the query index its row 0 has (a sliced mask's start)
+        self.mask_graph = mask_graph if partial_masks is None else None
+        self.graph_q_offset = graph_q_offset
+        if partial_masks is None and mask_graph is None:
+            raise ValueError("a BlockMask without stored partial tiles needs its mask_graph")
         # partial tiles that are exactly the top-left causal triangle (a diagonal tile of
         # a causal mod): kernels may run them as is_causal with no mask
-        tri = torch.ones(Q_BLOCK_SIZE, KV_BLOCK_SIZE, dtype=torch.bool, device=partial_masks.device)
-        tri = tri.tril()
-        self._tril = (partial_masks == tri).flatten(1).all(1).cpu().numpy()
+        if partial_tril is None:
+            if partial_masks is None:
+                raise ValueError("a BlockMask without stored partial tiles needs partial_tril")
+            partial_tril = _tril_flags(partial_masks)
+        self._tril = partial_tril
         self._index = partial_index.cpu().numpy()
         # Plans read the kinds from numpy: no tensor op (and no graph break) per tile.
         self._kinds = block_kind.cpu().numpy()
@@ -96,7 +123,35 @@ class BlockMask:
 
     @property
     def device(self) -> torch.device:
-        return self.partial_masks.device
+        return self.block_kind.device
+
+    @property
+    def stored(self) -> bool:
+        """Whether the partial tiles' masks are held (False: a generated mask, whose
+        tiles the native kernel makes row by row and other readers evaluate)."""
+        return self._partial_masks is not None
+
+    @property
+    def partial_masks(self) -> torch.Tensor:
+        """The partial tiles' bool masks ``(n_partial, Q_BLOCK_SIZE, KV_BLOCK_SIZE)``,
+        padded with False past the ends. A generated mask evaluates them all on this first
+        read and keeps them (readers that cannot make tiles themselves: Triton, or the
+        native kernel where the generated code could not be built)."""
+        if self._partial_masks is not None:
+            return self._partial_masks
+        if self._evaluated is None:
+            qb, kb = self.Q_BLOCK_SIZE, self.KV_BLOCK_SIZE
+            bk, hk, nq, nk = self.block_kind.shape
+            masks = torch.zeros(int(self._tril.size), qb, kb, dtype=torch.bool, device=self.device)
+            for i in range(nq):  # a row of tiles at a time: no Q_LEN x KV_LEN tensor
+                idx = self.partial_index[:, :, i]  # (bk, hk, nk)
+                sel = idx >= 0
+                if bool(sel.any()):
+                    row = self._assemble(i, i + 1, 0, nk).expand(bk, hk, qb, nk * kb)
+                    tiles = row.reshape(bk, hk, qb, nk, kb).transpose(2, 3)  # (bk, hk, nk, qb, kb)
+                    masks[idx[sel]] = tiles[sel]
+            self._evaluated = masks
+        return self._evaluated
 
     def num_blocks(self) -> tuple[int, int]:
         return self.block_kind.shape[-2], self.block_kind.shape[-1]
@@ -152,6 +207,10 @@ class BlockMask:
         if start % qb == 0:  # whole tiles: share the stored partial masks
             i0, i1 = start // qb, -(-stop // qb)
             return BlockMask(
+                mask_graph=self.mask_graph,
+                graph_q_offset=self.graph_q_offset + start,
+                partial_tril=self._tril,
+                stored_why=self.stored_why,
                 mask_mod=shifted,
                 B=self.B,
                 H=self.H,
@@ -161,14 +220,22 @@ class BlockMask:
                 KV_BLOCK_SIZE=self.KV_BLOCK_SIZE,
                 block_kind=self.block_kind[:, :, i0:i1].clone(),
                 partial_index=self.partial_index[:, :, i0:i1].clone(),
-                partial_masks=self.partial_masks,
+                partial_masks=self._partial_masks,
             )
         i0, i1 = start // qb, -(-stop // qb)
         nk = self.num_blocks()[1]
         rows = self._assemble(i0, i1, 0, nk)[..., start - i0 * qb : stop - i0 * qb, : self.KV_LEN]
         built = _Builder(qb, self.KV_BLOCK_SIZE, stop - start, self.KV_LEN, rows.device)
+        built.store = self.stored
         built.add_rows(0, rows)
-        return built.finish(shifted, self.B, self.H)
+        return built.finish(
+            shifted,
+            self.B,
+            self.H,
+            mask_graph=self.mask_graph,
+            graph_q_offset=self.graph_q_offset + start,
+            stored_why=self.stored_why,
+        )
 
     # -- what kernels read -----------------------------------------------------------------
     def check_call(self, batch: int, heads: int, q_len: int, kv_len: int) -> str | None:
@@ -258,7 +325,7 @@ class BlockMask:
         if qb != kb or tuple(self.block_kind.shape[:2]) != (1, 1):
             return None
         nq, nk = self.num_blocks()
-        dev = self.partial_masks.device
+        dev = self.device
         # the dense first column (rows i, key 0) and first row (query 0, keys j)
         col = self._assemble(0, nq, 0, 1)[0, 0, : self.Q_LEN, 0]  # M[i, 0]
         row = self._assemble(0, 1, 0, nk)[0, 0, 0, : self.KV_LEN]  # M[0, j]
@@ -287,7 +354,7 @@ class BlockMask:
             n = d0[ti, tj].view(-1, 1, 1) + a - b  # (p, qb, kb) indices into f
             valid = (a < rows[ti, 0].view(-1, 1, 1)) & (b < cols[0, tj].view(-1, 1, 1))
             want = f[n.clamp(0, f.numel() - 1)] & valid
-            if not torch.equal(want, self.partial_masks[self.partial_index[0, 0, ti, tj]]):
+            if not torch.equal(want, self._tiles(ti, tj)):
                 return None
         where = f.nonzero().flatten()
         if where.numel() == 0:
@@ -321,6 +388,25 @@ class BlockMask:
         self._runs[(max_rows, causal)] = runs
         return runs
 
+    def _tiles(self, ti: torch.Tensor, tj: torch.Tensor) -> torch.Tensor:
+        """The masks ``(p, qb, kb)`` of the PARTIAL tiles ``(ti[n], tj[n])`` of batch
+        element and head 0 (padded with False past the ends)."""
+        if self._partial_masks is not None:
+            return self._partial_masks[self.partial_index[0, 0, ti, tj]]
+        graph = self.mask_graph
+        if graph is None:  # pragma: no cover - one of the two is always there
+            raise ValueError("a BlockMask with neither stored tiles nor a mask graph")
+        qb, kb = self.Q_BLOCK_SIZE, self.KV_BLOCK_SIZE
+        dev = self.device
+        q = ti.view(-1, 1, 1) * qb + torch.arange(qb, device=dev).view(1, -1, 1)  # (p, qb, 1)
+        kv = tj.view(-1, 1, 1) * kb + torch.arange(kb, device=dev).view(1, 1, -1)  # (p, 1, kb)
+        zero = torch.zeros((), dtype=torch.int64, device=dev)
+        # rows and keys past the ends: evaluated at the last ones (in range), then dropped
+        q_in, kv_in = q.clamp(max=self.Q_LEN - 1), kv.clamp(max=self.KV_LEN - 1)
+        keep = graph.evaluate(None, zero, zero, q_in + self.graph_q_offset, kv_in)
+        keep = keep.to(torch.bool).expand(ti.numel(), qb, kb)
+        return keep & (q < self.Q_LEN) & (kv < self.KV_LEN)
+
     def _assemble(self, i0: int, i1: int, j0: int, j1: int) -> torch.Tensor:
         """Dense bool of the tiles ``[i0, i1) x [j0, j1)``: ``(Bk, Hk, ni*qb, nj*kb)``."""
         qb, kb = self.Q_BLOCK_SIZE, self.KV_BLOCK_SIZE
@@ -329,9 +415,32 @@ class BlockMask:
         bk, hk, ni, nj = kind.shape
         tiles = (kind == FULL).view(bk, hk, ni, nj, 1, 1).expand(bk, hk, ni, nj, qb, kb).clone()
         sel = idx >= 0
-        if bool(sel.any()):
+        if bool(sel.any()) and self._partial_masks is None:  # a generated mask: evaluated
+            dense = self._evaluate(
+                i0 * qb, min(i1 * qb, self.Q_LEN), j0 * kb, min(j1 * kb, self.KV_LEN)
+            )
+            dense = F.pad(dense, (0, nj * kb - dense.shape[-1], 0, ni * qb - dense.shape[-2]))
+            dense = dense.expand(bk, hk, ni * qb, nj * kb).reshape(bk, hk, ni, qb, nj, kb)
+            tiles[sel] = dense.permute(0, 1, 2, 4, 3, 5)[sel]
+        elif bool(sel.any()):
             tiles[sel] = self.partial_masks[idx[sel]]
         return tiles.permute(0, 1, 2, 4, 3, 5).reshape(bk, hk, ni * qb, nj * kb)
+
+    def _evaluate(self, q0: int, q1: int, k0: int, k1: int) -> torch.Tensor:
+        """A generated mask on rows ``[q0, q1)`` x keys ``[k0, k1)``: bool
+        ``(Bk|1, Hk|1, rows, keys)``, for readers other than the native kernel."""
+        bk, hk = self.block_kind.shape[:2]
+        graph = self.mask_graph
+        if graph is None:  # pragma: no cover - stored tiles are read, not evaluated
+            raise ValueError("a BlockMask with stored tiles is not evaluated")
+        off = self.graph_q_offset
+        return evaluate_graph(graph, bk, hk, q0 + off, q1 + off, k0, k1, self.device)
+
+
+def _tril_flags(masks: torch.Tensor) -> np.ndarray:
+    """Which of the tile masks ``(n, qb, kb)`` are exactly the top-left causal triangle."""
+    tri = torch.ones(masks.shape[1:], dtype=torch.bool, device=masks.device).tril()
+    return (masks == tri).flatten(1).all(1).cpu().numpy()
 
 
 class _ShiftedMod:
@@ -351,8 +460,10 @@ class _Builder:
     def __init__(self, qb: int, kb: int, q_len: int, kv_len: int, device: torch.device) -> None:
         self.qb, self.kb, self.q_len, self.kv_len, self.device = qb, kb, q_len, kv_len, device
         self.nq, self.nk = -(-q_len // qb), -(-kv_len // kb)
-        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # tile row -> kind, masks
+        # tile row -> (kinds, partial masks) or, not storing, (kinds, their causal flags)
+        self.rows: dict[int, tuple[torch.Tensor, Any]] = {}
         self.lead = (1, 1)
+        self.store = True  # False: a generated mask, only each partial tile's causal flag
 
     def add_rows(self, q0: int, dense: torch.Tensor) -> None:
         """Add the bool ``(b|1, h|1, rows, kv_len)`` mask of rows ``q0..``, ``q0 % qb == 0``."""
@@ -372,10 +483,19 @@ class _Builder:
         kind[~anyk] = EMPTY
         kind[allk & anyk] = FULL
         masks = tiles[kind == PARTIAL]  # (n, qb, kb)
-        self.rows[q0 // qb] = (kind, masks)
+        self.rows[q0 // qb] = (kind, masks if self.store else _tril_flags(masks))
         self.lead = (max(self.lead[0], bk), max(self.lead[1], hk))
 
-    def finish(self, mask_mod, B: int | None, H: int | None) -> BlockMask:
+    def finish(
+        self,
+        mask_mod,
+        B: int | None,
+        H: int | None,
+        *,
+        mask_graph: ModGraph | None = None,
+        graph_q_offset: int = 0,
+        stored_why: str | None = "built from stored tiles",
+    ) -> BlockMask:
         bk, hk = self.lead
         kinds, indices, masks = [], [], []
         count = 0
@@ -395,6 +515,14 @@ class _Builder:
         else:
             kind_t = torch.zeros(bk, hk, 0, self.nk, dtype=torch.int8, device=self.device)
             idx_t = torch.zeros(bk, hk, 0, self.nk, dtype=torch.int64, device=self.device)
+        if not self.store:  # a generated mask: the causal flags, no tiles
+            flags = np.concatenate(masks) if masks else np.zeros(0, dtype=bool)
+            return BlockMask(
+                mask_mod=mask_mod, B=B, H=H, Q_LEN=self.q_len, KV_LEN=self.kv_len,
+                Q_BLOCK_SIZE=self.qb, KV_BLOCK_SIZE=self.kb, block_kind=kind_t,
+                partial_index=idx_t, partial_masks=None, partial_tril=flags,
+                mask_graph=mask_graph, graph_q_offset=graph_q_offset,
+            )  # fmt: skip
         store = torch.cat(masks) if masks else torch.zeros(0, self.qb, self.kb, dtype=torch.bool)
         return BlockMask(
             mask_mod=mask_mod,
@@ -407,6 +535,7 @@ class _Builder:
             block_kind=kind_t,
             partial_index=idx_t,
             partial_masks=store.to(self.device),
+            stored_why=stored_why,
         )
 
 
@@ -431,8 +560,15 @@ def create_block_mask(
     *,
     block_size: int | tuple[int, int] = 128,
     device: torch.device | str | None = None,
+    generated: bool = True,
 ) -> BlockMask:
     """Evaluate ``mask_mod`` once into a :class:`BlockMask` (FlexAttention's signature).
+
+    A mod that traces into :mod:`attnkit.mod_graph` (and whose float ops round exactly as
+    torch's) gives a *generated* mask: its tile kinds are computed from the graph with
+    torch ops on index grids, and its partial tiles are not stored (the native kernel
+    makes their rows with generated code): O(tiles) memory. Any other mod stores its
+    partial tiles, and ``stored_why`` says why.
 
     Args:
         mask_mod: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (True = may attend), written
@@ -444,6 +580,8 @@ def create_block_mask(
         KV_LEN: number of keys.
         block_size: tile size, an int or a ``(q, kv)`` pair.
         device: where the mask lives (CPU by default).
+        generated: False stores the partial tiles even of a mod that would be generated
+            (the path of a mod that does not trace).
 
     Raises:
         TypeError / ValueError: a mod that is not callable, bad sizes, or a mod whose
@@ -456,15 +594,25 @@ def create_block_mask(
     q_len, kv_len = check_int(Q_LEN, "Q_LEN", minimum=0), check_int(KV_LEN, "KV_LEN", minimum=0)
     qb, kb = _block_sizes(block_size)
     dev = torch.device("cpu") if device is None else torch.device(device)
+    generated = check_bool(generated, "generated")
+    graph, why = (
+        generated_graph(mask_mod, b, h, q_len, kv_len, dev)
+        if generated
+        else (None, "create_block_mask(generated=False)")
+    )
     builder = _Builder(qb, kb, q_len, kv_len, dev)
+    builder.store = graph is None
     # rows of tiles per evaluation: bounded so no Q_LEN x KV_LEN tensor is ever held
     per_row = max(1, b * h * qb * max(kv_len, 1))
     step = max(1, CHUNK_ELEMENTS // per_row) * qb
     for q0 in range(0, q_len, step):
         q1 = min(q0 + step, q_len)
-        dense = eval_mask_mod(mask_mod, b, h, q0, q1, 0, kv_len, dev)  # (b|1, h|1, rows, kv)
+        if graph is None:
+            dense = eval_mask_mod(mask_mod, b, h, q0, q1, 0, kv_len, dev)  # (b|1, h|1, rows, kv)
+        else:
+            dense = evaluate_graph(graph, b, h, q0, q1, 0, kv_len, dev)
         builder.add_rows(q0, dense)
-    return builder.finish(mask_mod, B, H)
+    return builder.finish(mask_mod, B, H, mask_graph=graph, stored_why=why)
 
 
 def block_mask_from_dense(

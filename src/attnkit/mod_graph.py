@@ -46,6 +46,7 @@ import torch
 from attnkit.block_mask_cache import _state, _Uncacheable  # one way to key a mod's state
 
 __all__ = [
+    "INEXACT_FLOAT_OPS",
     "INPUTS",
     "OPS",
     "ModGraph",
@@ -69,6 +70,8 @@ BINARY = (
 )  # fmt: skip
 TERNARY = ("where",)
 OPS = ("input", "const", "load", *UNARY, *BINARY, *TERNARY)
+#: Float ops whose float32 value generated code may round differently from torch.
+INEXACT_FLOAT_OPS = ("exp", "log", "tanh", "sigmoid", "sin", "cos", "pow", "rsqrt")
 #: Value types of nodes, narrowest first (torch's promotion categories).
 DTYPES = ("bool", "int", "float")
 _INT32 = (-(2**31), 2**31 - 1)
@@ -158,6 +161,22 @@ class ModGraph:
         lines.append(f"return %{self.output}")
         return "\n".join(lines)
 
+    def inexact(self) -> str | None:
+        """Why generated code may not round this graph's floats exactly as torch does
+        (None when it will): a float op from :data:`INEXACT_FLOAT_OPS` (vector
+        approximations, two roundings), or a float ``//`` / ``%`` (torch's rounding differs
+        from ``floor(a / b)`` at the edges). A ``mask_mod`` must keep exactly the keys torch
+        keeps, so such a mask is not generated (its block mask stores its tiles)."""
+        for n in self.live():
+            node = self.nodes[n]
+            if node.dtype == "float" and node.op in (*INEXACT_FLOAT_OPS, "floordiv", "mod"):
+                sym = {"floordiv": "//", "mod": "%"}.get(node.op, f"torch.{node.op}")
+                return (
+                    f"a float {sym} (%{n}), whose float32 rounding generated code may not "
+                    "match bit for bit"
+                )
+        return None
+
     # -- ranges ------------------------------------------------------------------------
     def check(self, B: int, H: int, T: int, S: int, q_base: int = 0, k_base: int = 0) -> str | None:
         """Why code generated from this graph may not run a call of these sizes (None
@@ -211,16 +230,19 @@ class ModGraph:
         h: torch.Tensor,
         q_idx: torch.Tensor,
         kv_idx: torch.Tensor,
+        *,
+        int_dtype: torch.dtype = torch.int64,
     ) -> torch.Tensor:
         """The graph on broadcastable tensors (e.g. index grids ``(b, 1, 1, 1)``, ...), with
         torch ops: the output, differentiable in ``score`` and in the captured tensors.
-        Floats are computed in ``score``'s dtype (float32 for a mask graph)."""
+        Floats are computed in ``score``'s dtype (float32 for a mask graph); ints in
+        ``int_dtype`` (``torch.int32`` only where :meth:`check` proved they fit: faster)."""
         fdt = score.dtype if score is not None else torch.float32
         env = {"score": score, "b": b, "h": h, "q_idx": q_idx, "kv_idx": kv_idx}
         vals: list[Any] = []
         for node in self.nodes:
             args = [vals[a] for a in node.args]
-            vals.append(_eval(node, args, env, self.tensors, fdt))
+            vals.append(_eval(node, args, env, self.tensors, fdt, int_dtype))
         return vals[self.output]
 
 
@@ -872,8 +894,9 @@ def _eval(
     env: dict[str, Any],
     tensors: Sequence[torch.Tensor],
     fdt: torch.dtype,
+    idt: torch.dtype = torch.int64,
 ) -> torch.Tensor:
-    want = {"float": fdt, "int": torch.int64, "bool": torch.bool}[node.dtype]
+    want = {"float": fdt, "int": idt, "bool": torch.bool}[node.dtype]
     if node.op == "input":
         return env[node.value]
     if node.op == "const":

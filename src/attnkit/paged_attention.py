@@ -11,7 +11,11 @@ mods. Two ways, one answer:
 
 * attnkit's native kernel reads the pages in place (where the kernel is built, on CPU
   float32, or bf16 on an avx512-bf16 build, with no gradient wanted): its key packing
-  and its ``P V`` product follow the page table, nothing is copied first;
+  and its ``P V`` product follow the page table, nothing is copied first; a decode step
+  (at most ``native.DIRECT_ROWS`` query rows per kv head) gives the bits of the same call
+  on a contiguous cache, and never uses the value of a key the mask removes for a row
+  (masked means removed: :func:`attnkit.attention` zeroes such keys first, which shared
+  pages cannot be; a longer block multiplies its weights, 0 included);
 * anywhere else (a gradient, float64, another device, a request the kernel refuses) the
   pages are gathered into contiguous tensors (:func:`~attnkit.paged_kv_cache.gather_pages`,
   differentiable in the pools) and :func:`attnkit.attention` runs on them.
@@ -200,8 +204,11 @@ def paged_decode(
         return_lse=False,
     )
     lengths = torch.tensor(lens, dtype=torch.int64, device=query.device)
-    # the kernel reads float32 keys in place for up to DECODE_GROUPS query rows a kv head
-    direct = query.dtype == torch.float32 and query.shape[1] // k_pages.shape[1] <= DECODE_GROUPS
+    from attnkit.backends.blockwise import native
+
+    # rows of different lengths: only a decode step (the kernel reads keys and values in
+    # place for up to native.DIRECT_ROWS query rows a kv head, float32 or bf16)
+    direct = query.shape[1] // k_pages.shape[1] <= native.DIRECT_ROWS
     plan, _ = _route(query, k_pages, v_pages, longest, backend, **kwargs)
     if plan is not None and direct:
         out = _native(plan, query, k_pages, v_pages, page_table, key_lens=lengths, **kwargs)
@@ -211,11 +218,6 @@ def paged_decode(
     return attention(
         query, k, v, mask=real[:, None, None], scale=scale, sinks=sinks, backend=backend
     )
-
-
-#: Most query heads per kv head that :func:`paged_decode` sends to the kernel in one call
-#: (it reads keys in place for up to 4 query rows a kv head: ``DIRECT_ROWS`` in the C++).
-DECODE_GROUPS = 4
 
 
 def _check_pages(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:

@@ -182,6 +182,10 @@ int main() {
       {"bottom-right, T<S", 1, 2, 2, 65, 190, 48, 48, -NONE, 125, false},
       {"bool mask + causal", 1, 2, 2, 131, 131, 16, 16, -NONE, 0, true},
       {"dead rows", 1, 1, 1, 90, 90, 16, 16, 5, 7, false},  // rows past 82: no key
+      // decode steps (keys and values read in place, split-KV), head sizes unrolled or not
+      {"decode, GQA, split", 1, 8, 2, 1, 2500, 64, 64, -NONE, NONE, false},
+      {"decode, 2 rows, D=48", 2, 2, 1, 2, 300, 48, 32, -NONE, 298, false},
+      {"decode, D=128, mask", 1, 2, 2, 1, 700, 128, 128, -NONE, NONE, true},
   };
   std::mt19937 rng(1234);
   int passed = 0, failed = 0;

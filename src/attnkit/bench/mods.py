@@ -12,15 +12,22 @@ over plain causal attention on the same build:
 
 Every call goes through ``backend="auto"`` (what a user gets: plain causal may run on
 torch's kernel where the build's calibration finds it faster). Targets (issue 21): forward
-<= 1.2x plain, forward+backward <= 1.5x plain. Timings are round-robin medians (:func:`attnkit.bench.native_kernel._best`). Run with
-``python -m attnkit.bench.mods`` (``--quick``: toy sizes, not graded) or
-``attnkit bench --mods``.
+<= 1.2x plain, forward+backward <= 1.5x plain. Timings are round-robin medians (:func:`attnkit.bench.native_kernel._best`). A build narrower than torch's
+own kernels (the AVX2 build on an AVX-512 CPU) runs in a child process with torch, oneDNN,
+MKL and so inductor's FlexAttention held to that instruction set too
+(:mod:`attnkit.bench.isa_env`), so its row is what an AVX2 machine sees. Run with
+``python -m attnkit.bench.mods`` (``--quick``: toy sizes, not graded; ``--isa``: one
+build) or ``attnkit bench --mods``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,9 +36,11 @@ import torch
 from attnkit import attention, explain_dispatch
 from attnkit.backends.blockwise.native import build
 from attnkit.bench.auto_grid import env
+from attnkit.bench.isa_env import held_env, torch_capability
 from attnkit.bench.native_kernel import _best
 
 SHAPE = (1, 4, 64)  # (b, h, d)
+_CHILD = "ATTNKIT_BENCH_HELD_CHILD"  # set in a held child's environment
 #: Goals of issue 21: mod / plain causal.
 GOALS = {"fwd": 1.2, "fwd+bwd": 1.5}
 
@@ -102,24 +111,53 @@ def rows(t: int, dtype: torch.dtype, reps: int, flex: bool = False) -> dict[str,
     return out
 
 
-def run(quick: bool, reps: int, flex: bool = False) -> dict:
-    """Every build this CPU executes: the mod rows in fp32 (and bf16 where it has bf16
-    products); ``flex``: fp32 forwards against compiled FlexAttention too (slow: one
-    inductor compile per mod)."""
+def run(quick: bool, reps: int, flex: bool = False, isas: list[str] | None = None) -> dict:
+    """Every build this CPU executes (or those of ``isas``): the mod rows in fp32 (and
+    bf16 where it has bf16 products); ``flex``: fp32 forwards against compiled
+    FlexAttention too (slow: one inductor compile per mod). A build narrower than torch's
+    kernels runs in a child process with torch held to it (:func:`_in_child`)."""
     from attnkit.bench.suite import machine
 
     t = 512 if quick else 4096
     result: dict = {"machine": machine(peaks=False), "t": t, "builds": {}}
-    for isa in build.host_isas():
+    for isa in isas or build.host_isas():
+        # (a child already runs held: it never starts another, whatever torch reports)
+        held = None if os.environ.get(_CHILD) else held_env(isa)
+        if held is not None:
+            result["builds"][isa] = _in_child(isa, held, quick, reps, flex)
+            continue
         with env(ATTNKIT_NATIVE_ISA=isa, ATTNKIT_NATIVE_SPEED=None):
             if build.library() is None:
                 result["builds"][isa] = {"status": build.status()}
                 continue
-            entry = {"status": build.status(), "fp32": rows(t, torch.float32, reps, flex)}
+            entry = {
+                "status": build.status(),
+                "torch": torch_capability(),  # the vector code of torch's kernels (and Flex)
+                "fp32": rows(t, torch.float32, reps, flex),
+            }
             if isa == "avx512-bf16":
                 entry["bf16"] = rows(t, torch.bfloat16, reps)
             result["builds"][isa] = entry
     return result
+
+
+def _in_child(isa: str, held: dict[str, str], quick: bool, reps: int, flex: bool) -> dict:
+    """``isa``'s rows from ``python -m attnkit.bench.mods --isa ISA`` run with ``held`` in
+    its environment (torch reads it when it loads: its kernels, oneDNN, MKL and the C++
+    inductor generates for FlexAttention then use ``isa`` too)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "mods.json"
+        argv = [sys.executable, "-m", "attnkit.bench.mods", "--isa", isa, "--reps", str(reps),
+                "--json", str(out)]  # fmt: skip
+        argv += ["--quick"] if quick else []
+        argv += ["--flex"] if flex else []
+        child_env = {**os.environ, **held, "ATTNKIT_NATIVE_ISA": isa, _CHILD: "1"}
+        child_env.pop("ATTNKIT_NATIVE_SPEED", None)
+        done = subprocess.run(argv, env=child_env, capture_output=True, text=True, check=False)
+        if done.returncode != 0 or not out.exists():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            return {"status": f"the held-{isa} child process failed: {tail[0]}"}
+        return json.loads(out.read_text())["builds"][isa]
 
 
 def markdown(result: dict) -> str:
@@ -129,6 +167,8 @@ def markdown(result: dict) -> str:
              f"{m['threads']} threads)", ""]  # fmt: skip
     for isa, b in result["builds"].items():
         lines += [f"## {isa}", "", f"`{b['status']}`", ""]
+        if "torch" in b:
+            lines += [f"torch's kernels (and compiled FlexAttention) beside it: {b['torch']}", ""]
         for dtype in ("fp32", "bf16"):
             if dtype not in b:
                 continue
@@ -169,12 +209,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--flex", action="store_true", help="also time compiled FlexAttention's forward (slow)"
     )
+    parser.add_argument("--isa", default=None, help="only this build (e.g. avx2)")
+    parser.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error(f"--reps must be at least 1, got {args.reps}")
-    result = run(args.quick, args.reps, args.flex)
+    if args.isa is not None and args.isa not in build.host_isas():
+        parser.error(f"--isa {args.isa!r} is not a build this CPU runs ({build.host_isas()})")
+    result = run(args.quick, args.reps, args.flex, [args.isa] if args.isa else None)
     if args.out is not None:
         write(result, args.out)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2))
     print(markdown(result))
     return 0
 

@@ -44,6 +44,8 @@ from attnkit.bench.auto_grid import SHAPE, env, grid, inputs, markdown_rows, ste
 from attnkit.bench.isa_env import held_env, torch_capability
 from attnkit.bench.timing import interleaved, spread
 
+#: Set in a held child's environment.
+CHILD = "ATTNKIT_BENCH_HELD_CHILD"
 #: Seconds each timed sample lasts at least (a call is repeated until it does); --quick: 0.
 MIN_SAMPLE = 0.03
 
@@ -137,7 +139,8 @@ def run(quick: bool, reps: int, isas: list[str] | None = None) -> dict:
     result: dict = {"machine": machine(peaks=False), "builds": {}}  # peaks: per build
     result["t"] = 1024 if quick else 8192
     for isa in isas or build.host_isas():
-        held = held_env(isa)
+        # (a child already runs held: it never starts another, whatever torch reports)
+        held = None if os.environ.get(CHILD) else held_env(isa)
         if held is not None:
             result["builds"][isa] = _in_child(isa, held, quick, reps)
             continue
@@ -174,7 +177,7 @@ def _in_child(isa: str, held: dict[str, str], quick: bool, reps: int) -> dict:
                 "--reps", str(reps), "--json", str(out)]  # fmt: skip
         if quick:
             argv.append("--quick")
-        child_env = {**os.environ, **held, "ATTNKIT_NATIVE_ISA": isa}
+        child_env = {**os.environ, **held, "ATTNKIT_NATIVE_ISA": isa, CHILD: "1"}
         child_env.pop("ATTNKIT_NATIVE_SPEED", None)
         done = subprocess.run(argv, env=child_env, capture_output=True, text=True, check=False)
         if done.returncode != 0 or not out.exists():

@@ -13,6 +13,8 @@ or a ``mask_mod`` leave empty are skipped. Read top-down:
   (attnkit's own kernel, :mod:`.native`, forward and backward, where that is built and
   takes the plan, else torch's fused flash kernel), else PyTorch ops (every request,
   any device);
+* :mod:`.plan_cache`: plans of repeated calls (decode steps) kept, keyed by all they
+  depend on;
 * :mod:`.merge`: the one log-sum-exp merge;
 * :mod:`.autograd`: the autograd function (sinks merged in, LSE gradients);
 * :mod:`.segment`: one segment's forward/backward for context parallelism.
@@ -33,8 +35,9 @@ import dataclasses
 
 import torch
 
-from attnkit.backends.blockwise import native
+from attnkit.backends.blockwise import native, plan_cache
 from attnkit.backends.blockwise.autograd import BlockwiseAttention
+from attnkit.backends.blockwise.autograd import forward as blockwise_forward
 from attnkit.backends.blockwise.engines import plan_call
 from attnkit.backends.blockwise.merge import merge_partials
 from attnkit.backends.blockwise.plan import (
@@ -110,10 +113,17 @@ def _supports(call: AttentionCall) -> str | None:
 
 def _plan(call: AttentionCall, engine: str) -> TilePlan:
     """The call's plan from ``engine`` down the priority list, built once per call (kept in
-    ``call.memo``: ``auto_first`` and the run read the same)."""
+    ``call.memo``: ``auto_first`` and the run read the same) and once per repeated call
+    (:mod:`.plan_cache`: a decode step's plan is reused token after token)."""
     key = ("blockwise", engine)
     if key not in call.memo:
-        call.memo[key] = _new_plan(call, engine)
+        cache_key = plan_cache.key(call, engine)
+        plan = None if cache_key is None else plan_cache.get(cache_key, call)
+        if plan is None:
+            plan = _new_plan(call, engine)
+            if cache_key is not None:
+                plan_cache.put(cache_key, plan)
+        call.memo[key] = plan
     return call.memo[key]
 
 
@@ -136,11 +146,17 @@ def _new_plan(call: AttentionCall, engine: str) -> TilePlan:
 
 def _run(call: AttentionCall, engine: str) -> BackendResult:
     plan = _plan(call, engine)
-    out, lse = BlockwiseAttention.apply(
-        plan, call.query, call.key, call.value, call.sinks, *_extra(call)
-    )
+    if _wants_grad(call):
+        out, lse = BlockwiseAttention.apply(
+            plan, call.query, call.key, call.value, call.sinks, *_extra(call)
+        )
+    else:  # nothing to record: the same forward without autograd's own cost
+        out, lse = blockwise_forward(plan, call.query, call.key, call.value, call.sinks)
     lead = call.query.shape[:-1]  # (..., h, t)
-    out = out.reshape(*lead, call.value.shape[-1]).to(call.query.dtype)  # (..., h, t, d_v)
+    if out.dim() != len(lead) + 1:
+        out = out.reshape(*lead, call.value.shape[-1])  # (..., h, t, d_v)
+    if out.dtype != call.query.dtype:
+        out = out.to(call.query.dtype)
     weights = None
     if call.need_weights:
         tiles_plan = dataclasses.replace(plan, engine=TORCH_TILES)
@@ -161,8 +177,14 @@ def explain_call(call: AttentionCall, backend: str) -> list[str]:
     engine = _ENGINE_OF.get(backend)
     if engine is None:
         return []
-    engines = _plan(call, engine).engines
-    return [] if engines is None else engines.explain().splitlines()
+    plan = _plan(call, engine)
+    engines = plan.engines
+    if engines is None:
+        return []
+    lines = engines.explain().splitlines()
+    if plan.block_mask is not None and NATIVE_CPU in (engines.forward, engines.backward):
+        lines.append(native.explain_block_mask(plan))
+    return lines
 
 
 def blockwise_attention(call: AttentionCall) -> BackendResult:

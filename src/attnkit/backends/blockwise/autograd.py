@@ -94,14 +94,25 @@ def add_sinks(
     return merge_partials(out, lse, torch.zeros((), dtype=out.dtype, device=out.device), sink_lse)
 
 
+def forward(
+    plan: TilePlan, q, k, v, sinks: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (b, h, t, d_v), lse (b, h, t))``: the engine's forward with the sinks merged
+    in. What :class:`BlockwiseAttention` computes, called as it is where no gradient is
+    wanted (an autograd function costs several microseconds a call: a decode step's
+    kernel takes tens)."""
+    out, lse = engine_forward(plan, q, k, v)
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks, plan.h)
+    return out, lse
+
+
 class BlockwiseAttention(torch.autograd.Function):
     """``apply(plan, q, k, v, sinks, *extra) -> (out (b, h, t, d_v), lse (b, h, t))``."""
 
     @staticmethod
     def forward(ctx, plan: TilePlan, q, k, v, sinks, *extra):  # type: ignore[override]
-        out, lse = engine_forward(plan, q, k, v)
-        if sinks is not None:
-            out, lse = add_sinks(out, lse, sinks, plan.h)
+        out, lse = forward(plan, q, k, v, sinks)
         ctx.plan = plan
         ctx.has_sinks = sinks is not None
         ctx.save_for_backward(q, k, v, out, lse, *([sinks] if sinks is not None else []), *extra)

@@ -73,7 +73,10 @@ def engine_views(
     acc = acc_dtype(q.dtype) if upcast else q.dtype
 
     def fix(x: torch.Tensor, n: int, lead: int) -> torch.Tensor:
-        x = x.reshape(plan.b, lead, n, x.shape[-1]).to(acc)
+        if x.shape[:-1] != (plan.b, lead, n):  # (no reshape where it is one already)
+            x = x.reshape(plan.b, lead, n, x.shape[-1])
+        if x.dtype != acc:
+            x = x.to(acc)
         return x if x.stride(-1) == 1 else x.contiguous()
 
     return fix(q, plan.t, plan.h), fix(k, plan.s, plan.h_kv), fix(v, plan.s, plan.h_kv)
@@ -267,6 +270,10 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = engine_views(plan, q, k, v)
     b, h, dv = plan.b, plan.h, v.shape[-1]
     layout = toeplitz.layout(plan)
+    if layout is None:
+        whole = _one_call(plan, q, k, v)
+        if whole is not None:  # (contiguous, as the buffers of the general path)
+            return whole[0].to(acc).contiguous(), whole[1].to(acc).contiguous()
     if layout == "band":  # writes every row: no need to clear them first
         out = torch.empty(b, h, plan.t, dv, dtype=acc, device=q.device)
         lse = torch.empty((b, h, plan.t), dtype=acc, device=q.device)
@@ -307,6 +314,29 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
             out[:, :, q0:q1] = o.to(acc)
             lse[:, :, q0:q1] = m
     return out, lse
+
+
+def _one_call(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(out, lse)`` straight from the kernel where the plan is ONE unmasked kernel call
+    over every query (a decode step, a short dense call: one query block, one tile); None
+    otherwise. The general loop computes the same, into buffers it clears and copies into
+    (four more tensor ops: as much as the kernel of a short call)."""
+    blocks = plan.q_blocks()
+    if len(blocks) != 1 or blocks[0] != (0, plan.t):
+        return None
+    tiles = plan.tiles(0, plan.t, q.dtype, q.device)
+    if len(tiles) != 1 or tiles[0].masked:
+        return None
+    tile = tiles[0]  # every row keeps a key: all of them, or its causal square's part
+    return _FORWARD(
+        q,
+        k[:, :, tile.k0 : tile.k1],
+        v[:, :, tile.k0 : tile.k1],
+        0.0,
+        tile.square,
+        attn_mask=None,
+        scale=plan.scale,
+    )
 
 
 def backward(plan: TilePlan, q, k, v, out, lse, grad_out) -> tuple[torch.Tensor, ...]:

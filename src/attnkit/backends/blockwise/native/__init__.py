@@ -22,10 +22,12 @@ build compute every product with bf16 products (float32 softmax and sums), forwa
 backward, and are upcast on other builds; float16 is upcast, float64 runs on torch's
 kernel.
 
-A decode step (at most 8 query rows per key/value head) reads the keys and values where
-they are (bf16 ones converted as read, products in float32) instead of packing them, and
-a call with few query blocks splits its keys into ranges merged by their log-sum-exps
-(split-KV decoding; :data:`KV_SPLITS`; docs/serving.md).
+A decode step (at most :data:`DIRECT_ROWS` query rows per key/value head, contiguous or
+paged) reads the keys and values where they are (bf16 ones converted as read, products
+in float32) instead of packing them, skipping every weight of exactly 0 (a key the mask
+removes never reaches the row, NaN or not), and a call with few query blocks splits its
+keys into ranges merged by their log-sum-exps (split-KV decoding; :data:`KV_SPLITS`;
+docs/serving.md).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import ctypes
 import torch
 
 from attnkit import mod_graph
-from attnkit.backends.blockwise.native import abi, calibrate, codegen
+from attnkit.backends.blockwise.native import abi, calibrate, codegen, mask_codegen
 from attnkit.backends.blockwise.native.build import library, status, warn_once
 from attnkit.backends.blockwise.plan import Band, TilePlan
 from attnkit.block_mask import PARTIAL
@@ -46,9 +48,11 @@ __all__ = [
     "available",
     "backward",
     "bf16",
+    "explain_block_mask",
     "forward",
     "forward_paged",
     "isa",
+    "mask_program",
     "score_mod_program",
     "status",
     "why_not",
@@ -71,8 +75,10 @@ PAGED_ONE_THREAD = 2**20
 #: which is faster there (a 2-core AMD EPYC Zen 5, fp32, d=64, 2 threads, with the LSE:
 #: 32 rows took 1.09-1.29x its time at 2048-32768 keys, as the kernel packs every key for
 #: few products; 64 rows 0.73-0.90x, 128 rows 0.57-0.84x). Up to DIRECT_ROWS rows
-#: (attention.cpp's DIRECT_MAX_ROWS) the kernel reads the keys in place and splits them
+#: (attention.cpp's DIRECT_ROWS) the kernel reads the keys in place and splits them
 #: across the threads, which pays from about DIRECT_MIN_KEYS keys (1.13-1.48x at 2048).
+#: DIRECT_ROWS is the one decode bound of the kernel, contiguous and paged alike (a paged
+#: decode step of rows of different lengths, ``paged_decode``, is taken only this way).
 #: ``ATTNKIT_NATIVE_SPEED=fast`` (the tests) lets the kernel run these too.
 DIRECT_ROWS = 8
 DIRECT_MIN_KEYS = 4096
@@ -197,6 +203,38 @@ def _program(plan: TilePlan) -> codegen.CompiledMod | str:
     return codegen.compile_mod(graph, sizes)
 
 
+def mask_program(plan: TilePlan) -> mask_codegen.CompiledMask | str:
+    """The plan's block mask's traced ``mask_mod`` compiled into the kernel's mask test
+    (:func:`.mask_codegen.compile_mask`), or why not: a block mask that stores its tiles
+    (``BlockMask.stored_why``), or a build that failed (the kernel then reads the tiles,
+    evaluated once). Made once per plan (``plan.memo``)."""
+    if "native-mask-mod" not in plan.memo:
+        plan.memo["native-mask-mod"] = _mask_program(plan.block_mask)
+    return plan.memo["native-mask-mod"]
+
+
+def explain_block_mask(plan: TilePlan) -> str:
+    """One line: how the kernel reads the plan's block mask (a band, tiles it makes with
+    the generated mask_mod, or stored tiles, and why)."""
+    if not _band(plan)[2]:
+        return "block mask: read as a band (no tile read)"
+    program = mask_program(plan)
+    if isinstance(program, mask_codegen.CompiledMask):
+        return "block mask: partial tiles made in the kernel (the mask_mod, generated)"
+    return f"block mask: partial tiles stored ({program})"
+
+
+def _mask_program(bm) -> mask_codegen.CompiledMask | str:
+    if bm is None:
+        return "no block mask"
+    if bm.mask_graph is None:
+        return str(bm.stored_why)
+    bk, hk = bm.block_kind.shape[:2]
+    off = bm.graph_q_offset
+    sizes = (bk, hk, bm.Q_LEN, bm.KV_LEN, off, 0)
+    return mask_codegen.compile_mask(bm.mask_graph, sizes)
+
+
 def _program_of(plan: TilePlan) -> codegen.CompiledMod | None:
     """The plan's compiled score_mod where the kernel runs one (None: none, or a relative
     bias the kernel reads as a vector)."""
@@ -261,7 +299,15 @@ def _args(plan: TilePlan, q, k, v, out, lse) -> tuple[abi.Args, list[object]]:
     keep_alive: list[object] = []  # what the kernel reads, alive through the call
     bm = plan.block_mask
     if bm is not None and read_block_mask:
-        kind, index, masks = _block_mask_tensors(bm)
+        generated = None if bm.stored else mask_program(plan)
+        if isinstance(generated, mask_codegen.CompiledMask):  # rows made in-tile: no tiles read
+            mask_call = codegen.ModCall(generated, s - 1, bm.graph_q_offset, 0)
+            args.mask_row, args.mask_ctx = generated.row, mask_call.address
+            kind = bm.block_kind.to(torch.int8).contiguous()
+            index = masks = kind  # not read: the kernel reads kinds and calls mask_row
+            keep_alive.append(mask_call)
+        else:  # stored tiles (a generated mask whose code did not build: evaluated once)
+            kind, index, masks = _block_mask_tensors(bm)
         keep_alive += [kind, index, masks]
         args.bm_kind, args.bm_index, args.bm_masks = (
             kind.data_ptr(), index.data_ptr(), masks.data_ptr()

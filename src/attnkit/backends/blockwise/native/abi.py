@@ -14,7 +14,7 @@ import ctypes
 __all__ = ["ABI_VERSION", "CODES", "DT_BF16", "DT_F32", "Args", "Grads", "check", "typed"]
 
 #: ``ABI_VERSION`` of attention.cpp: bumped whenever ``Args`` or ``Grads`` change.
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 #: attention.cpp's return codes (``enum Code``) that the binding treats apart.
 OK, NO_MEMORY = 0, 4
@@ -76,6 +76,10 @@ class Args(ctypes.Structure):
         ("pages", _P),
         *((name, _I) for name in ("pages_sb", "page_size", "sk_page", "sv_page")),
         ("key_lens", _P),
+        # generated mask tests (native/codegen.py, compiled mask_mods): a block mask's
+        # PARTIAL tiles made row by row, no stored tile
+        ("mask_row", _P),
+        ("mask_ctx", _P),
     ]
 
 

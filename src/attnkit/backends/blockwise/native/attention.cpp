@@ -31,6 +31,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -61,7 +62,7 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int8_t EMPTY = 0, PARTIAL = 1, FULL = 2;  // attnkit.block_mask's kinds
 
 // Bumped whenever Args or Grads change; native/__init__.py checks it and the sizes at load.
-constexpr int64_t ABI_VERSION = 6;
+constexpr int64_t ABI_VERSION = 7;
 
 enum Code : int {
   OK = 0,
@@ -134,6 +135,12 @@ struct Args {
   // With pages, in a decode step (direct_keys): row b attends to its first key_lens[b]
   // keys (sequences of different lengths in one call); null: every row to S.
   const int64_t *key_lens;
+  // -- generated mask tests (feature "compiled mask_mods", native/codegen.py) --
+  // With mask_row set, a block mask's PARTIAL tiles have no stored bool tile (bm_index and
+  // bm_masks unused): mask_row(mask_ctx, b, h, i, c0, keep) writes keep[0..KC) = whether
+  // query i of (b, h) may attend to keys c0 .. c0 + KC (the traced mask_mod, generated).
+  void (*mask_row)(const void *, int64_t, int64_t, int64_t, int64_t, uint8_t *);
+  const void *mask_ctx;
 };
 
 // The gradients' tensors (contiguous: (B, H, T, DV), (B, H, T), (B, H, T, D),
@@ -169,12 +176,21 @@ class Pool {
     }
     wake_.notify_all();
     body();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // (varlen) slots no worker has taken yet are withdrawn: the work is done, so a worker
+      // the OS has not scheduled (a busy machine) is not waited for
+      running_ -= slots_;
+      slots_ = 0;
+    }
+    // (decode) a worker still running is on its last item: wait for it spinning a little
+    // before sleeping, so that a short call does not pay this thread's wake-up after it
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(SPIN_US);
+    while (running_.load(std::memory_order_acquire) != 0 &&
+           std::chrono::steady_clock::now() < until)
+      relax();
     std::unique_lock<std::mutex> lock(mu_);
-    // (varlen) slots no worker has taken yet are withdrawn: the work is done, so a worker
-    // the OS has not scheduled (a busy machine) is not waited for
-    running_ -= slots_;
-    slots_ = 0;
-    done_.wait(lock, [this] { return running_ == 0; });
+    done_.wait(lock, [this] { return running_.load(std::memory_order_acquire) == 0; });
     body_ = nullptr;
   }
 
@@ -191,16 +207,28 @@ class Pool {
         body = body_;
       }
       (*body)();
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--running_ == 0) done_.notify_all();
+      if (running_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        std::lock_guard<std::mutex> lock(mu_);  // (the caller may be about to wait)
+        done_.notify_all();
+      }
     }
+  }
+
+  static constexpr int64_t SPIN_US = 50;  // the longest the caller spins for a last item
+  static void relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
   }
 
   std::mutex run_mu_, mu_;
   std::condition_variable wake_, done_;
   std::vector<std::thread> workers_;
   const std::function<void()> *body_ = nullptr;
-  int64_t slots_ = 0, running_ = 0, generation_ = 0;
+  int64_t slots_ = 0, generation_ = 0;
+  std::atomic<int64_t> running_{0};  // workers holding a slot (read by the caller's spin)
 };
 
 Pool *g_pool = nullptr;
@@ -322,6 +350,7 @@ struct Chunk {
   const uint8_t *keep;  // the block mask's bool tile, or null
   int64_t keep_width;   // its row length (bm_kb, or KC for a chunk's rows assembled)
   int64_t keep_col;     // column of key c0 in that tile (negative: the chunk starts before it)
+  bool gen = false;     // a PARTIAL tile of a generated mask: Args.mask_row gives the rows
 };
 
 // f(chunk) for every chunk with index in [cmin, cmax] that the rows [i0, i1) of (b, h) may
@@ -338,7 +367,8 @@ void for_each_chunk(const Args &a, int64_t b, int64_t h, int64_t i0, int64_t i1,
   const int64_t hi = std::min({keys, i1 - 1 + a.band_hi + 1, (cmax + 1) * KC});
   if (lo >= hi) return;
   // keys [k0, k1), masked by `keep` (rows `width` long, key k0 at column keep_col0) or not
-  auto run = [&](int64_t k0, int64_t k1, const uint8_t *keep, int64_t width, int64_t keep_col0) {
+  auto run = [&](int64_t k0, int64_t k1, const uint8_t *keep, int64_t width, int64_t keep_col0,
+                 bool gen) {
     for (int64_t ci = k0 / KC; ci * KC < k1; ++ci) {
       Chunk c;
       c.ci = ci;
@@ -354,11 +384,12 @@ void for_each_chunk(const Args &a, int64_t b, int64_t h, int64_t i0, int64_t i1,
       c.keep = keep;
       c.keep_width = width;
       c.keep_col = keep_col0 + (c.c0 - k0);
+      c.gen = gen;
       f(c);
     }
   };
   if (!a.bm_kind) {
-    run(lo, hi, nullptr, 0, 0);
+    run(lo, hi, nullptr, 0, 0, false);
     return;
   }
   const int64_t kb = a.bm_kb, at = b * a.bm_sb + h * a.bm_sh + (i0 / a.bm_qb) * a.bm_si;
@@ -369,7 +400,11 @@ void for_each_chunk(const Args &a, int64_t b, int64_t h, int64_t i0, int64_t i1,
     for (int64_t bj = lo / kb; bj * kb < hi; ++bj) {
       if (kind[bj] == EMPTY) continue;
       const int64_t k0 = std::max(lo, bj * kb), k1 = std::min(hi, (bj + 1) * kb);
-      run(k0, k1, kind[bj] == FULL ? nullptr : tile(bj), kb, k0 - bj * kb);
+      if (kind[bj] == PARTIAL && a.mask_row) {  // generated: rows made in the Masker
+        run(k0, k1, nullptr, 0, 0, true);
+        continue;
+      }
+      run(k0, k1, kind[bj] == FULL ? nullptr : tile(bj), kb, k0 - bj * kb, false);
     }
     return;
   }
@@ -382,22 +417,28 @@ void for_each_chunk(const Args &a, int64_t b, int64_t h, int64_t i0, int64_t i1,
     }
     if (!any) continue;
     if (full) {
-      run(k0, k1, nullptr, 0, 0);
+      run(k0, k1, nullptr, 0, 0, false);
       continue;
     }
+    uint8_t gen_row[KC];  // a generated mask's row over the chunk (made at most once a row)
     for (int64_t r = 0; r < rows; ++r) {  // the chunk's row r: key c0 + n at column n
       uint8_t *row = buf + r * KC;
+      bool made = false;
       for (int64_t bj = k0 / kb; bj * kb < k1; ++bj) {
         const int64_t from = std::max(k0, bj * kb), to = std::min(k1, (bj + 1) * kb);
         if (kind[bj] == EMPTY || kind[bj] == FULL) {
           std::fill(row + (from - c0), row + (to - c0), uint8_t(kind[bj] == FULL));
+        } else if (a.mask_row) {
+          if (!made) a.mask_row(a.mask_ctx, b, h, i0 + r, c0, gen_row);
+          made = true;
+          std::copy(gen_row + (from - c0), gen_row + (to - c0), row + (from - c0));
         } else {
           const uint8_t *src = tile(bj) + r * kb - bj * kb;  // key k at src[k]
           std::copy(src + from, src + to, row + (from - c0));
         }
       }
     }
-    run(k0, k1, buf, KC, k0 - c0);
+    run(k0, k1, buf, KC, k0 - c0, false);
   }
 }
 
@@ -409,6 +450,7 @@ struct Masker {
   int64_t b, h;
   const float *rel;
   bool keep_direct, plain;
+  bool mod_plain;  // a compiled score_mod on a chunk with nothing else to mask: its output is x
   vi lane;
   uint8_t kbuf[KC], mbuf[KC];
   float fbuf[KC];
@@ -417,7 +459,9 @@ struct Masker {
   Masker(const Args &a_, const Chunk &c_, int64_t b_, int64_t h_) : a(a_), c(c_), b(b_), h(h_) {
     rel = a.rel ? a.rel + h * a.rel_sh : nullptr;
     keep_direct = c.keep && c.keep_col >= 0 && c.keep_col + KC <= c.keep_width;
-    plain = !c.band && !c.keep && !rel && !a.mask && c.lo == 0 && c.hi == KC && !a.mod_forward;
+    const bool nothing = !c.band && !c.keep && !c.gen && !rel && !a.mask && c.lo == 0 && c.hi == KC;
+    plain = nothing && !a.mod_forward;
+    mod_plain = nothing && a.mod_forward;
     lane = simd::lanes();
   }
 
@@ -439,6 +483,13 @@ struct Masker {
       for (int vv = 0; vv < NV; ++vv) x[vv] = simd::load(s + W * vv) * scale;
       return;
     }
+    if (mod_plain) {  // the mod's row is the row (mod_in kept for backward)
+      for (int vv = 0; vv < NV; ++vv) simd::store(mod_in + W * vv, simd::load(s + W * vv) * scale);
+      a.mod_forward(a.mod_ctx, b, h, i, c.c0, mod_in, mod_out);
+#pragma GCC unroll 16
+      for (int vv = 0; vv < NV; ++vv) x[vv] = simd::load(mod_out + W * vv);
+      return;
+    }
     int64_t lo = c.lo, hi = c.hi;  // the columns this row keeps by range and band
     if (c.band) {
       lo = std::min<int64_t>(KC, std::max<int64_t>(lo, i + a.band_lo - c.c0));
@@ -454,6 +505,10 @@ struct Masker {
           kbuf[j] = (j >= c.lo && j < c.hi) ? tile_row[c.keep_col + j] : 0;
         keep = kbuf;
       }
+    }
+    if (c.gen) {  // a generated mask's tile: the row made here (compiled mask_mods)
+      a.mask_row(a.mask_ctx, b, h, i, c.c0, kbuf);
+      keep = kbuf;
     }
     const uint8_t *mkeep = a.mask_kind == MASK_BOOL ? mask_row<uint8_t>(i, mbuf) : nullptr;
     const float *madd = a.mask_kind == MASK_FLOAT ? mask_row<float>(i, fbuf) : nullptr;
@@ -488,9 +543,12 @@ struct Scratch {
   std::vector<float> s, o, o_blk, m, l, l_blk, alpha;
   std::vector<uint8_t> keep;  // a chunk's assembled block-mask rows
   std::vector<uint16_t> p16;  // bf16 calls: the chunk's weights rounded to bf16
-  Scratch(const Args &a)
-      : s(a.bq * KC), o(a.bq * a.DV), o_blk(a.bq * a.DV), m(a.bq), l(a.bq * W),
-        l_blk(a.bq * W), alpha(a.bq), keep(a.bq * KC), p16(a.dtype == DT_BF16 ? a.bq * KC : 0) {}
+  Scratch(const Args &a) : Scratch(a, a.nseq > 0 ? a.bq : std::min(a.bq, a.T)) {}
+  // (rows: the most a block has; a decode step's one row, not bq, is allocated and zeroed
+  // per thread and call)
+  Scratch(const Args &a, int64_t rows)
+      : s(rows * KC), o(rows * a.DV), o_blk(rows * a.DV), m(rows), l(rows * W),
+        l_blk(rows * W), alpha(rows), keep(rows * KC), p16(a.dtype == DT_BF16 ? rows * KC : 0) {}
 };
 
 // What the forward's two products read: keys transposed (float32), or keys and values
@@ -569,10 +627,34 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
   }
 }
 
-// A decode step (few query rows per kv head) reads each key once, so packing the keys
-// first would cost as much as the products: its scores are dot products with the keys
-// where they are (direct_scores below; split-KV decoding splits them across threads).
-constexpr int64_t DIRECT_MAX_ROWS = 8;  // query rows per kv head up to which keys stay in place
+// ---------------------------------------------------------------------------------------
+// Decode steps (feature "decode"). A call with few query rows per kv head (DIRECT_ROWS:
+// one query of MHA, or a GQA group, per decode step) reads each key and value once, so
+// packing them first would cost as much as the products: its scores are dot products
+// with the keys where they are (direct_scores) and O += P V reads the values where they
+// are (decode_pv), contiguous or through the page table alike (kv_run), float32 or bf16
+// (converted as read, products and sums in float32). Split-KV decoding cuts the keys of
+// such a call into ranges across the threads (forward_split).
+//
+// The rule for a weight of exactly 0, one for every decode step (decode_pv, contiguous or
+// paged, float32 or bf16 values): it is skipped, never multiplied, so a key the mask, the
+// band or a row's key length removes contributes nothing even where its value is NaN or
+// inf (attnkit's "masked means removed": padding in a page full of garbage is safe), and
+// a row every key of which is removed keeps O = 0. Keys no row of the block keeps by the
+// band are not even read. (Longer blocks multiply their packed weights with simd::gemm;
+// there attnkit.attention zeroes the keys a mask removes for every query before the call.)
+//
+// While a run of keys' scores are summed, the same keys' values are asked for (prefetch),
+// so that P V finds them in cache, and the keys AHEAD on (no hardware prefetcher follows
+// a page table, and on a busy machine not even a contiguous cache is read far enough
+// ahead).
+// ---------------------------------------------------------------------------------------
+
+// Query rows per kv head up to which a call is a decode step (paged too: rows of
+// different key lengths, Args.key_lens, are only taken this way).
+constexpr int64_t DIRECT_ROWS = 8;
+
+bool direct_keys(const Args &a) { return a.T * (a.H / a.HKV) <= DIRECT_ROWS; }
 
 inline float as_f32(float x) { return x; }
 inline float as_f32(uint16_t x) {  // bf16: the high half of a float32
@@ -590,61 +672,77 @@ inline vf load_f32(const T *p) {
   }
 }
 
-// o (rows x DV) = alpha o + P V over the chunk's columns [lo, hi), bf16 values where they
-// are (p: the float32 weights, rows of KC).
-void direct_pv_bf16(const Args &a, const uint16_t *vh, const float *p, int64_t rows,
-                    const Chunk &c, float *o, const float *alpha) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float *orow = o + r * a.DV;
-    const vf al = simd::splat(alpha[r]);
-    for (int64_t d = 0; d < a.DV; d += W) simd::store(orow + d, simd::load(orow + d) * al);
-    for (int64_t j = c.lo; j < c.hi; ++j) {
-      const float pj = p[r * KC + j];
-      if (pj == 0.0f) continue;
-      const vf pv = simd::splat(pj);
-      const uint16_t *vr = vh + (c.c0 + j) * a.sv_t;
-      for (int64_t d = 0; d < a.DV; d += W)
-        simd::store(orow + d, simd::load(orow + d) + pv * load_f32(vr + d));
-    }
-  }
+// A hint that the `bytes` at p are read soon (never faults, whatever p is).
+inline void prefetch(const void *p, int64_t bytes) {
+  const char *x = static_cast<const char *>(p);
+  for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(x + at);
 }
 
-// Paged decoding (PagedKVCache): where few query rows read each kv head (a decode step),
-// their scores are dot products with the keys read in place through the page table, one
-// key at a time: packing every key first would cost as much as the products themselves.
-constexpr int64_t DIRECT_ROWS = 4;  // most query rows per kv head read this way
+enum Side { KEYS, VALUES };
 
-bool direct_keys(const Args &a) {
-  return a.pages && a.T * (a.H / a.HKV) <= DIRECT_ROWS;
-}
-
-// Keys j .. j + n - 1 of (b, hk) lie at k0 + x * sk_t: returns k0 and sets n, the run up to
-// `end` (paged: up to the end of key j's page; one division a run).
-template <class T>
-const T *key_run(const Args &a, int64_t b, int64_t hk, int64_t j, int64_t end, int64_t &n) {
-  const T *k = static_cast<const T *>(static_cast<const void *>(a.k));
+// Keys (or values) j .. j + n - 1 of (b, hk) lie at x0 + x * sk_t (sv_t): returns x0 and
+// sets n, the run up to `end` (paged: up to the end of key j's page).
+template <class T, Side SIDE = KEYS>
+const T *kv_run(const Args &a, int64_t b, int64_t hk, int64_t j, int64_t end, int64_t &n) {
+  const bool keys = SIDE == KEYS;
+  const T *x = static_cast<const T *>(static_cast<const void *>(keys ? a.k : a.v));
+  const int64_t sh = keys ? a.sk_h : a.sv_h, st = keys ? a.sk_t : a.sv_t;
   if (!a.pages) {
     n = end - j;
-    return k + b * a.sk_b + hk * a.sk_h + j * a.sk_t;
+    return x + b * (keys ? a.sk_b : a.sv_b) + hk * sh + j * st;
   }
-  const int64_t off = j % a.page_size;
-  n = std::min(end - j, a.page_size - off);
-  return k + a.pages[b * a.pages_sb + j / a.page_size] * a.sk_page + hk * a.sk_h + off * a.sk_t;
+  const int64_t ps = a.page_size;
+  int64_t page, off;
+  if ((ps & (ps - 1)) == 0) {  // a power of two (the usual page sizes): no division
+    page = j >> __builtin_ctzll(uint64_t(ps)), off = j & (ps - 1);
+  } else {
+    page = j / ps, off = j % ps;
+  }
+  n = std::min(end - j, ps - off);
+  return x + a.pages[b * a.pages_sb + page] * (keys ? a.sk_page : a.sv_page) + hk * sh +
+         off * st;
 }
 
-// A decode step's scores, keys read where they are (contiguous, or through the page
-// table): s (nr rows of KC) = the rows q (stride sq_t) . the chunk's keys [c0 + lo,
-// c0 + hi); the other columns 0 (the softmax drops them). T: float, or uint16_t for bf16
-// (converted as read, products in float32).
+// Asks for the keys of (b, hk) AHEAD keys on from those whose scores are being summed,
+// key by key, through the page table where there is one (one lookup a page).
+constexpr int64_t AHEAD = 32;
 template <class T>
+struct Ahead {
+  const Args &a;
+  int64_t b, hk, j, keys, row_bytes, n = 0;  // the next key asked for; n: left in its run
+  const T *p = nullptr;
+  Ahead(const Args &a_, int64_t b_, int64_t hk_, int64_t j_, int64_t keys_, int64_t row_bytes_)
+      : a(a_), b(b_), hk(hk_), j(j_), keys(keys_), row_bytes(row_bytes_) {}
+  void next(int64_t count) {
+    for (; count > 0 && j < keys; --count, ++j, --n, p += a.sk_t) {
+      if (n == 0) p = kv_run<T>(a, b, hk, j, keys, n);
+      prefetch(p, row_bytes);
+    }
+  }
+};
+
+// A decode step's scores: s (nr rows of KC) = the rows q (stride sq_t) . the chunk's keys
+// [c0 + lo, c0 + hi) read where they are; the other columns 0 (the softmax drops them).
+// T: float, or uint16_t for bf16; DIM: the head size when known at compile time (the
+// common ones: the loops over it unrolled), or 0.
+template <class T, int DIM>
 void direct_scores(const Args &a, int64_t b, int64_t hk, const T *q, int64_t nr,
                    const Chunk &c, float *s) {
   constexpr int U = 4;  // keys at once: independent sums keep the FMA units busy
+  static_assert(U == 4, "the sums are reduced four at a time (simd::hsum4)");
+  const int64_t D = DIM ? DIM : a.D;
+  const int64_t krow = D * int64_t(sizeof(T)), vrow = a.DV * int64_t(sizeof(T));
+  const int64_t keys = a.key_lens ? a.key_lens[b] : a.S;  // (paged: what the table reaches)
+  Ahead<T> ahead(a, b, hk, c.c0 + c.lo + AHEAD, keys, krow);
   std::fill(s, s + nr * KC, 0.0f);
   for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi, n = 0; j < end; j += n) {
-    const T *k0 = key_run<T>(a, b, hk, j, end, n);
+    const T *k0 = kv_run<T>(a, b, hk, j, end, n);
+    int64_t n_v = 0;
+    const T *v0 = kv_run<T, VALUES>(a, b, hk, j, end, n_v);  // this run's values
     for (int64_t x0 = 0; x0 < n; x0 += U) {
       const int u = int(std::min<int64_t>(U, n - x0));
+      for (int x = 0; x < u; ++x) prefetch(v0 + (x0 + x) * a.sv_t, vrow);
+      ahead.next(u);
       const T *kj[U];
       for (int x = 0; x < U; ++x) kj[x] = k0 + (x0 + std::min(x, u - 1)) * a.sk_t;
       for (int64_t r = 0; r < nr; ++r) {
@@ -652,68 +750,119 @@ void direct_scores(const Args &a, int64_t b, int64_t hk, const T *q, int64_t nr,
         vf acc[U];
         for (int x = 0; x < U; ++x) acc[x] = simd::splat(0.0f);
         int64_t d = 0;
-        for (; d + W <= a.D; d += W) {
+#if defined(ATTNKIT_BF16)
+        if constexpr (std::is_same_v<T, uint16_t>)  // bf16 pairs multiplied as they are
+          for (; d + 2 * W <= D; d += 2 * W)
+            for (int x = 0; x < U; ++x) acc[x] = simd::dot_bf16(acc[x], qr + d, kj[x] + d);
+#endif
+        for (; d + W <= D; d += W) {
           const vf qv = load_f32(qr + d);
           for (int x = 0; x < U; ++x) acc[x] += qv * load_f32(kj[x] + d);
         }
+        float dots[U];
+        simd::hsum4(acc, dots);
         for (int x = 0; x < u; ++x) {
-          float dot = simd::hsum(acc[x]);
-          for (int64_t e = d; e < a.D; ++e) dot += as_f32(qr[e]) * as_f32(kj[x][e]);
-          s[r * KC + (j + x0 + x - c.c0)] = dot;
+          for (int64_t e = d; e < D; ++e) dots[x] += as_f32(qr[e]) * as_f32(kj[x][e]);
+          s[r * KC + (j + x0 + x - c.c0)] = dots[x];
         }
       }
     }
   }
 }
 
-// Paged values (PagedKVCache): O += P V over the chunk's columns, one page's run of keys
-// at a time. A row at a time (decode rows, and bf16 values, converted as read): 4 vectors
-// of the row's O kept in registers over all the keys; float32 blocks of rows: simd::gemm
-// per run (the first run applies O's rescale, the others add).
-template <class T>
-void paged_pv_row(const Args &a, int64_t b, int64_t hk, const Chunk &c, const float *p,
-                  float al, float *o) {
-  constexpr int NA = 4;
-  const T *v = static_cast<const T *>(static_cast<const void *>(a.v));
-  for (int64_t d0 = 0; d0 < a.DV; d0 += NA * W) {
-    const int nv = int(std::min<int64_t>(NA, (a.DV - d0) / W));
-    vf acc[NA];
-    for (int x = 0; x < nv; ++x) acc[x] = simd::load(o + d0 + x * W) * simd::splat(al);
-    for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi; j < end;) {
-      const int64_t off = j % a.page_size, n = std::min(end - j, a.page_size - off);
-      const T *vp = v + a.pages[b * a.pages_sb + j / a.page_size] * a.sv_page + hk * a.sv_h +
-                    off * a.sv_t + d0;
-      for (int64_t x0 = 0; x0 < n; ++x0) {
-        const vf pj = simd::splat(p[j + x0 - c.c0]);
-        for (int x = 0; x < nv; ++x) acc[x] += pj * load_f32(vp + x0 * a.sv_t + x * W);
+// decode_pv's register tile: R rows x NA vectors of O (dims d0 ..), over the chunk's
+// columns, values read in runs where they are.
+template <class T, int R, int NA>
+inline void decode_pv_tile(const Args &a, int64_t b, int64_t hk, const Chunk &c,
+                           const float *p, const float *alpha, float *o, int64_t d0) {
+  vf acc[R][NA];
+  for (int r = 0; r < R; ++r) {
+    const vf al = simd::splat(alpha[r]);
+    for (int x = 0; x < NA; ++x) acc[r][x] = simd::load(o + r * a.DV + d0 + x * W) * al;
+  }
+  for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi, n = 0; j < end; j += n) {
+    const T *v0 = kv_run<T, VALUES>(a, b, hk, j, end, n) + d0;
+    const float *pj = p + (j - c.c0);
+    for (int64_t x0 = 0; x0 < n; ++x0) {
+      vf vv[NA];
+      for (int x = 0; x < NA; ++x) vv[x] = load_f32(v0 + x0 * a.sv_t + x * W);
+      for (int r = 0; r < R; ++r) {
+        const float pw = pj[r * KC + x0];
+        if (pw == 0.0f) continue;  // the rule above: a removed key's value is never used
+        const vf w = simd::splat(pw);
+        for (int x = 0; x < NA; ++x) acc[r][x] += w * vv[x];
       }
-      j += n;
     }
-    for (int x = 0; x < nv; ++x) simd::store(o + d0 + x * W, acc[x]);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int x = 0; x < NA; ++x) simd::store(o + r * a.DV + d0 + x * W, acc[r][x]);
+}
+
+// A decode step's O (nr rows x DV) = alpha (.) O + P V over the chunk's columns [lo, hi),
+// p the float32 weights (rows of KC), the values read where they are (contiguous or
+// paged, float32 or bf16): the one P V of every decode step (the rule above).
+template <class T>
+void decode_pv(const Args &a, int64_t b, int64_t hk, const Chunk &c, int64_t nr,
+               const float *p, const float *alpha, float *o) {
+  constexpr int NA = 4;                   // vectors of O a tile keeps
+  constexpr int RB = W == 8 ? 2 : 4;      // rows a tile keeps (AVX2: 16 registers)
+  for (int64_t r0 = 0; r0 < nr; r0 += RB) {
+    const int rn = int(std::min<int64_t>(RB, nr - r0));
+    const float *pr = p + r0 * KC, *al = alpha + r0;
+    float *orow = o + r0 * a.DV;
+    for (int64_t d0 = 0; d0 < a.DV; d0 += NA * W) {
+      const int nv = int(std::min<int64_t>(NA, (a.DV - d0) / W));
+#define ATTNKIT_PV(R, N) decode_pv_tile<T, R, N>(a, b, hk, c, pr, al, orow, d0)
+#define ATTNKIT_PV_ROWS(R)          \
+  switch (nv) {                     \
+    case 4: ATTNKIT_PV(R, 4); break; \
+    case 3: ATTNKIT_PV(R, 3); break; \
+    case 2: ATTNKIT_PV(R, 2); break; \
+    default: ATTNKIT_PV(R, 1);      \
+  }
+      switch (rn) {
+        case 1: ATTNKIT_PV_ROWS(1) break;
+        case 2: ATTNKIT_PV_ROWS(2) break;
+        case 3: if constexpr (RB >= 3) ATTNKIT_PV_ROWS(3) break;
+        default: if constexpr (RB >= 4) ATTNKIT_PV_ROWS(4)
+      }
+#undef ATTNKIT_PV_ROWS
+#undef ATTNKIT_PV
+    }
   }
 }
 
+// One chunk of a decode step (T: float, or uint16_t for bf16): scores, the softmax on
+// float32 weights, P V; q the block's first row.
+// (f32: `a` with dtype DT_F32, what the softmax reads.)
+template <class T>
+void decode_chunk(const Args &a, const Args &f32, int64_t b, int64_t h, int64_t hk, int64_t i0,
+                  const Chunk &c, Scratch &w) {
+  const int64_t nr = c.r1 - c.r0;
+  const T *q = static_cast<const T *>(static_cast<const void *>(a.q)) + b * a.sq_b + h * a.sq_h;
+  float *s = w.s.data() + c.r0 * KC;
+  const T *qi = q + (i0 + c.r0) * a.sq_t;
+  if (a.D == 64)
+    direct_scores<T, 64>(a, b, hk, qi, nr, c, s);
+  else if (a.D == 128)
+    direct_scores<T, 128>(a, b, hk, qi, nr, c, s);
+  else
+    direct_scores<T, 0>(a, b, hk, qi, nr, c, s);
+  softmax(f32, b, h, i0, c, w);  // (bf16 too: float32 weights in s)
+  decode_pv<T>(a, b, hk, c, nr, s, w.alpha.data() + c.r0, w.o_blk.data() + c.r0 * a.DV);
+}
+
+// Paged values of a block of query rows that is no decode step (chunked prefill,
+// float32: bf16 values are packed): O += P V per page's run of keys with simd::gemm (the
+// first run applies O's rescale, the others add).
 void paged_pv(const Args &a, int64_t b, int64_t hk, const Chunk &c, int64_t nr, const float *s,
               Scratch &w) {
-  if (nr == 1 || a.dtype == DT_BF16) {
-    for (int64_t r = 0; r < nr; ++r) {
-      float *o = w.o_blk.data() + (c.r0 + r) * a.DV;
-      if (a.dtype == DT_BF16)
-        paged_pv_row<uint16_t>(a, b, hk, c, s + r * KC, w.alpha[c.r0 + r], o);
-      else
-        paged_pv_row<float>(a, b, hk, c, s + r * KC, w.alpha[c.r0 + r], o);
-    }
-    return;
-  }
   const float *alpha = w.alpha.data() + c.r0;
-  for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi; j < end;) {
-    const int64_t off = j % a.page_size, n = std::min(end - j, a.page_size - off);
-    const float *vp = a.v + a.pages[b * a.pages_sb + j / a.page_size] * a.sv_page +
-                      hk * a.sv_h + off * a.sv_t;
+  for (int64_t j = c.c0 + c.lo, end = c.c0 + c.hi, n = 0; j < end; j += n) {
+    const float *vp = kv_run<float, VALUES>(a, b, hk, j, end, n);
     simd::gemm<true>(w.o_blk.data() + c.r0 * a.DV, a.DV, nr, a.DV, s + (j - c.c0), KC, 1, vp,
                      a.sv_t, n, alpha);
     alpha = nullptr;
-    j += n;
   }
 }
 
@@ -740,25 +889,16 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
     std::fill(w.l_blk.begin(), w.l_blk.begin() + rows * W, 0.0f);
   };
   for_each_chunk(a, b, h, i0, i1, cmin, cmax, w.keep.data(), [&](const Chunk &c) {
+    if (ops.direct) {  // a decode step: keys and values read in place
+      if (a.dtype == DT_BF16)
+        decode_chunk<uint16_t>(a, as_float32, b, h, hk, i0, c, w);
+      else
+        decode_chunk<float>(a, a, b, h, hk, i0, c, w);
+      if (++seen % SUPER == 0) gather();
+      return;
+    }
     const int64_t nr = c.r1 - c.r0;
     float *s = w.s.data() + c.r0 * KC;
-    if (ops.direct && a.dtype == DT_BF16 && a.pages) {  // paged bf16 decode: float32 products
-      const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
-      direct_scores(a, b, hk, q16 + (i0 + c.r0) * a.sq_t, nr, c, s);
-      softmax(as_float32, b, h, i0, c, w);
-      paged_pv(a, b, hk, c, nr, s, w);
-      if (++seen % SUPER == 0) gather();
-      return;
-    }
-    if (ops.direct && a.dtype == DT_BF16 && !a.pages) {  // a decode step's bf16: float32 products
-      const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
-      const uint16_t *v16 = reinterpret_cast<const uint16_t *>(a.v) + b * a.sv_b + hk * a.sv_h;
-      direct_scores(a, b, hk, q16 + (i0 + c.r0) * a.sq_t, nr, c, s);
-      softmax(as_float32, b, h, i0, c, w);
-      direct_pv_bf16(a, v16, s, nr, c, w.o_blk.data() + c.r0 * a.DV, w.alpha.data() + c.r0);
-      if (++seen % SUPER == 0) gather();
-      return;
-    }
 #if defined(ATTNKIT_BF16)
     if (a.dtype == DT_BF16) {
       const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
@@ -775,11 +915,8 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       return;
     }
 #endif
-    if (ops.direct)
-      direct_scores(a, b, hk, qh + (i0 + c.r0) * a.sq_t, nr, c, s);
-    else
-      simd::gemm<false>(s, KC, nr, KC, qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1,
-                        ops.kt.chunk(a, b, hk, c.ci), KC, a.D, nullptr);
+    simd::gemm<false>(s, KC, nr, KC, qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1,
+                      ops.kt.chunk(a, b, hk, c.ci), KC, a.D, nullptr);
     softmax(a, b, h, i0, c, w);
     if (a.pages)
       paged_pv(a, b, hk, c, nr, s, w);
@@ -989,7 +1126,7 @@ Code check(const Args &a) {
   if (a.bm_kind && a.bq != a.bm_qb) return BAD_BLOCK_ROWS;
   if (a.dtype != DT_F32 && a.dtype != DT_BF16) return BAD_DTYPE;
   if (a.pages && a.page_size <= 0) return BAD_SHAPE;
-  if (a.key_lens && !direct_keys(a)) return BAD_SHAPE;
+  if (a.key_lens && (!a.pages || !direct_keys(a))) return BAD_SHAPE;
   return OK;
 }
 
@@ -1012,8 +1149,8 @@ Code pack_forward(const Args &a, Operands &ops) {
 #if !defined(ATTNKIT_BF16)
   if (a.dtype == DT_BF16) return BAD_DTYPE;
 #endif
-  // a decode step: keys read in place (paged: through the page table, float32 only)
-  if (a.pages ? direct_keys(a) : a.T * (a.H / a.HKV) <= DIRECT_MAX_ROWS) {
+  // a decode step: keys and values read in place (contiguous or through the page table)
+  if (direct_keys(a)) {
     ops.direct = true;
     ops.kt.chunks = (a.S + KC - 1) / KC;
     return OK;
@@ -1042,6 +1179,7 @@ Code pack_forward(const Args &a, Operands &ops) {
 
 constexpr int64_t SPLIT_ITEMS = 32;        // work items a split call aims at
 constexpr int64_t SPLIT_MIN_CHUNKS = 16;   // key chunks per range at least (1024 keys)
+constexpr int64_t SPLIT_MERGE_ALONE = 1 << 16;  // partial floats merged by the caller alone
 
 int64_t kv_splits(const Args &a, int64_t work, int64_t chunks) {
   int64_t splits = a.kv_splits;
@@ -1066,7 +1204,9 @@ Code forward_split(const Args &a, const Operands &ops, int64_t nq, int64_t split
                   (r + 1) * chunks / splits - 1);
   });
   if (err) return err;
-  return parallel<NoState>(a, rows, [&](NoState &, int64_t row) {
+  Args merge = a;  // few rows (a decode step): merged on this thread, no other woken
+  if (rows * splits * a.DV < SPLIT_MERGE_ALONE) merge.threads = 1;
+  return parallel<NoState>(merge, rows, [&](NoState &, int64_t row) {
     const int64_t b = row / (a.H * a.T), h = (row / a.T) % a.H, i = row % a.T;
     float *o = a.out + b * a.so_b + h * a.so_h + i * a.so_t;
     float m = NEG_INF;

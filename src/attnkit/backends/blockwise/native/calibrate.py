@@ -107,8 +107,19 @@ def speed(dtype: torch.dtype = torch.float32, keys: int | None = None) -> Speed:
     if forced in ("fast", "slow"):
         ratio = 0.5 if forced == "fast" else 2.0
         return Speed(ratio, ratio, FORCED)
+    key = cache_key(dtype, keys)
+    with _lock:
+        if key not in _cache:
+            _cache[key] = _load_or_measure(key, dtype, key[-1])
+    return _cache[key]
+
+
+def cache_key(dtype: torch.dtype = torch.float32, keys: int | None = None) -> tuple:
+    """What a measurement is kept under: the loaded build, torch's version, the thread
+    count, the vector code of torch's kernels, the dtype and the measured length (last)
+    that decides calls against ``keys`` keys."""
     tokens = CASE[2] if keys is None or keys <= 2 * CASE[2] else LONG_TOKENS
-    key = (
+    return (
         build.status(),
         torch.__version__,
         torch.get_num_threads(),
@@ -116,10 +127,6 @@ def speed(dtype: torch.dtype = torch.float32, keys: int | None = None) -> Speed:
         str(dtype).removeprefix("torch."),
         tokens,
     )
-    with _lock:
-        if key not in _cache:
-            _cache[key] = _load_or_measure(key, dtype, tokens)
-    return _cache[key]
 
 
 def _cache_file(key: tuple) -> Path | None:

@@ -30,11 +30,15 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from attnkit.backends.blockwise.native.build import build_generated, selected_isa
 from attnkit.mod_graph import ModGraph, Node
+
+if TYPE_CHECKING:  # (mask_codegen builds on this module)
+    from attnkit.backends.blockwise.native.mask_codegen import CompiledMask
 
 __all__ = ["CompiledMod", "ModCall", "compile_mod", "generate", "source"]
 
@@ -136,6 +140,7 @@ class _Gen:
     shapes: list[tuple[int, ...]]
     wraps: set[int]  # (node, dim) packed as node * 64 + dim: indices that may be negative
     grad_slots: dict[int, int]  # slot -> offset into dgrad
+    exact: bool = False  # a mask: every float op as torch rounds it (no reciprocal products)
     lane: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -182,7 +187,7 @@ class _Gen:
                 if dt == "int"
                 else ("true" if node.value else "false")
             )
-        inv = self.const_divisor(n) if op == "div" and lane else None
+        inv = self.const_divisor(n) if op == "div" and lane and not self.exact else None
         if inv is not None:  # by a constant: times its float32 reciprocal (within an ulp)
             return f"({a[0]} * {_flt(inv)})"
         if op in ("add", "sub", "mul", "div"):
@@ -402,6 +407,24 @@ class _Gen:
         out += [f"    simd::store(y + W * vv, {self.vec(self.graph.output)});", "  }", "}"]
         return "\n".join(out)
 
+    def mask_row(self, b_used: bool, h_used: bool) -> str:
+        """``attnkit_mask_row(ctx, b, h, i, c0, keep)``: ``keep[0..KC)`` = the mask_mod's
+        bool for query ``q_base + i`` and keys ``k_base + c0 ..`` (as 1 / 0 bytes). ``b`` /
+        ``h`` read as 0 where the block mask does not depend on them (FlexAttention's
+        ``B=None`` / ``H=None``: the mod sees index 0)."""
+        out = self.header("attnkit_mask_row", "uint8_t *keep")
+        out[3:3] = [f"  {x}_ = 0;" for x, used in (("b", b_used), ("h", h_used)) if not used]
+        out += ["  " + s for s in self.values(rows=True, offsets=False)]
+        out += self.loop_head()
+        out += ["    " + s for s in self.values(rows=False, offsets=False)]
+        out += [
+            f"    const vi keep_v = {self.vec(self.graph.output)};",
+            "    for (int l = 0; l < W; ++l) keep[W * vv + l] = uint8_t(keep_v[l] != 0);",
+            "  }",
+            "}",
+        ]
+        return "\n".join(out)
+
     def differentiable(self) -> list[bool]:
         diff: list[bool] = []
         for node in self.graph.nodes:
@@ -539,6 +562,9 @@ def source(graph: ModGraph, wraps: set[int], grad_slots: dict[int, int]) -> str:
     return "\n".join(lines)
 
 
+# -- mask_mods: the kernel's per-element mask test (block masks with no stored tiles) ----
+
+
 def _check_library(lib: ctypes.CDLL) -> str | None:
     try:
         lib.attnkit_mod_abi.restype = ctypes.c_int64
@@ -626,7 +652,9 @@ class ModCall:
     copies (float32 / int32 / uint8) and the ``ModCtx`` pointing at them, kept alive
     while the object lives."""
 
-    def __init__(self, compiled: CompiledMod, last_key: int, q_base: int, k_base: int) -> None:
+    def __init__(
+        self, compiled: CompiledMod | CompiledMask, last_key: int, q_base: int, k_base: int
+    ) -> None:
         self.compiled = compiled
         self.copies = [_kernel_copy(t) for t in compiled.graph.tensors]
         self.ptrs = (ctypes.c_void_p * max(1, len(self.copies)))(
@@ -643,7 +671,9 @@ class ModCall:
     def gradients(self, dgrad: torch.Tensor) -> dict[int, torch.Tensor]:
         """``{slot: gradient}`` (each shaped and typed as its tensor) from the kernel's
         ``(ngrad,)`` float64 buffer."""
-        out = {}
+        out: dict[int, torch.Tensor] = {}
+        if not isinstance(self.compiled, CompiledMod):  # a mask has no gradients
+            return out
         for slot, at in self.compiled.grad_slots.items():
             t = self.compiled.graph.tensors[slot]
             out[slot] = dgrad[at : at + t.numel()].view(t.shape).to(t.dtype)

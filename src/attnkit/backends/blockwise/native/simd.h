@@ -84,16 +84,18 @@ inline vi nonzero(const uint8_t *p) {
   std::memcpy(&b, p, sizeof b);
   return __builtin_convertvector(b, vi) != 0;
 }
-// W bf16 values (the high halves of float32s) at p, as float32 lanes.
+// W bf16 values (the high halves of float32s) at p, as float32 lanes: each widened and
+// shifted into the high half (two instructions on every target).
 inline vf load_bf16(const uint16_t *p) {
-  typedef uint16_t vh __attribute__((vector_size(2 * W)));
-  typedef uint32_t vu __attribute__((vector_size(4 * W)));
-  vh h;
-  std::memcpy(&h, p, sizeof h);
-  const vu u = __builtin_convertvector(h, vu) << 16;
-  vf r;
-  std::memcpy(&r, &u, sizeof r);
-  return r;
+#if ATTNKIT_W == 16
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i *>(p));
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#elif ATTNKIT_W == 8
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i *>(p));
+  return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+#else
+  return (vf)vshll_n_u16(vld1_u16(p), 16);
+#endif
 }
 inline vi lanes() {
   vi r;
@@ -122,6 +124,36 @@ inline float hmax(vf x) {
   return _mm_cvtss_f32(_mm_max_ss(v, _mm_movehdup_ps(v)));
 #else
   return vmaxvq_f32((float32x4_t)x);
+#endif
+}
+// out[x] = the sum of the lanes of v[x], x < 4: four reductions as one transposing tree
+// (a few shuffles for all four instead of log2 W for each).
+inline void hsum4(const vf *v, float *out) {
+#if ATTNKIT_W == 16
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps((__m512)v[0], (__m512)v[1]),
+                                  _mm512_unpackhi_ps((__m512)v[0], (__m512)v[1]));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps((__m512)v[2], (__m512)v[3]),
+                                  _mm512_unpackhi_ps((__m512)v[2], (__m512)v[3]));
+  // per 128-bit lane: the four rows' partial sums, in order
+  const __m512 u = _mm512_add_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t0), _mm512_castps_pd(t1))));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#elif ATTNKIT_W == 8
+  const __m256 t0 = _mm256_add_ps(_mm256_unpacklo_ps((__m256)v[0], (__m256)v[1]),
+                                  _mm256_unpackhi_ps((__m256)v[0], (__m256)v[1]));
+  const __m256 t1 = _mm256_add_ps(_mm256_unpacklo_ps((__m256)v[2], (__m256)v[3]),
+                                  _mm256_unpackhi_ps((__m256)v[2], (__m256)v[3]));
+  const __m256 u = _mm256_add_ps(
+      _mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(t0), _mm256_castps_pd(t1))),
+      _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(t0), _mm256_castps_pd(t1))));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+#else
+  const float32x4_t p01 = vpaddq_f32((float32x4_t)v[0], (float32x4_t)v[1]);
+  const float32x4_t p23 = vpaddq_f32((float32x4_t)v[2], (float32x4_t)v[3]);
+  vst1q_f32(out, vpaddq_f32(p01, p23));
 #endif
 }
 inline bool any_nan(vf x) {
@@ -279,6 +311,13 @@ inline void gemm_bf16(float *c, int64_t ldc, int64_t rows, int64_t cols, const u
       }
     }
   }
+}
+
+// acc + the products of the 2 W bf16 at a and at b, lane l summing the pair 2l, 2l + 1
+// (vdpbf16ps: bf16 products are exact in float32; denormal inputs read as 0).
+inline vf dot_bf16(vf acc, const uint16_t *a, const uint16_t *b) {
+  return (vf)_mm512_dpbf16_ps((__m512)acc, (__m512bh)_mm512_loadu_si512(a),
+                              (__m512bh)_mm512_loadu_si512(b));
 }
 
 // The W floats of x rounded to bf16 (round to nearest even), stored in order at dst.
