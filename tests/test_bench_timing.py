@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from attnkit.bench.timing import Case, Unsupported, time_case, time_cases
 
 
@@ -44,3 +46,35 @@ def test_the_benches_do_not_import_each_other():
     code = "import sys, attnkit.bench.kernel_layer; print('attnkit.bench.suite' in sys.modules)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert r.stdout.strip() == "False"
+
+
+def test_interleaved_samples_last_min_sample_and_rounds_are_shuffled(monkeypatch):
+    """On a fake clock: a 2 ms call is repeated 5 times per 10 ms sample, a 20 ms call
+    once; every round runs each sample once, not always in the same order; the times
+    are per call."""
+    from attnkit.bench import timing
+
+    now = [0.0]
+    order: list[str] = []
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+
+    def call(name: str, seconds: float):
+        def run():
+            order.append(name)
+            now[0] += seconds
+
+        return run
+
+    times = timing.interleaved({"a": call("a", 0.002), "b": call("b", 0.02)}, 6, 0.01, seed=1)
+    assert times["a"] == pytest.approx([0.002] * 6) and times["b"] == pytest.approx([0.02] * 6)
+    timed = order[4:]  # after two warm-up calls each
+    assert len(timed) == 6 * (5 + 1)
+    firsts = {timed[i * 6] for i in range(6)}  # which sample opened each round
+    assert firsts == {"a", "b"}
+
+
+def test_spread_is_median_and_quartiles():
+    from attnkit.bench.timing import spread
+
+    assert spread([3.0]) == (3.0, 3.0, 3.0)
+    assert spread([1.0, 2.0, 3.0, 4.0, 100.0]) == (3.0, 2.0, 4.0)

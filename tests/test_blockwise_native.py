@@ -498,7 +498,7 @@ def test_the_engines_are_chosen_once_per_call_with_their_reasons(monkeypatch):
     for name in ("why_not", "why_not_backward"):
         original = getattr(native, name)
         monkeypatch.setattr(
-            native, name, lambda *a, _o=original, _n=name: asked.append(_n) or _o(*a)
+            native, name, lambda *a, _o=original, _n=name, **kw: asked.append(_n) or _o(*a, **kw)
         )
     built = []
     original_plan_call = engines_module.plan_call
@@ -666,7 +666,9 @@ def test_stands_aside_with_a_reason(kwargs, why, calls, monkeypatch):
     """Calls the kernel cannot run go to torch's fused kernel, results unchanged."""
     reasons: list[str | None] = []
     original = native.why_not
-    monkeypatch.setattr(native, "why_not", lambda *a: reasons.append(original(*a)) or reasons[-1])
+    monkeypatch.setattr(
+        native, "why_not", lambda *a, **kw: reasons.append(original(*a, **kw)) or reasons[-1]
+    )
     dtype = kwargs.get("dtype", torch.float32)
     d = kwargs.get("dv", 16)
     q, k, v = _qkv(1, 2, 2, 90, 90, d, d, seed=18, dtype=dtype)

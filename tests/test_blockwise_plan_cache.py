@@ -206,7 +206,7 @@ def test_calibration_and_row_bounds_are_seen(monkeypatch):
     native.DIRECT_MIN_KEYS keys: a new calibration, or a new bound, is a new decision."""
     q, k, v = _decode(keys=512)
     measured = calibrate.Speed(0.5, 0.5, "measured")
-    monkeypatch.setattr(calibrate, "speed", lambda: measured)
+    monkeypatch.setattr(calibrate, "speed", lambda dtype=None, keys=None: measured)
     short = explain_dispatch(q, k, v, backend="blockwise")
     assert "forward: flash_cpu" in short.splitlines()[1]
     monkeypatch.setattr(native_module, "DIRECT_MIN_KEYS", 256)
@@ -215,7 +215,7 @@ def test_calibration_and_row_bounds_are_seen(monkeypatch):
     monkeypatch.undo()
     monkeypatch.delenv("ATTNKIT_NATIVE_SPEED")
     q, k, v = _decode(keys=4096)
-    cache_key = (build.status(), torch.__version__, torch.get_num_threads())
+    cache_key = calibrate.cache_key(torch.float32, 4096)
     monkeypatch.setattr(calibrate, "_cache", {cache_key: calibrate.Speed(0.5, 0.5, "cached")})
     assert explain_dispatch(q, k, v, backend="blockwise").splitlines()[1] == "forward: native_cpu"
     monkeypatch.setattr(calibrate, "_cache", {cache_key: calibrate.Speed(2.0, 2.0, "cached")})

@@ -22,6 +22,7 @@ def uncalibrated(monkeypatch, tmp_path):
     monkeypatch.setattr(calibrate, "_cache", {})
     monkeypatch.setattr(calibrate, "CASE", (1, 2, 256, 32))
     monkeypatch.setattr(calibrate, "REPS", 2)
+    monkeypatch.setattr(calibrate, "MIN_SAMPLE", 0.0)
     saved = tmp_path / "speed.json"
     monkeypatch.setattr(calibrate, "_cache_file", lambda key: saved)
     return saved
@@ -56,14 +57,15 @@ def test_measured_once_then_cached(uncalibrated):
 
 
 def test_the_speed_file_sits_beside_its_build(monkeypatch, tmp_path):
-    """Keyed by the library (so by ISA and source), torch's version and the threads."""
+    """Keyed by the library (so by ISA and source), torch's version, the vector code of
+    torch's own kernels, the threads, the dtype and the measured length."""
     monkeypatch.setattr(build, "_state", {})
     monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
-    key = (build.status(), torch.__version__, 3)
+    key = (build.status(), torch.__version__, 3, "AVX2", "bfloat16", 4096)
     path = calibrate._cache_file(key)
     assert path is not None and path.parent == tmp_path
     assert path.name.startswith(f"attention-{build.selected_isa()}-") and path.name.endswith(
-        f"torch{torch.__version__}-3t.json"
+        f"torch{torch.__version__}-avx2-3t-bfloat16-T4096.json"
     )
 
 
@@ -71,7 +73,7 @@ def test_a_failed_measurement_is_slower_and_not_kept(uncalibrated, monkeypatch):
     def broken():
         raise RuntimeError("no clock")
 
-    monkeypatch.setattr(calibrate, "_time_case", broken)
+    monkeypatch.setattr(calibrate, "_time_case", lambda dtype, t: broken())
     speed = calibrate.speed()
     assert not speed.forward_ok and not speed.backward_ok
     assert "measurement failed" in speed.source and "no clock" in speed.source
@@ -86,7 +88,7 @@ def test_a_failed_measurement_is_slower_and_not_kept(uncalibrated, monkeypatch):
 @pytest.mark.parametrize("forced, ok", [("fast", True), ("slow", False)])
 def test_a_forced_speed_skips_the_measurement(uncalibrated, monkeypatch, forced, ok):
     monkeypatch.setenv("ATTNKIT_NATIVE_SPEED", forced)
-    monkeypatch.setattr(calibrate, "_time_case", lambda: pytest.fail("measured"))
+    monkeypatch.setattr(calibrate, "_time_case", lambda dtype, t: pytest.fail("measured"))
     speed = calibrate.speed()
     assert speed.forward_ok is ok and speed.source == "ATTNKIT_NATIVE_SPEED"
 
@@ -96,7 +98,9 @@ def test_a_forced_speed_skips_the_measurement(uncalibrated, monkeypatch, forced,
     [(32, 1, 2048, False), (8, 4, 2048, False), (1, 4, 2048, False), (256, 1, 2048, True),
      (1, 4, 8192, True)],
 )  # fmt: skip
-def test_short_dense_plans_go_to_torch_by_measured_speed(monkeypatch, rows, groups, keys, native_runs):
+def test_short_dense_plans_go_to_torch_by_measured_speed(
+    monkeypatch, rows, groups, keys, native_runs
+):
     """Few query rows per kv head against a dense plan: torch's fused kernel (faster there,
     native.FEW_ROWS), with the reason; long decodes, long queries and
     masked plans stay native; ATTNKIT_NATIVE_SPEED=fast (the tests) runs them all."""
@@ -104,7 +108,9 @@ def test_short_dense_plans_go_to_torch_by_measured_speed(monkeypatch, rows, grou
 
     if not native.available():
         pytest.skip(native.status())
-    monkeypatch.setattr(calibrate, "speed", lambda: calibrate.Speed(0.5, 0.5, "measured"))
+    monkeypatch.setattr(
+        calibrate, "speed", lambda dtype=None, keys=None: calibrate.Speed(0.5, 0.5, "measured")
+    )
     q = torch.randn(1, 2 * groups, rows, 64)
     k = torch.randn(1, 2, keys, 64)
     text = explain_dispatch(q, k, k, return_lse=True, backend="blockwise")
@@ -114,6 +120,130 @@ def test_short_dense_plans_go_to_torch_by_measured_speed(monkeypatch, rows, grou
         assert "torch's fused kernel is faster" in forward
         masked = explain_dispatch(q, k, k, window=64, return_lse=True, backend="blockwise")
         assert "forward: native_cpu" in masked  # nothing else runs a window this fast
-    monkeypatch.setattr(calibrate, "speed", lambda: calibrate.Speed(0.5, 0.5, calibrate.FORCED))
+    monkeypatch.setattr(
+        calibrate,
+        "speed",
+        lambda dtype=None, keys=None: calibrate.Speed(0.5, 0.5, calibrate.FORCED),
+    )
     text = explain_dispatch(q, k, k, return_lse=True, backend="blockwise")
     assert "forward: native_cpu" in text
+
+
+def test_each_dtype_is_measured_in_that_dtype_and_kept_apart(uncalibrated, monkeypatch):
+    """torch's bf16 kernel and ours compare differently from fp32 on each CPU: a bf16 call
+    is decided by a bf16 measurement, made once, cached apart from the fp32 one."""
+    measured: list[torch.dtype] = []
+
+    def fake(dtype, t):
+        measured.append(dtype)
+        return (0.5, 0.6) if dtype == torch.float32 else (1.4, 1.5)
+
+    monkeypatch.setattr(calibrate, "_time_case", fake)
+    files: dict[tuple, object] = {}
+    monkeypatch.setattr(calibrate, "_cache_file", lambda key: files.setdefault(key, None))
+    fp32, bf16 = calibrate.speed(torch.float32), calibrate.speed(torch.bfloat16)
+    assert (fp32.forward, fp32.backward, bf16.forward, bf16.backward) == (0.5, 0.6, 1.4, 1.5)
+    assert fp32.forward_ok and not bf16.forward_ok and not bf16.backward_ok
+    assert calibrate.speed(torch.bfloat16) is bf16 and calibrate.speed() is fp32
+    assert measured == [torch.float32, torch.bfloat16]  # once each
+    assert sorted(key[-2] for key in files) == ["bfloat16", "float32"]
+
+
+def test_a_bf16_call_follows_the_bf16_measurement(monkeypatch):
+    """The engines ask for the speed of the call's own dtype (not the kernel's view of it)."""
+    from attnkit import explain_dispatch
+
+    asked: list[torch.dtype] = []
+
+    def fake(dtype=torch.float32, keys=None):
+        asked.append(dtype)
+        ratio = 0.5 if dtype == torch.float32 else 1.5
+        return calibrate.Speed(ratio, ratio, "measured")
+
+    monkeypatch.setattr(calibrate, "speed", fake)
+    q = torch.randn(1, 2, 512, 64)
+    text = explain_dispatch(q, q, q, causal=True, backend="blockwise")
+    assert "forward: native_cpu" in text, text
+    qb = q.bfloat16()
+    text = explain_dispatch(qb, qb, qb, causal=True, backend="blockwise")
+    assert "forward: flash_cpu" in text and "slower than torch's kernel" in text, text
+    assert torch.bfloat16 in asked
+
+
+@pytest.mark.parametrize(
+    ("ratio", "native_runs"), [(0.5, True), (0.96, True), (0.98, False), (1.0, False), (1.2, False)]
+)
+def test_a_tie_goes_to_torch(ratio, native_runs):
+    """Within calibrate.TIE of torch's time the native kernel stands aside: a wrong call
+    there costs at most 3%, a noisy "faster" could cost more."""
+    speed = calibrate.Speed(ratio, ratio, "measured")
+    assert speed.forward_ok is native_runs and speed.backward_ok is native_runs
+
+
+def test_the_ratio_is_of_the_best_long_samples(monkeypatch):
+    """On a fake clock: each sample repeats a call until it lasts MIN_SAMPLE, the two
+    alternate, and bursts of a busy neighbour (on either side) do not move the ratio."""
+    now = [0.0]
+    calls = {"native": 0, "torch": 0}
+
+    def clock():
+        return now[0]
+
+    def native_fn():
+        calls["native"] += 1
+        now[0] += 0.002 + (0.5 if calls["native"] == 9 else 0.0)  # one burst
+
+    def torch_fn():
+        calls["torch"] += 1
+        now[0] += 0.001 + (0.3 if calls["torch"] in (20, 40) else 0.0)  # two bursts
+
+    monkeypatch.setattr(calibrate.time, "perf_counter", clock)
+    monkeypatch.setattr(calibrate, "MIN_SAMPLE", 0.01)
+    monkeypatch.setattr(calibrate, "REPS", 5)
+    ratio = calibrate._best_ratio(native_fn, torch_fn)
+    assert ratio == pytest.approx(2.0)
+    assert calls == {"native": 2 + 5 * 5, "torch": 2 + 5 * 10}  # warm-up, then 10 ms samples
+
+
+def test_long_dense_calls_follow_a_measurement_at_long_length(uncalibrated, monkeypatch):
+    """Which kernel wins can change with the length: up to twice CASE's tokens the short
+    measurement decides, above it one at LONG_TOKENS, made on the first such call."""
+    lengths: list[int] = []
+
+    def fake(dtype, t):
+        lengths.append(t)
+        return (1.2, 1.1) if t == 256 else (0.6, 0.5)
+
+    monkeypatch.setattr(calibrate, "_time_case", fake)
+    monkeypatch.setattr(calibrate, "LONG_TOKENS", 1024)
+    monkeypatch.setattr(calibrate, "_cache_file", lambda key: None)
+    short, edge, long = (calibrate.speed(torch.float32, keys) for keys in (100, 512, 513))
+    assert short is edge and (short.tokens, short.forward_ok) == (256, False)
+    assert (long.tokens, long.forward, long.backward_ok) == (1024, 0.6, True)
+    assert calibrate.speed() is short and lengths == [256, 1024]
+
+
+@pytest.mark.parametrize(("forward", "backward"), [(1.5, 0.5), (0.5, 1.5)])
+def test_a_gradient_call_is_judged_by_its_forward_plus_backward(monkeypatch, forward, backward):
+    """A call that records a backward costs its forward and its backward: its dense plan
+    runs natively where the measured forward+backward is faster (even if the forward
+    alone is not), and on torch's kernel where it is not (even if the forward alone is).
+    A call without gradients follows the forward's measurement."""
+    from attnkit import explain_dispatch
+
+    monkeypatch.setattr(
+        calibrate, "speed", lambda dtype=None, keys=None: calibrate.Speed(forward, backward, "x")
+    )
+    q = torch.randn(1, 2, 512, 64)
+    with torch.no_grad():
+        text = explain_dispatch(q, q, q, causal=True, backend="blockwise")
+    assert ("forward: native_cpu" in text) == (forward < 1), text
+    qg = q.clone().requires_grad_()
+    text = explain_dispatch(qg, qg, qg, causal=True, backend="blockwise")
+    lines = text.splitlines()
+    assert ("forward: native_cpu" in lines) == (backward < 1), text
+    assert ("backward: native_cpu" in lines) == (backward < 1), text
+    if backward > 1:
+        assert "forward+backward plans" in text
+    auto = explain_dispatch(qg, qg, qg, causal=True)
+    assert auto.splitlines()[0] == ("backend: blockwise" if backward < 1 else "backend: sdpa")

@@ -113,7 +113,7 @@ def why_not_native(
     if not native.available():
         return native.status()
     dense = window is None and score_mod is None
-    if dense and not calibrate.measuring() and not calibrate.speed().forward_ok:
+    if dense and not calibrate.measuring() and not calibrate.speed(query.dtype).forward_ok:
         return "slower than torch's kernel on this machine for dense plans (native.calibrate)"
     return None
 

@@ -21,7 +21,8 @@ import torch
 
 from attnkit import attention
 from attnkit.backends.blockwise.native import build
-from attnkit.bench.native_kernel import _best, _env
+from attnkit.bench.auto_grid import env
+from attnkit.bench.native_kernel import _best
 from attnkit.block_mask import BlockMask, create_block_mask
 
 
@@ -74,7 +75,7 @@ def forward_row(t: int, reps: int) -> dict:
 
     out: dict = {}
     for isa in build.host_isas():
-        with _env(ATTNKIT_NATIVE_ISA=isa, ATTNKIT_NATIVE_SPEED=None):
+        with env(ATTNKIT_NATIVE_ISA=isa, ATTNKIT_NATIVE_SPEED=None):
             if build.library() is None:
                 continue
             times = _best({name: step(bm) for name, bm in masks.items()}, reps)

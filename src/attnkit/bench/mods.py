@@ -35,8 +35,9 @@ import torch
 
 from attnkit import attention, explain_dispatch
 from attnkit.backends.blockwise.native import build
+from attnkit.bench.auto_grid import env
 from attnkit.bench.isa_env import held_env, torch_capability
-from attnkit.bench.native_kernel import _best, _env
+from attnkit.bench.native_kernel import _best
 
 SHAPE = (1, 4, 64)  # (b, h, d)
 _CHILD = "ATTNKIT_BENCH_HELD_CHILD"  # set in a held child's environment
@@ -125,7 +126,7 @@ def run(quick: bool, reps: int, flex: bool = False, isas: list[str] | None = Non
         if held is not None:
             result["builds"][isa] = _in_child(isa, held, quick, reps, flex)
             continue
-        with _env(ATTNKIT_NATIVE_ISA=isa, ATTNKIT_NATIVE_SPEED=None):
+        with env(ATTNKIT_NATIVE_ISA=isa, ATTNKIT_NATIVE_SPEED=None):
             if build.library() is None:
                 result["builds"][isa] = {"status": build.status()}
                 continue

@@ -2,7 +2,9 @@
 
 A speed measured on one CPU is not a speed we have: this module measures, for every
 instruction-set build of :mod:`attnkit.backends.blockwise.native` the machine can run
-(an AVX-512 machine runs its AVX-512 and its AVX2 build), in one process:
+(an AVX-512 machine runs its AVX-512 and its AVX2 build; a build narrower than torch's own
+kernels runs in a child process with torch held to its instruction set, see
+:mod:`attnkit.bench.isa_env`):
 
 * the machine: fp32 FMA peak (the kernel's own probe: independent FMA chains at the
   build's vector width) and memory bandwidth (a large copy), on 1 thread and on all;
@@ -11,72 +13,48 @@ instruction-set build of :mod:`attnkit.backends.blockwise.native` the machine ca
   rate over the forward's (flash-attn's convention: the backward does 2.5x the forward's
   FLOPs), and on avx512-bf16 builds the bf16 forward over the float32 one;
 * ``auto`` against the fastest backend on a grid (causal, window 256, 8 documents, ALiBi
-  x T x fwd / fwd+bwd), with the build's own calibration deciding what ``auto`` runs.
+  x T x fp32 / bf16 x fwd / fwd+bwd, :mod:`attnkit.bench.auto_grid`), with the build's
+  own calibration deciding what ``auto`` runs, and what each backend ran.
 
-Timings are interleaved round-robin (:func:`attnkit.bench.timing.time_cases`' rule, shuffled) and
-every row names its build and CPU. Run with ``python -m attnkit.bench.native_kernel``
+Timings are interleaved in shuffled rounds, each sample repeated to last at least
+:data:`MIN_SAMPLE` seconds (:func:`attnkit.bench.timing.interleaved`), and every row names
+its build and CPU. Run with ``python -m attnkit.bench.native_kernel``
 (``--quick``: toy sizes, seconds, not graded); ``attnkit bench --kernel`` runs the same.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import random
-import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from attnkit import attention, create_block_mask
-from attnkit import masks as M
+from attnkit import attention
 from attnkit.backends.blockwise import native
 from attnkit.backends.blockwise.native import build
+from attnkit.bench.auto_grid import SHAPE, env, grid, inputs, markdown_rows, step
+from attnkit.bench.isa_env import held_env, torch_capability
+from attnkit.bench.timing import interleaved, spread
 
-SHAPE = (1, 4, 64)  # (b, h, d)
-WINDOW = 256
-BACKENDS = ("sdpa", "blockwise", "blockwise-flash", "auto")
-
-
-@contextlib.contextmanager
-def _env(**values: str | None) -> Iterator[None]:
-    old = {name: os.environ.get(name) for name in values}
-    try:
-        for name, value in values.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        yield
-    finally:
-        for name, value in old.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+#: Set in a held child's environment.
+CHILD = "ATTNKIT_BENCH_HELD_CHILD"
+#: Seconds each timed sample lasts at least (a call is repeated until it does); --quick: 0.
+MIN_SAMPLE = 0.03
 
 
-def _best(fns: dict[str, Callable[[], object]], reps: int) -> dict[str, float]:
-    """Median seconds of each closure, timed round-robin after one warm-up each; each round
-    runs them in another (seeded) order, so none always runs right after the same
-    neighbour (a large free before a call made it page-fault its fresh buffers: 1.3x)."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    order = list(fns.items())
-    shuffle = random.Random(0).shuffle
-    for _ in range(reps):
-        shuffle(order)
-        for name, fn in order:
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+def _best(
+    fns: dict[str, Callable[[], object]], reps: int, min_sample: float = 0.0
+) -> dict[str, float]:
+    """Median seconds per call of each closure (:func:`~attnkit.bench.timing.interleaved`)."""
+    return {name: spread(ts)[0] for name, ts in interleaved(fns, reps, min_sample).items()}
 
 
 def machine_peak(threads: int) -> dict[str, float]:
@@ -111,44 +89,24 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def _inputs(
-    t: int, backward: bool, seed: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    b, h, d = SHAPE
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(b, h, t, d, generator=g).requires_grad_(backward) for _ in range(3))
-    return q, k, v
-
-
-def _step(fn: Callable[[], torch.Tensor], backward: bool) -> Callable[[], object]:
-    if backward:
-        return lambda: fn().sum().backward()
-
-    def forward() -> object:
-        with torch.no_grad():
-            return fn()
-
-    return forward
-
-
-def causal_rows(t: int, reps: int, peak_all: float) -> dict[str, float]:
+def causal_rows(t: int, reps: int, peak_all: float, min_sample: float = 0.0) -> dict[str, float]:
     """Native causal fwd and fwd+bwd against SDPA, % of peak, backward/forward FLOP rate."""
     out: dict[str, float] = {}
     fwd_flops = 4 * SHAPE[0] * SHAPE[1] * t * t * SHAPE[2] / 2  # QK^T and PV, half (causal)
     seconds: dict[str, float] = {}
     for backward in (False, True):
-        fns = _causal_fns(*_inputs(t, backward), backward)
-        with _env(ATTNKIT_NATIVE_SPEED="fast"):  # the kernel itself, whatever calibration says
-            med = _best(fns, reps)
+        fns = _causal_fns(*inputs(t, backward), backward)
+        with env(ATTNKIT_NATIVE_SPEED="fast"):  # the kernel itself, whatever calibration says
+            med = _best(fns, reps, min_sample)
         key = "fwd+bwd" if backward else "fwd"
         out[f"native/sdpa {key}"] = med["native"] / med["sdpa"]
         seconds[key] = med["native"]
     for backward in (False, True) if native.bf16() else ():  # bf16 products against fp32
-        q, k, v = _inputs(t, backward)
+        q, k, v = inputs(t, backward)
         qb, kb, vb = (x.detach().to(torch.bfloat16).requires_grad_(backward) for x in (q, k, v))
         fns = {"fp32": _native(q, k, v, backward), "bf16": _native(qb, kb, vb, backward)}
-        with _env(ATTNKIT_NATIVE_SPEED="fast"):
-            med = _best(fns, reps)
+        with env(ATTNKIT_NATIVE_SPEED="fast"):
+            med = _best(fns, reps, min_sample)
         key = "fwd+bwd" if backward else "fwd"
         out[f"bf16 {key} / fp32 {key}"] = med["bf16"] / med["fp32"]
     fwd_rate = fwd_flops / seconds["fwd"]
@@ -161,99 +119,71 @@ def causal_rows(t: int, reps: int, peak_all: float) -> dict[str, float]:
 
 def _native(q, k, v, backward: bool) -> Callable[[], object]:
     """Causal attention on blockwise (the native kernel, whatever calibration says)."""
-    return _step(lambda: attention(q, k, v, causal=True, backend="blockwise"), backward)
+    return step(lambda: attention(q, k, v, causal=True, backend="blockwise"), backward)
 
 
 def _causal_fns(q, k, v, backward: bool) -> dict[str, Callable[[], object]]:
     return {
         "native": _native(q, k, v, backward),
-        "sdpa": _step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), backward),
+        "sdpa": step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), backward),
     }
 
 
-def _grid_fns(q, k, v, kwargs: dict, sdpa_mask, backward: bool) -> dict[str, Callable[[], object]]:
-    """One closure per backend of :data:`BACKENDS` (sdpa with the pattern's dense mask)."""
-
-    def sdpa() -> torch.Tensor:
-        if sdpa_mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask)
-
-    def ours(name: str) -> Callable[[], torch.Tensor]:
-        return lambda: attention(q, k, v, backend=name, **kwargs)
-
-    return {n: _step(sdpa if n == "sdpa" else ours(n), backward) for n in BACKENDS}
-
-
-def _pattern_call(pattern: str, t: int) -> tuple[dict, torch.Tensor | None]:
-    """attnkit keyword arguments of a grid pattern, and SDPA's equivalent mask (None:
-    ``is_causal``)."""
-    i, j = torch.arange(t).view(-1, 1), torch.arange(t).view(1, -1)
-    if pattern == "causal":
-        return {"causal": True}, None
-    if pattern == "window256":
-        return {"causal": True, "window": WINDOW}, (j <= i) & (i - j < WINDOW)
-    if pattern == "documents":
-        ids = torch.arange(t) // max(1, t // 8)
-        bm = create_block_mask(M.document(ids), None, None, t, t)
-        keep = (ids.view(-1, 1) == ids.view(1, -1)) & (j <= i)
-        return {"causal": True, "block_mask": bm}, keep
-    if pattern == "alibi":
-        h = SHAPE[1]
-        slopes = M.alibi_slopes(h).view(h, 1, 1)
-        bias = -(slopes * (i - j).abs()).float()
-        return {"causal": True, "score_mod": M.alibi(h)}, bias.masked_fill(j > i, float("-inf"))
-    raise ValueError(f"unknown pattern {pattern!r}")
-
-
-def auto_grid(sizes: tuple[int, ...], reps: int, peak_gflops: float) -> list[dict]:
-    """``auto`` against the fastest backend, every pattern x size x direction, and the
-    blockwise row's useful FLOP rate as a share of ``peak_gflops`` (the kept (query, key)
-    pairs only: 4 d FLOPs each forward, 2.5x that more backward)."""
-    rows = []
-    b, h, d = SHAPE
-    for pattern in ("causal", "window256", "documents", "alibi"):
-        for t in sizes:
-            kwargs, sdpa_mask = _pattern_call(pattern, t)
-            keep = torch.ones(t, t).tril().bool() if sdpa_mask is None else sdpa_mask
-            keep = keep if keep.dtype == torch.bool else ~keep.isneginf()
-            pairs = int(keep.reshape(-1, t, t)[0].sum())  # of one head (a bias has h)
-            for backward in (False, True):
-                fns = _grid_fns(*_inputs(t, backward, seed=t), kwargs, sdpa_mask, backward)
-                med = _best(fns, reps)
-                fastest = min((s, n) for n, s in med.items() if n != "auto")
-                flops = 4 * b * h * pairs * d * (3.5 if backward else 1.0)
-                rows.append({
-                    "pattern": pattern, "t": t, "direction": "fwd+bwd" if backward else "fwd",
-                    "seconds": med, "fastest": fastest[1], "auto/fastest": med["auto"] / fastest[0],
-                    "blockwise % of peak": 100 * flops / med["blockwise"] / 1e9 / peak_gflops,
-                })  # fmt: skip
-    return rows
-
-
-def run(quick: bool, reps: int) -> dict:
-    """Every build this CPU executes: its machine peak, causal rows and the auto grid."""
+def run(quick: bool, reps: int, isas: list[str] | None = None) -> dict:
+    """Every build this CPU executes (or those of ``isas``): its machine peak, causal rows
+    and the auto grid. A build torch's kernels would outrun in width (the AVX2 build on an
+    AVX-512 CPU) runs in a child process with torch held to its instruction set too
+    (:mod:`attnkit.bench.isa_env`), so its rows are what a CPU of that kind sees."""
     from attnkit.bench.suite import machine
 
     result: dict = {"machine": machine(peaks=False), "builds": {}}  # peaks: per build
-    t = 1024 if quick else 8192
-    sizes = (256, 512) if quick else (1024, 4096)
-    threads = torch.get_num_threads()
-    for isa in build.host_isas():
-        with _env(ATTNKIT_NATIVE_ISA=isa, ATTNKIT_NATIVE_SPEED=None):
-            status = build.status()
-            if build.library() is None:
-                result["builds"][isa] = {"status": status}
-                continue
-            peak = {
-                "1 thread": machine_peak(1),
-                f"{threads} threads": machine_peak(threads),
-            }
-            rows = causal_rows(t, reps, peak[f"{threads} threads"]["fp32_gflops"])
-            grid = auto_grid(sizes, reps, peak[f"{threads} threads"]["fp32_gflops"])
-            result["builds"][isa] = {"status": status, "peak": peak, "causal": rows, "grid": grid}
-    result["t"] = t
+    result["t"] = 1024 if quick else 8192
+    for isa in isas or build.host_isas():
+        # (a child already runs held: it never starts another, whatever torch reports)
+        held = None if os.environ.get(CHILD) else held_env(isa)
+        if held is not None:
+            result["builds"][isa] = _in_child(isa, held, quick, reps)
+            continue
+        with env(ATTNKIT_NATIVE_ISA=isa, ATTNKIT_NATIVE_SPEED=None):
+            result["builds"][isa] = _build_rows(quick, reps, result["t"])
     return result
+
+
+def _build_rows(quick: bool, reps: int, t: int) -> dict:
+    """The loaded build's status, peaks, causal rows and grid."""
+    status = build.status()
+    if build.library() is None:
+        return {"status": status}
+    threads = torch.get_num_threads()
+    peak = {"1 thread": machine_peak(1), f"{threads} threads": machine_peak(threads)}
+    peak_all = peak[f"{threads} threads"]["fp32_gflops"]
+    min_sample = 0.0 if quick else MIN_SAMPLE
+    sizes = (256, 512) if quick else (1024, 4096)
+    return {
+        "status": status,
+        "torch": torch_capability(),  # the vector code of torch's kernels beside this build
+        "peak": peak,
+        "causal": causal_rows(t, reps, peak_all, min_sample),
+        "grid": grid(sizes, ("fp32", "bf16"), reps, min_sample, peak_all),
+    }
+
+
+def _in_child(isa: str, held: dict[str, str], quick: bool, reps: int) -> dict:
+    """``isa``'s rows from ``python -m attnkit.bench.native_kernel --isa ISA`` run with
+    ``held`` in its environment (torch reads them when it loads)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "build.json"
+        argv = [sys.executable, "-m", "attnkit.bench.native_kernel", "--isa", isa,
+                "--reps", str(reps), "--json", str(out)]  # fmt: skip
+        if quick:
+            argv.append("--quick")
+        child_env = {**os.environ, **held, "ATTNKIT_NATIVE_ISA": isa, CHILD: "1"}
+        child_env.pop("ATTNKIT_NATIVE_SPEED", None)
+        done = subprocess.run(argv, env=child_env, capture_output=True, text=True, check=False)
+        if done.returncode != 0 or not out.exists():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            return {"status": f"the held-{isa} child process failed: {tail[0]}"}
+        return json.loads(out.read_text())["builds"][isa]
 
 
 def markdown(result: dict) -> str:
@@ -265,33 +195,35 @@ def markdown(result: dict) -> str:
         lines += [f"## {isa}", "", f"`{b['status']}`", ""]
         if "peak" not in b:
             continue
+        if "torch" in b:
+            lines += [f"torch's kernels beside it: {b['torch']}", ""]
         lines += ["| threads | fp32 FMA peak (GFLOP/s) | copy bandwidth (GB/s) |", "|---|---|---|"]
         for name, p in b["peak"].items():
             lines.append(f"| {name} | {p['fp32_gflops']:.1f} | {p['copy_gbps']:.1f} |")
         lines += ["", f"| causal, T={result['t']} | value |", "|---|---|"]
         for name, x in b["causal"].items():
             lines.append(f"| {name} | {x:.2f} |")
-        lines += ["", "| pattern | T | direction | fastest | auto / fastest | blockwise % of peak |",
-                  "|---|---|---|---|---|---|"]  # fmt: skip
-        for r in b["grid"]:
-            lines.append(
-                f"| {r['pattern']} | {r['t']} | {r['direction']} | {r['fastest']} "
-                f"| {r['auto/fastest']:.2f} | {r.get('blockwise % of peak', float('nan')):.0f} |"
-            )
-        worst = max(r["auto/fastest"] for r in b["grid"])
-        lines += ["", f"worst auto / fastest: {worst:.2f}", ""]
+        lines += ["", *markdown_rows(b["grid"]), ""]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="toy sizes: seconds, not graded")
-    parser.add_argument("--reps", type=int, default=5, help="timed rounds per case")
-    parser.add_argument("--out", type=Path, default=None, help="write results.json/.md here")
+    parser.add_argument("--reps", type=int, default=7, help="timed rounds per case")
+    parser.add_argument("--out", type=Path, default=None, help="write native.json/.md here")
+    parser.add_argument("--isa", action="append", default=None,
+                        help="only this build (repeatable; default: every build the CPU runs)")  # fmt: skip
+    parser.add_argument("--json", type=Path, default=None, help="write the raw result here")
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error(f"--reps must be at least 1, got {args.reps}")
-    result = run(args.quick, args.reps)
+    unknown = [isa for isa in args.isa or () if isa not in build.host_isas()]
+    if unknown:
+        parser.error(f"--isa {unknown[0]!r} is not a build this CPU runs ({build.host_isas()})")
+    result = run(args.quick, args.reps, args.isa)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result))
     if args.out is not None:
         write(result, args.out)
     print(markdown(result))

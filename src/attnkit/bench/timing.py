@@ -6,6 +6,8 @@ says how to turn a case into something to run (its ``build``), this module times
 
 from __future__ import annotations
 
+import math
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -82,3 +84,54 @@ def time_cases(cases: list[Case], reps: int, build: Build) -> list[Case]:
 def time_case(case: Case, reps: int, build: Build) -> Case:
     """Fill ``case.seconds`` with the median of ``reps`` runs after one warm-up."""
     return time_cases([case], reps, build)[0]
+
+
+def repeated(fn: Callable[[], object], min_sample: float) -> tuple[Callable[[], object], int]:
+    """``fn`` run ``n`` times in a row, ``n`` chosen (from one timed run, after a warm-up) so
+    that one sample lasts at least ``min_sample`` seconds: a 2 ms call timed alone is
+    mostly the noise of the clock, the scheduler and a neighbour's burst."""
+    fn()
+    start = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - start, 1e-7)
+    n = max(1, math.ceil(min_sample / once))
+
+    def run() -> None:
+        for _ in range(n):
+            fn()
+
+    return run, n
+
+
+def interleaved(
+    fns: dict[str, Callable[[], object]], reps: int, min_sample: float = 0.0, seed: int = 0
+) -> dict[str, list[float]]:
+    """Seconds per call of each closure in each of ``reps`` rounds.
+
+    Each closure is first made into a sample of at least ``min_sample`` seconds
+    (:func:`repeated`); every round then runs each sample once, in another (seeded) order,
+    so that none always runs right after the same neighbour (a large free before a call
+    made it page-fault its fresh buffers: 1.3x) and a change of the machine's load falls
+    on every closure of a round alike. Round ``i`` of two closures is a pair: the ratio
+    of their round-``i`` times is a paired sample of their ratio.
+    """
+    samples = {name: repeated(fn, min_sample) for name, fn in fns.items()}
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(samples.items())
+    shuffle = random.Random(seed).shuffle
+    for _ in range(reps):
+        shuffle(order)
+        for name, (run, n) in order:
+            start = time.perf_counter()
+            run()
+            times[name].append((time.perf_counter() - start) / n)
+    return times
+
+
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """``(median, lower quartile, upper quartile)`` of ``values`` (all three the value of a
+    single one)."""
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q2, q1, q3

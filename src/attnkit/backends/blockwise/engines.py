@@ -40,6 +40,9 @@ def plan_call(
     """The plan of a call on the engines from ``requested`` down the priority list, its
     :class:`Engines` chosen (``extra``: the ``score_mod``'s tensors wanting gradients)."""
     passed: list[tuple[str, str, str]] = []
+    grad = torch.is_grad_enabled() and (
+        bool(extra) or any(x.requires_grad for x in (query, key, value))
+    )
     engine = requested
     if engine in FUSED_ENGINES:
         why = flash_cpu.why_not(query, key, value, plan_kwargs.get("score_mod"), extra)
@@ -51,7 +54,7 @@ def plan_call(
             # only the score_mod keeps torch's fused kernel out: the native kernel may run
             # it compiled (native.score_mod_program), forward at least; else the tiles
             plan = build_plan(query, key, engine=engine, **plan_kwargs)
-            engines = choose(plan, query.dtype, query.shape[-1], value.shape[-1], extra)
+            engines = choose(plan, query.dtype, query.shape[-1], value.shape[-1], extra, grad=grad)
             if engines.forward == NATIVE_CPU:
                 plan.engines = engines
                 return plan
@@ -63,7 +66,9 @@ def plan_call(
                 passed += [("forward", skipped, why), ("backward", skipped, why)]
             engine = TORCH_TILES
     plan = build_plan(query, key, engine=engine, **plan_kwargs)
-    plan.engines = choose(plan, query.dtype, query.shape[-1], value.shape[-1], extra, passed)
+    plan.engines = choose(
+        plan, query.dtype, query.shape[-1], value.shape[-1], extra, passed, grad=grad
+    )
     return plan
 
 
@@ -74,8 +79,12 @@ def choose(
     d_v: int,
     extra: tuple[torch.Tensor, ...],
     passed: list[tuple[str, str, str]] | None = None,
+    *,
+    grad: bool = False,
 ) -> Engines:
-    """The engines of a planned call (see the module docs)."""
+    """The engines of a planned call (see the module docs); ``grad``: the call records a
+    backward, so a dense plan's forward is judged by the measured forward+backward speed
+    (:mod:`.native.calibrate`)."""
     passed = list(passed or [])
     if plan.engine == TORCH_TILES:
         return Engines(TORCH_TILES, TORCH_TILES, passed_over=tuple(passed))
@@ -86,12 +95,12 @@ def choose(
         # products, other half precision upcast to float32, float32/float64 as they are
         bf16 = dtype == torch.bfloat16 and native.bf16()
         view = dtype if dtype in (torch.float32, torch.float64) or bf16 else torch.float32
-        why = native.why_not(plan, view, d, d_v)
+        why = native.why_not(plan, view, d, d_v, call_dtype=dtype, with_backward=grad)
         if why is None:
             forward = NATIVE_CPU
         else:
             passed.append(("forward", NATIVE_CPU, why))
-        why = native.why_not_backward(plan, view, d, d_v, extra)
+        why = native.why_not_backward(plan, view, d, d_v, extra, call_dtype=dtype)
         if why is None:
             backward = NATIVE_CPU
         else:

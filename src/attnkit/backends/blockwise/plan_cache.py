@@ -60,7 +60,7 @@ def _knobs() -> tuple:
         p.BLOCK_Q, p.BLOCK_K, p.FUSED_BLOCK_Q, p.MOD_BLOCK, p.MASK_TILE_ELEMENTS,
         n.DIRECT_ROWS, n.DIRECT_MIN_KEYS, n.FEW_ROWS, n.why_not, n.why_not_backward,
         f.why_not, f._FORWARD, f._BACKWARD, calibrate.speed,
-        getattr(calibrate, "TIE", None),  # (a tie margin on the measured speed, where kept)
+        calibrate.TIE, calibrate.CASE, calibrate.LONG_TOKENS,  # tie margin, measured lengths
     )  # fmt: skip
 
 

@@ -116,7 +116,14 @@ def available() -> bool:
 
 
 def why_not(
-    plan: TilePlan, dtype: torch.dtype, d: int, d_v: int, *, paged: bool = False
+    plan: TilePlan,
+    dtype: torch.dtype,
+    d: int,
+    d_v: int,
+    *,
+    paged: bool = False,
+    call_dtype: torch.dtype | None = None,
+    with_backward: bool = False,
 ) -> str | None:
     """Why the kernel cannot run this fused plan (CPU tensors) on the engine's views of
     ``dtype`` (None when it can): it takes float32 (bf16 on an avx512-bf16 build), value
@@ -124,7 +131,11 @@ def why_not(
     relative bias, and any ``score_mod`` that compiles (:func:`score_mod_program`), not
     under ``torch.compile``. Asked once per call, by :mod:`..engines` (and by
     :mod:`attnkit.paged_attention` with ``paged``: no torch kernel reads paged keys, so the
-    speed measured against torch's does not apply)."""
+    speed measured against torch's does not apply). ``call_dtype``: the dtype of the call's
+    own tensors (default ``dtype``), whose measured speed (:func:`.calibrate.speed`, for
+    the plan's length) decides dense plans; ``with_backward``: the call runs a backward
+    too, so its forward is judged by the measured forward+backward speed (what the call
+    will cost as a whole, not the forward alone)."""
     if dtype not in (torch.float32, torch.bfloat16):
         return "the native kernel runs float32 (and bf16) tensors"
     if dtype == torch.bfloat16 and not bf16():
@@ -154,9 +165,11 @@ def why_not(
             return f"a score_mod not compiled ({program})"
     if paged or not _dense(plan) or calibrate.measuring():
         return None  # (no torch kernel reads pages; the measurement runs the kernel itself)
-    speed = calibrate.speed()  # dense plans: torch's kernel runs them too, where faster
-    if not speed.forward_ok:
-        return _slower("forward", speed.forward)
+    speed = calibrate.speed(call_dtype or dtype, plan.s)  # dense: torch's runs them too
+    if with_backward and not speed.backward_ok:
+        return _slower("forward+backward", speed.backward, speed.tokens)
+    if not with_backward and not speed.forward_ok:
+        return _slower("forward", speed.forward, speed.tokens)
     rows = plan.t * (plan.h // plan.h_kv)  # query rows each kv head's keys serve
     direct = rows <= DIRECT_ROWS
     short = (direct and plan.s < DIRECT_MIN_KEYS) or (not direct and rows <= FEW_ROWS)
@@ -241,10 +254,11 @@ def _dense(plan: TilePlan) -> bool:
     )
 
 
-def _slower(direction: str, ratio: float) -> str:
+def _slower(direction: str, ratio: float, tokens: int) -> str:
     return (
-        f"slower than torch's kernel on this machine for dense {direction} plans "
-        f"({ratio:.2f}x, measured once: see native.calibrate)"
+        f"slower than torch's kernel on this machine for dense {direction} plans, or within "
+        f"{calibrate.TIE:.0%} of it ({ratio:.2f}x at {tokens} tokens, measured once: see "
+        "native.calibrate)"
     )
 
 
@@ -390,7 +404,13 @@ def forward_paged(
 
 
 def why_not_backward(
-    plan: TilePlan, dtype: torch.dtype, d: int, d_v: int, extra: tuple
+    plan: TilePlan,
+    dtype: torch.dtype,
+    d: int,
+    d_v: int,
+    extra: tuple,
+    *,
+    call_dtype: torch.dtype | None = None,
 ) -> str | None:
     """Why :func:`backward` cannot run (None when it can): as :func:`why_not` (float32
     views: the backward upcasts), with head sizes a multiple of 16, and a ``score_mod``
@@ -408,11 +428,8 @@ def why_not_backward(
             )
     if d % 16:
         return "the native backward needs query heads a multiple of 16 wide"
-    why = why_not(plan, dtype, d, d_v)
-    dense = why is None and _dense(plan) and not calibrate.measuring()
-    if dense and not calibrate.speed().backward_ok:
-        return _slower("forward+backward", calibrate.speed().backward)
-    return why
+    # (a dense plan: the measured forward+backward speed decides, in why_not)
+    return why_not(plan, dtype, d, d_v, call_dtype=call_dtype, with_backward=True)
 
 
 def _backward_tasks(plan: TilePlan, d: int) -> int:

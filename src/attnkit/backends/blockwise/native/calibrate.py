@@ -2,27 +2,41 @@
 
 A kernel that is fast on one CPU can be slow on another (its AVX2 build ran 15x slower
 than torch's on a Zen 3 before the kernel was made portable), so ``"auto"`` never trusts
-a speed it has not seen here. On first use, each build times itself against
+a speed it has not seen here. On first use for a dtype, each build times itself against
 :func:`torch.nn.functional.scaled_dot_product_attention` on one dense causal case
-(B=1, H=4, T=1024, d=64, float32, this process's thread count), forward and
-forward+backward, medians of interleaved runs, and keeps the two ratios
-(:class:`Speed`). They are cached as JSON beside the build (same private directory, keyed
-by the library, torch's version and the thread count), so the decision is made once per
+(B=1, H=4, T=1024, d=64, in that dtype, this process's thread count), forward and
+forward+backward, and keeps the two ratios (:class:`Speed`). Dense calls against more
+than 2048 keys are decided by a second such measurement at :data:`LONG_TOKENS`, made on
+the first of them. A call that records a backward is judged by the forward+backward
+ratio (its whole cost), one without by the forward's.
+
+The measurement is made to be the same in every run on one machine: each sample repeats
+a call until it lasts at least :data:`MIN_SAMPLE` seconds (one 3 ms call is mostly the
+noise of the clock and the scheduler), native and torch alternate for :data:`REPS`
+samples each, and the ratio kept is of their best samples (load only ever adds time). A ratio within :data:`TIE` of 1
+(the two within 3%) counts as a tie, which torch's kernel takes: a wrong call there costs
+at most 3%, while a noisy "faster" could cost more.
+
+The ratios are cached as JSON beside the build (same private directory, keyed by the
+library, torch's version, the vector code torch's own kernels run
+(``torch.backends.cpu.get_cpu_capability()``: ``ATEN_CPU_CAPABILITY`` changes it), the
+thread count, the dtype and the measured length), so the decision is made once per
 machine and is the same in every later process.
 
-Where the ratio is above 1, the native kernel does not run dense plans (no mask or block
-mask beyond causal): the fused engine takes torch's kernel there, and ``"auto"`` keeps
-sdpa first; masked and sparse plans still run natively, where skipping tiles is what
-makes it fast. ``ATTNKIT_NATIVE_SPEED=fast|slow`` skips the measurement (tests, or a
-user who knows better).
+Where the ratio is not below 1 - TIE, the native kernel does not run dense plans of that
+dtype and length class (no
+mask or block mask beyond causal, no score_mod): the fused engine takes torch's kernel
+there, and ``"auto"`` keeps sdpa first; masked and sparse plans still run natively, where
+skipping tiles is what makes it fast. ``ATTNKIT_NATIVE_SPEED=fast|slow`` skips the
+measurement (tests, or a user who knows better).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
-import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -34,9 +48,19 @@ from attnkit.backends.blockwise.native import build
 
 __all__ = ["Speed", "speed"]
 
-#: The measured case: (batch, heads, tokens, head size), causal, float32.
+#: The measured case: (batch, heads, tokens, head size), causal.
 CASE = (1, 4, 1024, 64)
-REPS = 5
+#: Dense plans of more than twice CASE's tokens are decided by a second measurement at
+#: this many tokens (made on the first such call): which kernel is faster can change with
+#: the length (bf16 forward+backward on an avx512-bf16 build: 1.09x SDPA's time at 1024
+#: tokens, 0.63x at 4096 in one busy run).
+LONG_TOKENS = 4096
+#: Timed samples of each (native, torch) per direction; the ratio of their best is kept.
+REPS = 7
+#: Seconds each timed sample lasts at least (a call is repeated until it does).
+MIN_SAMPLE = 0.02
+#: Ratios up to 1 + TIE are ties; torch's kernel keeps those.
+TIE = 0.03
 
 _lock = threading.Lock()
 _cache: dict[tuple, Speed] = {}
@@ -50,14 +74,17 @@ class Speed:
     forward: float
     backward: float  # forward + backward
     source: str  # "measured", "cached", "ATTNKIT_NATIVE_SPEED" or "measurement failed (...)"
+    tokens: int = 0  # the measured length (0: none measured)
 
     @property
     def forward_ok(self) -> bool:
-        return self.forward <= 1.0
+        """Whether the native kernel runs dense forward plans (measurably faster)."""
+        return self.forward <= 1.0 - TIE
 
     @property
     def backward_ok(self) -> bool:
-        return self.backward <= 1.0
+        """Whether the native kernel runs dense forward+backward plans."""
+        return self.backward <= 1.0 - TIE
 
 
 #: ``Speed.source`` when ``ATTNKIT_NATIVE_SPEED`` decides instead of a measurement.
@@ -69,58 +96,102 @@ def measuring() -> bool:
     return getattr(_measuring, "on", False)
 
 
-def speed() -> Speed:
-    """This machine's :class:`Speed` for the loaded build (measured on first use)."""
+def speed(dtype: torch.dtype = torch.float32, keys: int | None = None) -> Speed:
+    """This machine's :class:`Speed` for the loaded build on dense calls of ``dtype``
+    against ``keys`` keys (each dtype and length class measured on its first use: torch's
+    bf16 kernel and ours differ from fp32 in other ways on each CPU, and long calls from
+    short ones). Up to twice :data:`CASE`'s tokens (or ``keys=None``) the measurement at
+    CASE's length decides, above it the one at :data:`LONG_TOKENS`."""
     forced = os.environ.get("ATTNKIT_NATIVE_SPEED")
     if forced in ("fast", "slow"):
         ratio = 0.5 if forced == "fast" else 2.0
         return Speed(ratio, ratio, FORCED)
-    key = (build.status(), torch.__version__, torch.get_num_threads())
+    key = cache_key(dtype, keys)
     with _lock:
         if key not in _cache:
-            _cache[key] = _load_or_measure(key)
+            _cache[key] = _load_or_measure(key, dtype, key[-1])
     return _cache[key]
+
+
+def cache_key(dtype: torch.dtype = torch.float32, keys: int | None = None) -> tuple:
+    """What a measurement is kept under: the loaded build, torch's version, the thread
+    count, the vector code of torch's kernels, the dtype and the measured length (last)
+    that decides calls against ``keys`` keys."""
+    tokens = CASE[2] if keys is None or keys <= 2 * CASE[2] else LONG_TOKENS
+    return (
+        build.status(),
+        torch.__version__,
+        torch.get_num_threads(),
+        str(torch.backends.cpu.get_cpu_capability()),
+        str(dtype).removeprefix("torch."),
+        tokens,
+    )
 
 
 def _cache_file(key: tuple) -> Path | None:
     """Beside the loaded library in the (private) cache directory; None for a private
     temporary build, whose measurement is kept for this process only."""
-    _, version, threads = key
+    _, version, threads, capability, dtype, tokens = key
     library = build.library_file()
     if library is None or build._private_dir(library.parent) is not None:
         return None
-    return library.with_name(f"{library.stem}.speed-torch{version}-{threads}t.json")
+    name = (
+        f"{library.stem}.speed-torch{version}-{capability.lower()}-{threads}t-{dtype}"
+        f"-T{tokens}.json"
+    )
+    return library.with_name(name)
 
 
-def _load_or_measure(key: tuple) -> Speed:
+def _load_or_measure(key: tuple, dtype: torch.dtype, tokens: int) -> Speed:
     path = _cache_file(key)
     if path is not None:
         try:
             data = json.loads(path.read_text())
-            return Speed(float(data["forward"]), float(data["backward"]), "cached")
+            return Speed(float(data["forward"]), float(data["backward"]), "cached", tokens)
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    measured = _measure()
+    measured = _measure(dtype, tokens)
     if path is not None and measured.source == "measured":  # a failure is not kept
         with contextlib.suppress(OSError):
             build._write_atomic(path, json.dumps(asdict(measured)))
     return measured
 
 
-def _median_ratio(native, torch_fn) -> float:
-    native(), torch_fn()  # warm up
-    ratios = []
-    for _ in range(REPS):
-        t0 = time.perf_counter()
-        native()
-        t1 = time.perf_counter()
-        torch_fn()
-        t2 = time.perf_counter()
-        ratios.append((t1 - t0) / max(t2 - t1, 1e-9))
-    return statistics.median(ratios)
+def _repeats(fn) -> int:
+    """How many calls of ``fn`` in a row last at least :data:`MIN_SAMPLE` (after a warm-up)."""
+    fn()
+    t0 = time.perf_counter()
+    fn()
+    return max(1, math.ceil(MIN_SAMPLE / max(time.perf_counter() - t0, 1e-7)))
 
 
-def _measure() -> Speed:
+def _sample(fn, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def _best_ratio(native, torch_fn) -> float:
+    """Native's best time over torch's, each the best of :data:`REPS` samples at least
+    :data:`MIN_SAMPLE` long, the two alternating (neither always runs first). A busy
+    neighbour only ever adds time, and not to every sample: the best of each is the
+    machine's own speed (a median of paired ratios kept what a busy minute said: the
+    bf16 upcast copies, each a torch parallel region, cost 4-8 ms apiece on a busy 2-core
+    machine, and one calibration measured 2.2x where the idle grid measured 0.8x)."""
+    n_native, n_torch = _repeats(native), _repeats(torch_fn)
+    ours, theirs = [], []
+    for i in range(REPS):
+        if i % 2:
+            theirs.append(_sample(torch_fn, n_torch))
+            ours.append(_sample(native, n_native))
+        else:
+            ours.append(_sample(native, n_native))
+            theirs.append(_sample(torch_fn, n_torch))
+    return min(ours) / max(min(theirs), 1e-9)
+
+
+def _measure(dtype: torch.dtype = torch.float32, tokens: int | None = None) -> Speed:
     """Time the case; a measurement that fails for any reason counts as "slower" (torch's
     kernel keeps dense plans), never as an error in the call that triggered it."""
     _measuring.on = True
@@ -128,23 +199,24 @@ def _measure() -> Speed:
         # The first dense call may come from inside no_grad() or inference_mode(): measure
         # in a context of our own, with gradients on for the backward.
         with torch.inference_mode(False), torch.enable_grad():
-            forward, backward = _time_case()
+            forward, backward = _time_case(dtype, tokens or CASE[2])
     except Exception as err:  # any failure: the safe answer, and why
-        return Speed(2.0, 2.0, f"measurement failed ({type(err).__name__}: {err})")
+        return Speed(2.0, 2.0, f"measurement failed ({type(err).__name__}: {err})", tokens or 0)
     finally:
         _measuring.on = False
-    return Speed(round(forward, 3), round(backward, 3), "measured")
+    return Speed(round(forward, 3), round(backward, 3), "measured", tokens or CASE[2])
 
 
-def _time_case() -> tuple[float, float]:
+def _time_case(dtype: torch.dtype = torch.float32, t: int | None = None) -> tuple[float, float]:
     from attnkit.attention import attention  # (the core imports the backends)
 
-    b, h, t, d = CASE
+    b, h, t_case, d = CASE
+    t = t or t_case
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(b, h, t, d, generator=g) for _ in range(3))
+    q, k, v = (torch.randn(b, h, t, d, generator=g).to(dtype) for _ in range(3))
     sdpa = torch.nn.functional.scaled_dot_product_attention
     with torch.no_grad():
-        forward = _median_ratio(
+        forward = _best_ratio(
             lambda: attention(q, k, v, causal=True, backend="blockwise"),
             lambda: sdpa(q, k, v, is_causal=True),
         )
@@ -156,4 +228,4 @@ def _time_case() -> tuple[float, float]:
     def torch_step():
         sdpa(qg, kg, vg, is_causal=True).sum().backward()
 
-    return forward, _median_ratio(native_step, torch_step)
+    return forward, _best_ratio(native_step, torch_step)
