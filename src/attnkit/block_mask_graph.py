@@ -49,6 +49,8 @@ def generated_graph(
 
     if device.type != "cpu":
         return None, f"a block mask on {device.type} (generated masks run in the CPU kernel)"
+    if torch.compiler.is_compiling():  # (dynamo cannot trace our own tracer)
+        return None, "built under torch.compile (its stored tiles are built with torch ops)"
     graph = mod_graph.traced(mask_mod, "mask")
     if isinstance(graph, mod_graph.Unsupported):
         return None, f"the mask_mod does not trace ({graph.reason})"

@@ -753,7 +753,6 @@ _CACHE: weakref.WeakKeyDictionary[Any, dict[tuple, ModGraph | Unsupported]] = (
 _PER_MOD = 4
 
 
-@torch.compiler.disable  # (our own tracer: under torch.compile, a graph break around it)
 def traced(mod: Callable[..., Any], kind: str = "score") -> ModGraph | Unsupported:
     """:func:`trace` of ``mod``, or the :class:`Unsupported` it raised, cached per mod
     object (weakly) and the state it captures (closure values, globals, tensors at their
