@@ -544,6 +544,7 @@ struct Scratch {
   std::vector<uint8_t> keep;  // a chunk's assembled block-mask rows
   std::vector<uint16_t> p16;  // bf16 calls: the chunk's weights rounded to bf16
   std::vector<float> mx;      // (kfwd) each row's max raw score in the chunk
+  std::vector<float> smod;    // a compiled score_mod's rows (the softmax's input), KC a row
   Scratch(const Args &a) : Scratch(a, a.nseq > 0 ? a.bq : std::min(a.bq, a.T)) {}
   // (rows: the most a block has; a decode step's one row, not bq, is allocated and zeroed
   // per thread and call. m, alpha and mx have W more floats: softmax_plain reads and
@@ -551,7 +552,8 @@ struct Scratch {
   Scratch(const Args &a, int64_t rows)
       : s(rows * KC), o(rows * a.DV), o_blk(rows * a.DV), m(rows + W), l(rows * W),
         l_blk(rows * W), alpha(rows + W), keep(rows * KC),
-        p16(a.dtype == DT_BF16 ? rows * KC : 0), mx(rows + W) {}
+        p16(a.dtype == DT_BF16 ? rows * KC : 0), mx(rows + W),
+        smod(a.mod_forward ? rows * KC : 0) {}
 };
 
 // What the forward's two products read: keys transposed (float32), or keys and values
@@ -598,15 +600,17 @@ struct Weights {
 };
 
 // The softmax of a chunk that no mask touches (BAND: where the band or the keys' range
-// drops some columns; scale > 0), with one branch a row (whether its max moved) instead
-// of three: every row's max raw score, then W rows at a time their new max and O's
-// rescale (simd::exp2; 1 where the max stayed), then the weights and sums. False, with
-// nothing of the state changed, where a row's max is -inf or NaN (now or before):
-// softmax() then takes the chunk row by row.
+// drops some columns), with one branch a row (whether its max moved) instead of three:
+// every row's max score, then W rows at a time their new max and O's rescale
+// (simd::exp2; 1 where the max stayed), then the weights and sums. The scores are the
+// rows of `x` (KC a row: the raw dot products, or a compiled score_mod's output) times
+// `sc` > 0 (scale log2 e, or log2 e). False, with nothing of the state changed, where a
+// row's max is -inf or NaN (now or before): softmax() then takes the chunk row by row.
 template <bool BAND>
-bool softmax_plain(const Args &a, const Chunk &c, int64_t i0, Scratch &w) {
+bool softmax_plain(const Args &a, const Chunk &c, int64_t i0, Scratch &w, const float *x_rows,
+                   double sc) {
   float *mx = w.mx.data(), *m = w.m.data(), *alpha = w.alpha.data();
-  const vf scale2 = simd::splat(float(a.scale * LOG2E)), ninf = simd::splat(NEG_INF);
+  const vf scale2 = simd::splat(float(sc)), ninf = simd::splat(NEG_INF);
   const vi lane = simd::lanes();
   auto kept = [&](int64_t r, int64_t &lo, int64_t &hi) {  // the row's columns [lo, hi)
     lo = c.lo, hi = c.hi;
@@ -616,7 +620,7 @@ bool softmax_plain(const Args &a, const Chunk &c, int64_t i0, Scratch &w) {
     hi = std::max<int64_t>(0, std::min<int64_t>(hi, i + a.band_hi - c.c0 + 1));
   };
   for (int64_t r = c.r0; r < c.r1; ++r) {
-    const float *s = w.s.data() + r * KC;
+    const float *s = x_rows + r * KC;
     int64_t lo = 0, hi = KC;
     if (BAND) kept(r, lo, hi);
     vf x = ninf;
@@ -651,7 +655,7 @@ bool softmax_plain(const Args &a, const Chunk &c, int64_t i0, Scratch &w) {
     vf sum = simd::splat(0.0f);
 #pragma GCC unroll 16
     for (int vv = 0; vv < NV; ++vv) {
-      vf x = simd::load(out.s + W * vv) * scale2 - mr;  // (one FMA)
+      vf x = simd::load(x_rows + r * KC + W * vv) * scale2 - mr;  // (one FMA)
       if (BAND) {
         const vi col = lane + int32_t(W * vv);
         x = simd::select((col < int32_t(lo)) | (col >= int32_t(hi)), ninf, x);
@@ -678,11 +682,26 @@ bool softmax_plain(const Args &a, const Chunk &c, int64_t i0, Scratch &w) {
 // state updated (alpha: O's rescale; m in base-2 units, see above).
 void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Scratch &w) {
   Masker masker(a, c, b, h);
-  // only the band and the keys' range cut the chunk (no mask of any kind, bias or mod)
-  const bool band_only = !c.keep && !c.gen && !masker.rel && !a.mask && !a.mod_forward;
-  if (a.scale > 0 && band_only &&
-      (masker.plain ? softmax_plain<false>(a, c, i0, w) : softmax_plain<true>(a, c, i0, w)))
-    return;
+  // only the band and the keys' range cut the chunk (no mask of any kind, no bias)
+  const bool band_only = !c.keep && !c.gen && !masker.rel && !a.mask;
+  const bool cut = c.band || c.lo != 0 || c.hi != KC;
+  if (band_only && a.mod_forward) {  // a compiled score_mod: its rows first (w.s kept)
+    float *in = masker.mod_in;
+    const vf scale = simd::splat(float(a.scale));
+    for (int64_t r = c.r0; r < c.r1; ++r) {
+      const float *s = w.s.data() + r * KC;
+      for (int vv = 0; vv < NV; ++vv) simd::store(in + W * vv, simd::load(s + W * vv) * scale);
+      a.mod_forward(a.mod_ctx, b, h, i0 + r, c.c0, in, w.smod.data() + r * KC);
+    }
+    const float *x = w.smod.data();
+    if (cut ? softmax_plain<true>(a, c, i0, w, x, LOG2E) : softmax_plain<false>(a, c, i0, w, x, LOG2E))
+      return;
+  } else if (band_only && a.scale > 0) {
+    const double sc = a.scale * LOG2E;
+    if (cut ? softmax_plain<true>(a, c, i0, w, w.s.data(), sc)
+            : softmax_plain<false>(a, c, i0, w, w.s.data(), sc))
+      return;
+  }
   const vf to_base2 = simd::splat(float(LOG2E));
   const vf scale2 = simd::splat(float(a.scale * LOG2E));
   for (int64_t r = c.r0; r < c.r1; ++r) {
