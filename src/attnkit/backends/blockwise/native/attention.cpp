@@ -311,6 +311,37 @@ void pack_chunk(int64_t depth, Row row, T *dst) {
   }
 }
 
+// (feature "kfwd2": cheaper bf16 packing) The bf16 layouts moved as 32-bit words, which
+// the compiler vectorises: dim_pairs is a transpose of each key's pairs of dims (one word
+// each), key_pairs interleaves two keys' rows (a word = key 2p's element, key 2p + 1's in
+// the high half). Rows past the last key read as zeros.
+template <class Row>
+void pack_dim_pairs(int64_t depth, Row row, uint16_t *dst) {
+  uint32_t *out = reinterpret_cast<uint32_t *>(dst);  // (depth / 2, KC) words
+  for (int64_t j = 0; j < KC; ++j) {
+    const uint16_t *r = row(j);
+    if (!r) {
+      for (int64_t dp = 0; dp < depth / 2; ++dp) out[dp * KC + j] = 0;
+      continue;
+    }
+    for (int64_t dp = 0; dp < depth / 2; ++dp) std::memcpy(out + dp * KC + j, r + 2 * dp, 4);
+  }
+}
+
+template <class Row>
+void pack_key_pairs(int64_t depth, Row row, uint16_t *dst) {
+  static const uint16_t zeros[64] = {};
+  uint32_t *out = reinterpret_cast<uint32_t *>(dst);  // (KC / 2, depth) words
+  for (int64_t jp = 0; jp < KC / 2; ++jp, out += depth) {
+    const uint16_t *r0 = row(2 * jp), *r1 = row(2 * jp + 1);
+    for (int64_t d0 = 0; d0 < depth; d0 += 64) {  // (a row of zeros is 64 long)
+      const int64_t n = std::min<int64_t>(64, depth - d0);
+      const uint16_t *x0 = r0 ? r0 + d0 : zeros, *x1 = r1 ? r1 + d0 : zeros;
+      for (int64_t d = 0; d < n; ++d) out[d0 + d] = uint32_t(x0[d]) | uint32_t(x1[d]) << 16;
+    }
+  }
+}
+
 template <class T>
 Code pack(const Args &a, const void *x_, int64_t sb, int64_t sh, int64_t st, int64_t depth,
           int64_t (*at)(int64_t, int64_t, int64_t), Packed<T> &pk) {
@@ -330,6 +361,10 @@ Code pack(const Args &a, const void *x_, int64_t sb, int64_t sh, int64_t st, int
       return src + a.pages[b * a.pages_sb + key / a.page_size] * sp +
              (key % a.page_size) * st;  // through the page table
     };
+    if constexpr (std::is_same_v<T, uint16_t>) {  // (kfwd2) as words, where they fit
+      if (at == dim_pairs && depth % 2 == 0) return pack_dim_pairs(depth, row, dst);
+      if (at == key_pairs) return pack_key_pairs(depth, row, dst);
+    }
     if (at == transposed)
       pack_chunk<T, transposed>(depth, row, dst);
     else if (at == dim_pairs)
@@ -603,7 +638,9 @@ struct Weights {
 // rescale (simd::exp2; 1 where the max stayed), then the weights and sums. False, with
 // nothing of the state changed, where a row's max is -inf or NaN (now or before):
 // softmax() then takes the chunk row by row.
-template <bool BAND>
+// (kfwd2) BF16: a bf16 call's weights, rounded to bf16 as they are stored, come from
+// simd::exp2_bf16 (its error 1/40 of that rounding's; O's rescale stays simd::exp2).
+template <bool BAND, bool BF16 = false>
 bool softmax_plain(const Args &a, const Chunk &c, int64_t i0, Scratch &w) {
   float *mx = w.mx.data(), *m = w.m.data(), *alpha = w.alpha.data();
   const vf scale2 = simd::splat(float(a.scale * LOG2E)), ninf = simd::splat(NEG_INF);
@@ -656,7 +693,7 @@ bool softmax_plain(const Args &a, const Chunk &c, int64_t i0, Scratch &w) {
         const vi col = lane + int32_t(W * vv);
         x = simd::select((col < int32_t(lo)) | (col >= int32_t(hi)), ninf, x);
       }
-      const vf p = simd::exp2(x);  // (0 where dropped)
+      const vf p = BF16 ? simd::exp2_bf16(x) : simd::exp2(x);  // (0 where dropped)
       out.put(vv, p);
       sum += p;
     }
@@ -680,7 +717,13 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
   Masker masker(a, c, b, h);
   // only the band and the keys' range cut the chunk (no mask of any kind, bias or mod)
   const bool band_only = !c.keep && !c.gen && !masker.rel && !a.mask && !a.mod_forward;
-  if (a.scale > 0 && band_only &&
+#if defined(ATTNKIT_BF16)
+  if (a.scale > 0 && band_only && a.dtype == DT_BF16 &&
+      (masker.plain ? softmax_plain<false, true>(a, c, i0, w)
+                    : softmax_plain<true, true>(a, c, i0, w)))
+    return;
+#endif
+  if (a.scale > 0 && band_only && a.dtype != DT_BF16 &&
       (masker.plain ? softmax_plain<false>(a, c, i0, w) : softmax_plain<true>(a, c, i0, w)))
     return;
   const vf to_base2 = simd::splat(float(LOG2E));
