@@ -263,6 +263,7 @@ inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int
   vf acc[R][NC];
   const float *ar[R];
   alpha = ACC ? rescaled(alpha, nr) : nullptr;
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     const int rr = r < nr ? r : nr - 1;
     ar[r] = a + rr * ars;
@@ -285,8 +286,13 @@ inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int
       for (int v = 0; v < NC; ++v) acc[r][v] += av * bv[v];
     }
   }
-  for (int r = 0; r < nr; ++r)
-    for (int v = 0; v < NC; ++v) store(c + r * ldc + W * v, acc[r][v]);
+  // (kfwd2) every index known at compile time: a loop to nr kept acc in memory (zeroed,
+  // stored and reloaded around the products: 3 extra stores or loads per accumulator)
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NC; ++v)
+      if (r < nr) store(c + r * ldc + W * v, acc[r][v]);
 }
 
 // tile() of nr rows: a tile of that height from 3 rows up, below on copies of the last.
@@ -344,6 +350,7 @@ inline void tile_bf16(float *c, int64_t ldc, int nr, const uint16_t *a, int64_t 
   __m512 acc[R][NC];
   const uint16_t *ar[R];
   alpha = ACC ? rescaled(alpha, nr) : nullptr;
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     const int rr = r < nr ? r : nr - 1;
     ar[r] = a + rr * ars;
@@ -369,8 +376,11 @@ inline void tile_bf16(float *c, int64_t ldc, int nr, const uint16_t *a, int64_t 
       for (int v = 0; v < NC; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, bv[v]);
     }
   }
-  for (int r = 0; r < nr; ++r)
-    for (int v = 0; v < NC; ++v) _mm512_storeu_ps(c + r * ldc + W * v, acc[r][v]);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)  // (kfwd2: as in tile())
+#pragma GCC unroll 4
+    for (int v = 0; v < NC; ++v)
+      if (r < nr) _mm512_storeu_ps(c + r * ldc + W * v, acc[r][v]);
 }
 
 // tile_bf16() of nr rows, as tile_n().
