@@ -192,6 +192,8 @@ BF16_CASES = [
     (1, 2, 1, 129, 131, 64, 64, "bottom_right", None, True),  # odd lengths, strided
     (1, 3, 3, 300, 300, 16, 16, "bottom_right", 64, False),
     (1, 2, 2, 1, 257, 80, 80, "bottom_right", None, False),  # decode: one query row
+    # packed operands deeper than 64, keys past the last chunk's (kfwd2's packing)
+    (1, 2, 2, 200, 197, 96, 96, "top_left", None, False),
 ]
 
 

@@ -311,6 +311,37 @@ void pack_chunk(int64_t depth, Row row, T *dst) {
   }
 }
 
+// (feature "kfwd2": cheaper bf16 packing) The bf16 layouts moved as 32-bit words, which
+// the compiler vectorises: dim_pairs is a transpose of each key's pairs of dims (one word
+// each), key_pairs interleaves two keys' rows (a word = key 2p's element, key 2p + 1's in
+// the high half). Rows past the last key read as zeros.
+template <class Row>
+void pack_dim_pairs(int64_t depth, Row row, uint16_t *dst) {
+  uint32_t *out = reinterpret_cast<uint32_t *>(dst);  // (depth / 2, KC) words
+  for (int64_t j = 0; j < KC; ++j) {
+    const uint16_t *r = row(j);
+    if (!r) {
+      for (int64_t dp = 0; dp < depth / 2; ++dp) out[dp * KC + j] = 0;
+      continue;
+    }
+    for (int64_t dp = 0; dp < depth / 2; ++dp) std::memcpy(out + dp * KC + j, r + 2 * dp, 4);
+  }
+}
+
+template <class Row>
+void pack_key_pairs(int64_t depth, Row row, uint16_t *dst) {
+  static const uint16_t zeros[64] = {};
+  uint32_t *out = reinterpret_cast<uint32_t *>(dst);  // (KC / 2, depth) words
+  for (int64_t jp = 0; jp < KC / 2; ++jp, out += depth) {
+    const uint16_t *r0 = row(2 * jp), *r1 = row(2 * jp + 1);
+    for (int64_t d0 = 0; d0 < depth; d0 += 64) {  // (a row of zeros is 64 long)
+      const int64_t n = std::min<int64_t>(64, depth - d0);
+      const uint16_t *x0 = r0 ? r0 + d0 : zeros, *x1 = r1 ? r1 + d0 : zeros;
+      for (int64_t d = 0; d < n; ++d) out[d0 + d] = uint32_t(x0[d]) | uint32_t(x1[d]) << 16;
+    }
+  }
+}
+
 template <class T>
 Code pack(const Args &a, const void *x_, int64_t sb, int64_t sh, int64_t st, int64_t depth,
           int64_t (*at)(int64_t, int64_t, int64_t), Packed<T> &pk) {
@@ -330,6 +361,10 @@ Code pack(const Args &a, const void *x_, int64_t sb, int64_t sh, int64_t st, int
       return src + a.pages[b * a.pages_sb + key / a.page_size] * sp +
              (key % a.page_size) * st;  // through the page table
     };
+    if constexpr (std::is_same_v<T, uint16_t>) {  // (kfwd2) as words, where they fit
+      if (at == dim_pairs && depth % 2 == 0) return pack_dim_pairs(depth, row, dst);
+      if (at == key_pairs) return pack_key_pairs(depth, row, dst);
+    }
     if (at == transposed)
       pack_chunk<T, transposed>(depth, row, dst);
     else if (at == dim_pairs)
@@ -603,10 +638,13 @@ struct Weights {
 // drops some columns), with one branch a row (whether its max moved) instead of three:
 // every row's max score, then W rows at a time their new max and O's rescale
 // (simd::exp2; 1 where the max stayed), then the weights and sums. The scores are the
-// rows of `x` (KC a row: the raw dot products, or a compiled score_mod's output) times
-// `sc` > 0 (scale log2 e, or log2 e). False, with nothing of the state changed, where a
-// row's max is -inf or NaN (now or before): softmax() then takes the chunk row by row.
-template <bool BAND>
+// rows of `x_rows` (KC a row: the raw dot products, or a compiled score_mod's output)
+// times `sc` > 0 (scale log2 e, or log2 e). False, with nothing of the state changed,
+// where a row's max is -inf or NaN (now or before): softmax() then takes the chunk row by
+// row.
+// (kfwd2) BF16: a bf16 call's weights, rounded to bf16 as they are stored, come from
+// simd::exp2_bf16 (its error 1/40 of that rounding's; O's rescale stays simd::exp2).
+template <bool BAND, bool BF16 = false>
 bool softmax_plain(const Args &a, const Chunk &c, int64_t i0, Scratch &w, const float *x_rows,
                    double sc) {
   float *mx = w.mx.data(), *m = w.m.data(), *alpha = w.alpha.data();
@@ -660,7 +698,7 @@ bool softmax_plain(const Args &a, const Chunk &c, int64_t i0, Scratch &w, const 
         const vi col = lane + int32_t(W * vv);
         x = simd::select((col < int32_t(lo)) | (col >= int32_t(hi)), ninf, x);
       }
-      const vf p = simd::exp2(x);  // (0 where dropped)
+      const vf p = BF16 ? simd::exp2_bf16(x) : simd::exp2(x);  // (0 where dropped)
       out.put(vv, p);
       sum += p;
     }
@@ -685,6 +723,14 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
   // only the band and the keys' range cut the chunk (no mask of any kind, no bias)
   const bool band_only = !c.keep && !c.gen && !masker.rel && !a.mask;
   const bool cut = c.band || c.lo != 0 || c.hi != KC;
+  auto plain = [&](const float *x, double sc) {
+#if defined(ATTNKIT_BF16)
+    if (a.dtype == DT_BF16)
+      return cut ? softmax_plain<true, true>(a, c, i0, w, x, sc)
+                 : softmax_plain<false, true>(a, c, i0, w, x, sc);
+#endif
+    return cut ? softmax_plain<true>(a, c, i0, w, x, sc) : softmax_plain<false>(a, c, i0, w, x, sc);
+  };
   if (band_only && a.mod_forward) {  // a compiled score_mod: its rows first (w.s kept)
     float *in = masker.mod_in;
     const vf scale = simd::splat(float(a.scale));
@@ -693,14 +739,9 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
       for (int vv = 0; vv < NV; ++vv) simd::store(in + W * vv, simd::load(s + W * vv) * scale);
       a.mod_forward(a.mod_ctx, b, h, i0 + r, c.c0, in, w.smod.data() + r * KC);
     }
-    const float *x = w.smod.data();
-    if (cut ? softmax_plain<true>(a, c, i0, w, x, LOG2E) : softmax_plain<false>(a, c, i0, w, x, LOG2E))
-      return;
-  } else if (band_only && a.scale > 0) {
-    const double sc = a.scale * LOG2E;
-    if (cut ? softmax_plain<true>(a, c, i0, w, w.s.data(), sc)
-            : softmax_plain<false>(a, c, i0, w, w.s.data(), sc))
-      return;
+    if (plain(w.smod.data(), LOG2E)) return;
+  } else if (band_only && a.scale > 0 && plain(w.s.data(), a.scale * LOG2E)) {
+    return;
   }
   const vf to_base2 = simd::splat(float(LOG2E));
   const vf scale2 = simd::splat(float(a.scale * LOG2E));
