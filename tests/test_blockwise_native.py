@@ -478,6 +478,11 @@ def test_where_the_native_kernel_is_slower_dense_calls_keep_torch(calls, monkeyp
     engines = _dense_plan(q, k, v).engines
     assert (engines.forward, engines.backward) == ("flash_cpu", "flash_cpu")
     assert "slower than torch's kernel" in engines.explain()
+    with torch.no_grad():  # a relative bias is dense too: torch's kernel adds its rows
+        alibi = attention(q, k, v, causal=True, score_mod=M.alibi(2), backend="blockwise")
+        assert len(calls) == 1
+    ref_a = attention(q, k, v, causal=True, score_mod=M.alibi(2), backend="reference")
+    torch.testing.assert_close(alibi, ref_a, atol=1e-5, rtol=1e-5)
 
 
 def _dense_plan(q, k, v):
