@@ -85,20 +85,20 @@ def test_a_held_build_runs_in_a_child_with_torch_held(monkeypatch):
         return subprocess.CompletedProcess(argv, 0, "", "")
 
     monkeypatch.setenv("ATTNKIT_NATIVE_SPEED", "fast")
-    monkeypatch.setattr(native_kernel.subprocess, "run", fake_run)
+    monkeypatch.setattr(isa_env.subprocess, "run", fake_run)
     held = {"ATEN_CPU_CAPABILITY": "avx2"}
     rows = native_kernel._in_child("avx2", held, quick=True, reps=2)
     assert rows == {"status": "avx2 build", "torch": "AVX2"}
     assert seen["env"]["ATEN_CPU_CAPABILITY"] == "avx2"
     assert seen["env"]["ATTNKIT_NATIVE_ISA"] == "avx2"
     assert "ATTNKIT_NATIVE_SPEED" not in seen["env"]
-    assert seen["env"][native_kernel.CHILD] == "1"  # a child never starts another
+    assert seen["env"][isa_env.CHILD] == "1"  # a child never starts another
     assert seen["argv"][seen["argv"].index("--isa") + 1] == "avx2" and "--quick" in seen["argv"]
 
     def failing(argv, env, **kwargs):
         return subprocess.CompletedProcess(argv, 1, "", "Traceback...\nRuntimeError: boom\n")
 
-    monkeypatch.setattr(native_kernel.subprocess, "run", failing)
+    monkeypatch.setattr(isa_env.subprocess, "run", failing)
     rows = native_kernel._in_child("avx2", held, quick=True, reps=2)
     assert "child process failed" in rows["status"] and "boom" in rows["status"]
 

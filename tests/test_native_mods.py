@@ -555,9 +555,9 @@ def test_bench_holds_a_narrower_build_in_a_child(monkeypatch):
         return subprocess.CompletedProcess(argv, 1, "", "boom")
 
     monkeypatch.setattr(mods, "held_env", lambda isa: {"ATEN_CPU_CAPABILITY": isa})
-    monkeypatch.setattr(mods.subprocess, "run", fake_run)
+    monkeypatch.setattr(subprocess, "run", fake_run)  # (isa_env starts the child)
     result = mods.run(True, 1, flex=True, isas=["avx2"])
     assert result["builds"]["avx2"] == {"status": "the held-avx2 child process failed: boom"}
-    assert seen["env"]["ATEN_CPU_CAPABILITY"] == "avx2" and seen["env"][mods._CHILD] == "1"
+    assert seen["env"]["ATEN_CPU_CAPABILITY"] == "avx2" and seen["env"][mods.CHILD] == "1"
     assert seen["argv"][1:5] == ["-m", "attnkit.bench.mods", "--isa", "avx2"]
     assert "--flex" in seen["argv"] and "--quick" in seen["argv"]

@@ -11,9 +11,19 @@ them) takes the variables from here.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import torch
 
-__all__ = ["HELD", "held_env", "torch_capability"]
+__all__ = ["CHILD", "HELD", "held_env", "in_held_child", "torch_capability"]
+
+#: Set in a held child's environment (a child never starts another).
+CHILD = "ATTNKIT_BENCH_HELD_CHILD"
 
 #: The environment that holds torch (ATen, oneDNN, MKL) to each build's instruction set.
 HELD: dict[str, dict[str, str]] = {
@@ -38,3 +48,20 @@ def held_env(isa: str) -> dict[str, str] | None:
     if env is None or torch_capability().lower() == isa:
         return None
     return dict(env)
+
+
+def in_held_child(module: str, isa: str, held: dict[str, str], args: list[str]) -> dict:
+    """``isa``'s result from ``python -m MODULE --isa ISA --json FILE ARGS`` run with
+    ``held`` in its environment (torch reads it when it loads), or ``{"status": why}``
+    where the child failed. The child runs ``isa``'s build, measures its own speed
+    (``ATTNKIT_NATIVE_SPEED`` unset) and is marked :data:`CHILD`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        argv = [sys.executable, "-m", module, "--isa", isa, "--json", str(out), *args]
+        child_env = {**os.environ, **held, "ATTNKIT_NATIVE_ISA": isa, CHILD: "1"}
+        child_env.pop("ATTNKIT_NATIVE_SPEED", None)
+        done = subprocess.run(argv, env=child_env, capture_output=True, text=True, check=False)
+        if done.returncode != 0 or not out.exists():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            return {"status": f"the held-{isa} child process failed: {tail[0]}"}
+        return json.loads(out.read_text())["builds"][isa]

@@ -25,9 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,11 +33,10 @@ import torch
 from attnkit import attention, explain_dispatch
 from attnkit.backends.blockwise.native import build
 from attnkit.bench.auto_grid import env
-from attnkit.bench.isa_env import held_env, torch_capability
+from attnkit.bench.isa_env import CHILD, held_env, in_held_child, torch_capability
 from attnkit.bench.native_kernel import _best
 
 SHAPE = (1, 4, 64)  # (b, h, d)
-_CHILD = "ATTNKIT_BENCH_HELD_CHILD"  # set in a held child's environment
 #: Goals of issue 21: mod / plain causal.
 GOALS = {"fwd": 1.2, "fwd+bwd": 1.5}
 
@@ -122,7 +118,7 @@ def run(quick: bool, reps: int, flex: bool = False, isas: list[str] | None = Non
     result: dict = {"machine": machine(peaks=False), "t": t, "builds": {}}
     for isa in isas or build.host_isas():
         # (a child already runs held: it never starts another, whatever torch reports)
-        held = None if os.environ.get(_CHILD) else held_env(isa)
+        held = None if os.environ.get(CHILD) else held_env(isa)
         if held is not None:
             result["builds"][isa] = _in_child(isa, held, quick, reps, flex)
             continue
@@ -144,20 +140,9 @@ def run(quick: bool, reps: int, flex: bool = False, isas: list[str] | None = Non
 def _in_child(isa: str, held: dict[str, str], quick: bool, reps: int, flex: bool) -> dict:
     """``isa``'s rows from ``python -m attnkit.bench.mods --isa ISA`` run with ``held`` in
     its environment (torch reads it when it loads: its kernels, oneDNN, MKL and the C++
-    inductor generates for FlexAttention then use ``isa`` too)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "mods.json"
-        argv = [sys.executable, "-m", "attnkit.bench.mods", "--isa", isa, "--reps", str(reps),
-                "--json", str(out)]  # fmt: skip
-        argv += ["--quick"] if quick else []
-        argv += ["--flex"] if flex else []
-        child_env = {**os.environ, **held, "ATTNKIT_NATIVE_ISA": isa, _CHILD: "1"}
-        child_env.pop("ATTNKIT_NATIVE_SPEED", None)
-        done = subprocess.run(argv, env=child_env, capture_output=True, text=True, check=False)
-        if done.returncode != 0 or not out.exists():
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-            return {"status": f"the held-{isa} child process failed: {tail[0]}"}
-        return json.loads(out.read_text())["builds"][isa]
+    inductor generates for FlexAttention then use ``isa`` too; :func:`.isa_env.in_held_child`)."""
+    args = ["--reps", str(reps)] + (["--quick"] if quick else []) + (["--flex"] if flex else [])
+    return in_held_child("attnkit.bench.mods", isa, held, args)
 
 
 def markdown(result: dict) -> str:

@@ -27,9 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,11 +38,10 @@ from attnkit import attention
 from attnkit.backends.blockwise import native
 from attnkit.backends.blockwise.native import build
 from attnkit.bench.auto_grid import SHAPE, env, grid, inputs, markdown_rows, step
-from attnkit.bench.isa_env import held_env, torch_capability
+from attnkit.bench.isa_env import CHILD, held_env, in_held_child, torch_capability
 from attnkit.bench.timing import interleaved, spread
 
 #: Set in a held child's environment.
-CHILD = "ATTNKIT_BENCH_HELD_CHILD"
 #: Seconds each timed sample lasts at least (a call is repeated until it does); --quick: 0.
 MIN_SAMPLE = 0.03
 
@@ -170,20 +166,9 @@ def _build_rows(quick: bool, reps: int, t: int) -> dict:
 
 def _in_child(isa: str, held: dict[str, str], quick: bool, reps: int) -> dict:
     """``isa``'s rows from ``python -m attnkit.bench.native_kernel --isa ISA`` run with
-    ``held`` in its environment (torch reads them when it loads)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "build.json"
-        argv = [sys.executable, "-m", "attnkit.bench.native_kernel", "--isa", isa,
-                "--reps", str(reps), "--json", str(out)]  # fmt: skip
-        if quick:
-            argv.append("--quick")
-        child_env = {**os.environ, **held, "ATTNKIT_NATIVE_ISA": isa, CHILD: "1"}
-        child_env.pop("ATTNKIT_NATIVE_SPEED", None)
-        done = subprocess.run(argv, env=child_env, capture_output=True, text=True, check=False)
-        if done.returncode != 0 or not out.exists():
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-            return {"status": f"the held-{isa} child process failed: {tail[0]}"}
-        return json.loads(out.read_text())["builds"][isa]
+    ``held`` in its environment (:func:`.isa_env.in_held_child`)."""
+    args = ["--reps", str(reps)] + (["--quick"] if quick else [])
+    return in_held_child("attnkit.bench.native_kernel", isa, held, args)
 
 
 def markdown(result: dict) -> str:
