@@ -561,3 +561,20 @@ def test_bench_holds_a_narrower_build_in_a_child(monkeypatch):
     assert seen["env"]["ATEN_CPU_CAPABILITY"] == "avx2" and seen["env"][mods.CHILD] == "1"
     assert seen["argv"][1:5] == ["-m", "attnkit.bench.mods", "--isa", "avx2"]
     assert "--flex" in seen["argv"] and "--quick" in seen["argv"]
+
+
+def test_a_generated_library_is_checked_for_its_abi_and_entry_points():
+    """The one load check of generated libraries (score_mod and mask_mod): a wrong ABI or
+    a missing entry point is a reason, never a call into it."""
+    from attnkit.backends.blockwise.native import codegen
+
+    class Lib:
+        def __init__(self, version, **entries):
+            self.attnkit_x_abi = lambda: version
+            for name in entries:
+                setattr(self, name, object())
+
+    check = codegen.library_check("score_mod", "attnkit_x_abi", "attnkit_x_row")
+    assert check(Lib(codegen.MOD_ABI, attnkit_x_row=1)) is None
+    assert "ABI 0" in check(Lib(0, attnkit_x_row=1))
+    assert "lacks an entry point" in check(Lib(codegen.MOD_ABI))

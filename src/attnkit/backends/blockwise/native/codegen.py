@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -562,20 +563,28 @@ def source(graph: ModGraph, wraps: set[int], grad_slots: dict[int, int]) -> str:
     return "\n".join(lines)
 
 
-# -- mask_mods: the kernel's per-element mask test (block masks with no stored tiles) ----
+def library_check(what: str, abi: str, *entries: str) -> Callable[[ctypes.CDLL], str | None]:
+    """The load check of a generated library (``build_generated``'s ``check``): its
+    ``abi`` function returns :data:`MOD_ABI` and it exports ``entries``; else why not."""
+
+    def check(lib: ctypes.CDLL) -> str | None:
+        try:
+            getattr(lib, abi).restype = ctypes.c_int64
+            version = getattr(lib, abi)()
+            for name in entries:
+                getattr(lib, name)
+        except AttributeError as err:
+            return f"a generated {what} library lacks an entry point ({err})"
+        if version != MOD_ABI:
+            return f"a generated {what} library of ABI {version}, not {MOD_ABI}"
+        return None
+
+    return check
 
 
-def _check_library(lib: ctypes.CDLL) -> str | None:
-    try:
-        lib.attnkit_mod_abi.restype = ctypes.c_int64
-        version = lib.attnkit_mod_abi()
-        lib.attnkit_mod_forward  # noqa: B018 - present
-        lib.attnkit_mod_backward  # noqa: B018
-    except AttributeError as err:
-        return f"a generated score_mod library lacks an entry point ({err})"
-    if version != MOD_ABI:
-        return f"a generated score_mod library of ABI {version}, not {MOD_ABI}"
-    return None
+_check_library = library_check(
+    "score_mod", "attnkit_mod_abi", "attnkit_mod_forward", "attnkit_mod_backward"
+)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,14 @@ import ctypes
 from dataclasses import dataclass
 
 from attnkit.backends.blockwise.native.build import build_generated, selected_isa
-from attnkit.backends.blockwise.native.codegen import _LIBS, _PRELUDE, MOD_ABI, _Gen, _wraps
+from attnkit.backends.blockwise.native.codegen import (
+    _LIBS,
+    _PRELUDE,
+    MOD_ABI,
+    _Gen,
+    _wraps,
+    library_check,
+)
 from attnkit.mod_graph import ModGraph
 
 __all__ = ["CompiledMask", "compile_mask", "mask_source", "mask_why_not"]
@@ -56,16 +63,7 @@ def mask_source(graph: ModGraph, wraps: set[int], b_used: bool, h_used: bool) ->
     return "\n".join(lines)
 
 
-def _check_mask_library(lib: ctypes.CDLL) -> str | None:
-    try:
-        lib.attnkit_mask_abi.restype = ctypes.c_int64
-        version = lib.attnkit_mask_abi()
-        lib.attnkit_mask_row  # noqa: B018 - present
-    except AttributeError as err:
-        return f"a generated mask_mod library lacks an entry point ({err})"
-    if version != MOD_ABI:
-        return f"a generated mask_mod library of ABI {version}, not {MOD_ABI}"
-    return None
+_check_mask_library = library_check("mask_mod", "attnkit_mask_abi", "attnkit_mask_row")
 
 
 @dataclass(frozen=True)
