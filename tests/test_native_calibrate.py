@@ -93,17 +93,21 @@ def test_a_forced_speed_skips_the_measurement(uncalibrated, monkeypatch, forced,
     assert speed.forward_ok is ok and speed.source == "ATTNKIT_NATIVE_SPEED"
 
 
+FEW = native.few_rows() if native.available() else 20
+
+
 @pytest.mark.parametrize(
     ("rows", "groups", "keys", "native_runs"),
-    [(32, 1, 2048, False), (8, 4, 2048, False), (1, 4, 2048, False), (256, 1, 2048, True),
-     (1, 4, 8192, True)],
+    [(FEW, 1, 2048, False), (FEW + 1, 1, 2048, True), (8, 1, 2048, False), (1, 4, 2048, False),
+     (256, 1, 2048, True), (1, 4, 8192, True)],
 )  # fmt: skip
 def test_short_dense_plans_go_to_torch_by_measured_speed(
     monkeypatch, rows, groups, keys, native_runs
 ):
-    """Few query rows per kv head against a dense plan: torch's fused kernel (faster there,
-    native.FEW_ROWS), with the reason; long decodes, long queries and
-    masked plans stay native; ATTNKIT_NATIVE_SPEED=fast (the tests) runs them all."""
+    """Few query rows per kv head against a dense float32 plan: torch's fused kernel
+    (faster there: native.few_rows() for this build's width, native.DIRECT_MIN_KEYS for a
+    decode step), with the reason; long decodes, longer queries and masked plans stay
+    native; ATTNKIT_NATIVE_SPEED=fast (the tests) runs them all."""
     from attnkit import explain_dispatch
 
     if not native.available():
@@ -127,6 +131,37 @@ def test_short_dense_plans_go_to_torch_by_measured_speed(
     )
     text = explain_dispatch(q, k, k, return_lse=True, backend="blockwise")
     assert "forward: native_cpu" in text
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_decode_and_few_rows_stay_native(monkeypatch, dtype):
+    """torch's half-precision kernels are slow at few query rows (a decode step: several
+    times its float32 time), so neither short-plan bound sends a bf16/fp16 call there."""
+    from attnkit import explain_dispatch
+
+    monkeypatch.setattr(
+        calibrate, "speed", lambda dtype=None, keys=None: calibrate.Speed(0.5, 0.5, "measured")
+    )
+    for rows, groups in ((1, 4), (FEW, 1)):
+        q = torch.randn(1, 2 * groups, rows, 64, dtype=dtype)
+        k = torch.randn(1, 2, 2048, 64, dtype=dtype)
+        text = explain_dispatch(q, k, k, return_lse=True, backend="blockwise")
+        assert "forward: native_cpu" in text, text
+
+
+def test_a_decode_step_is_not_judged_by_the_prefill_calibration(monkeypatch):
+    """The calibration times a prefill; a decode step (reading the cache in place, memory
+    bound) is decided by its own bound even where the prefill measured slower."""
+    from attnkit import explain_dispatch
+
+    monkeypatch.setattr(
+        calibrate, "speed", lambda dtype=None, keys=None: calibrate.Speed(2.0, 2.0, "measured")
+    )
+    k = torch.randn(1, 2, 8192, 64)
+    decode = explain_dispatch(torch.randn(1, 8, 1, 64), k, k, backend="blockwise")
+    assert "forward: native_cpu" in decode, decode
+    prefill = explain_dispatch(torch.randn(1, 2, 256, 64), k, k, backend="blockwise")
+    assert "slower than torch's kernel" in prefill, prefill
 
 
 def test_each_dtype_is_measured_in_that_dtype_and_kept_apart(uncalibrated, monkeypatch):

@@ -100,10 +100,15 @@ def test_decode_gradients_through_split_forward():
 
 
 def test_auto_sends_long_decode_steps_to_the_kernel(monkeypatch):
-    """``auto`` runs a decode step against >= DECODE_MIN_KEYS keys on the native kernel
-    (split-KV), and leaves short caches, gradients and prefills to the others."""
-    from attnkit.backends import blockwise
+    """``auto`` runs a float32 decode step against >= native.DIRECT_MIN_KEYS keys and a
+    bf16 one against any cache on the native kernel (split-KV), and leaves short float32
+    caches, gradients and prefills to the others (the kernel's rule, not a forced speed)."""
+    from attnkit.backends.blockwise.native import calibrate
 
+    monkeypatch.delenv("ATTNKIT_NATIVE_SPEED", raising=False)
+    monkeypatch.setattr(
+        calibrate, "speed", lambda dtype=None, keys=None: calibrate.Speed(0.5, 0.5, "measured")
+    )
     seen: list[tuple] = []
     original = native.forward
 
@@ -112,14 +117,18 @@ def test_auto_sends_long_decode_steps_to_the_kernel(monkeypatch):
         return original(plan, q, k, v)
 
     monkeypatch.setattr(native, "forward", spy)
-    long_keys = blockwise.DECODE_MIN_KEYS
+    long_keys = native.DIRECT_MIN_KEYS
     q, k, v = decode_case(1, 8, 2, long_keys)  # 4 rows per kv head: a decode step
     out = attention(q, k, v)
     assert seen == [(1, long_keys)]
     ref, _ = ref_attention_lse(q, k, v)
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
     seen.clear()
-    attention(*decode_case(1, 8, 2, 1024))  # a short cache: SDPA
+    half = [x.to(torch.bfloat16) for x in decode_case(1, 8, 2, 1024)]
+    attention(*half)  # bf16: torch's kernel is several times slower at a decode step
+    assert seen == [(1, 1024)]
+    seen.clear()
+    attention(*decode_case(1, 8, 2, 1024))  # a short float32 cache: SDPA
     attention(q.requires_grad_(), k, v)  # gradients wanted: as before
     attention(*decode_case(4, 8, 2, long_keys))  # 16 rows per kv head: as before
     assert seen == []

@@ -216,22 +216,19 @@ NATIVE_MIN_KEYS = 256
 NATIVE_MIN_KEYS_MASKED = 512
 
 
-#: A decode step (at most this many query rows per key/value head) against at least this
-#: many keys goes to blockwise first where the native kernel runs it: it reads the cache in
-#: place and splits it across the threads (split-KV decoding). The bounds are the native
-#: kernel's own (native.DIRECT_ROWS, native.DIRECT_MIN_KEYS: one rule). On a busy shared
-#: 2-core AMD EPYC (rough; AVX-512 + BF16, 1 thread, H=8, H_kv=2): fp32 0.32 ms vs SDPA's
-#: 0.76 at 4096 keys and 2.7 vs 4.0 at 16384 (0.13 vs 0.09 at 1024: left to SDPA); bf16
-#: 0.8 vs 5.2 at 4096.
+#: A decode step (at most this many query rows per key/value head) goes to blockwise first
+#: where the native kernel runs it: it reads the cache in place and splits it across the
+#: threads (split-KV decoding). Where that pays is the kernel's own rule
+#: (native.decode_pays: float32 from native.DIRECT_MIN_KEYS keys, bf16/fp16 always:
+#: torch's half-precision kernels are several times slower at a decode step).
 DECODE_MAX_ROWS = native.DIRECT_ROWS
-DECODE_MIN_KEYS = native.DIRECT_MIN_KEYS
 
 
 def _decode_step(call: AttentionCall) -> bool:
     groups = call.query.shape[-3] // call.key.shape[-3] if call.query.dim() >= 3 else 1
     return (
         call.q_len * groups <= DECODE_MAX_ROWS
-        and call.k_len >= DECODE_MIN_KEYS
+        and native.decode_pays(call.query.dtype, call.k_len)
         and call.query.device.type == "cpu"
         and not call.need_weights
         and not _wants_grad(call)

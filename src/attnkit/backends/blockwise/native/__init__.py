@@ -71,18 +71,25 @@ KV_SPLITS = 0
 #: Below this many multiply-adds a paged call runs on the calling thread alone (continuous
 #: batching makes one call per sequence and layer, most of them short decode steps).
 PAGED_ONE_THREAD = 2**20
-#: Dense forward plans with few query rows per key/value head go to torch's fused kernel,
-#: which is faster there (a 2-core AMD EPYC Zen 5, fp32, d=64, 2 threads, with the LSE:
-#: 32 rows took 1.09-1.29x its time at 2048-32768 keys, as the kernel packs every key for
-#: few products; 64 rows 0.73-0.90x, 128 rows 0.57-0.84x). Up to DIRECT_ROWS rows
-#: (attention.cpp's DIRECT_ROWS) the kernel reads the keys in place and splits them
-#: across the threads, which pays from about DIRECT_MIN_KEYS keys (1.13-1.48x at 2048).
+#: Dense float32 forward plans with few query rows per key/value head go to torch's fused
+#: kernel where it is faster (the kernel packs every key, 8 x 8 transposes, for few
+#: products). Measured on a 2-core AMD EPYC Zen 5 (d=64, 2 heads, 2 threads, with the LSE,
+#: 1024-16384 keys, native / torch's kernel, noisy to ~10%): the 16-float builds took
+#: 0.95-1.3x at 9-10 rows, 0.8-1.08x at 12 and 0.64-0.87x from 16 (FEW_ROWS[16] = 12);
+#: the AVX2 build (torch held to AVX2) 1.04-1.2x at 16 rows, 1.0-1.3x at 32-40 and
+#: 0.86-1.09x at 48-64 (FEW_ROWS[8] = 48; NEON, unmeasured, as AVX2). Up to DIRECT_ROWS
+#: rows (attention.cpp's DIRECT_ROWS) the kernel reads the keys in place and splits them
+#: across the threads, which pays from about DIRECT_MIN_KEYS keys (1 row: 1.2x at 1024
+#: keys, 1.03-1.06x at 4096, 0.8-0.85x at 16384, both builds). bf16 and fp16 calls take
+#: neither bound: torch's half-precision kernels are slow at few rows (a decode step, 2176
+#: keys: 0.78 ms in bf16 against 0.12 in fp32), and the kernel ran every few-row bf16 case
+#: measured faster than torch's even in float32 (0.33-0.9x).
 #: DIRECT_ROWS is the one decode bound of the kernel, contiguous and paged alike (a paged
 #: decode step of rows of different lengths, ``paged_decode``, is taken only this way).
 #: ``ATTNKIT_NATIVE_SPEED=fast`` (the tests) lets the kernel run these too.
 DIRECT_ROWS = 8
 DIRECT_MIN_KEYS = 4096
-FEW_ROWS = 48
+FEW_ROWS = {16: 12, 8: 48, 4: 48}
 #: ``mask_kind`` of attention.cpp.
 _MASK_BOOL, _MASK_FLOAT = 1, 2
 
@@ -166,19 +173,41 @@ def why_not(
     if paged or not _dense(plan) or calibrate.measuring():
         return None  # (no torch kernel reads pages; the measurement runs the kernel itself)
     speed = calibrate.speed(call_dtype or dtype, plan.s)  # dense: torch's runs them too
-    if with_backward and not speed.backward_ok:
-        return _slower("forward+backward", speed.backward, speed.tokens)
-    if not with_backward and not speed.forward_ok:
-        return _slower("forward", speed.forward, speed.tokens)
+    ok = speed.backward_ok if with_backward else speed.forward_ok
+    direction = "forward+backward" if with_backward else "forward"
+    if speed.source == calibrate.FORCED:  # ATTNKIT_NATIVE_SPEED decides alone
+        return None if ok else _slower(direction, speed.forward, speed.tokens)
     rows = plan.t * (plan.h // plan.h_kv)  # query rows each kv head's keys serve
-    direct = rows <= DIRECT_ROWS
-    short = (direct and plan.s < DIRECT_MIN_KEYS) or (not direct and rows <= FEW_ROWS)
-    if short and speed.source != calibrate.FORCED:
-        return (
-            f"{rows} query rows per key/value head against {plan.s} keys: torch's fused "
-            "kernel is faster for a dense plan this short"
-        )
-    return None
+    half = (call_dtype or dtype) != torch.float32  # torch's half kernels lose at few rows
+    if rows <= DIRECT_ROWS and not with_backward:
+        # a decode step reads the cache in place: memory-bound, which the calibration
+        # (a prefill) does not measure
+        return None if decode_pays(call_dtype or dtype, plan.s) else _short(rows, plan.s)
+    if not ok:
+        return _slower(direction, speed.backward if with_backward else speed.forward, speed.tokens)
+    return _short(rows, plan.s) if not half and rows <= few_rows() else None
+
+
+def decode_pays(dtype: torch.dtype, keys: int) -> bool:
+    """Whether a dense decode step (at most :data:`DIRECT_ROWS` query rows per key/value
+    head) of ``dtype`` against ``keys`` keys runs faster here than in torch's kernel: bf16
+    and fp16 always, float32 from :data:`DIRECT_MIN_KEYS` keys (the one decode rule, asked
+    by :func:`why_not` and by ``auto`` before it plans a call)."""
+    return dtype != torch.float32 or keys >= DIRECT_MIN_KEYS
+
+
+def few_rows() -> int:
+    """The most query rows per key/value head for which torch's fused kernel runs a dense
+    float32 forward faster than this build (:data:`FEW_ROWS`, by vector width)."""
+    name = isa() or ""
+    return FEW_ROWS[16 if name.startswith("avx512") else 8 if name == "avx2" else 4]
+
+
+def _short(rows: int, keys: int) -> str:
+    return (
+        f"{rows} query rows per key/value head against {keys} keys: torch's fused "
+        "kernel is faster for a dense plan this short"
+    )
 
 
 def score_mod_program(plan: TilePlan) -> codegen.CompiledMod | str:

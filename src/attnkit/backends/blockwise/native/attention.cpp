@@ -301,6 +301,18 @@ inline int64_t key_pairs(int64_t j, int64_t d, int64_t depth) {
 // known at compile time so that the element loop is inlined and vectorisable.
 template <class T, int64_t (*AT)(int64_t, int64_t, int64_t), class Row>
 void pack_chunk(int64_t depth, Row row, T *dst) {
+  if constexpr (std::is_same_v<T, float> && AT == transposed) {
+    // (feature "pack8") whole groups of eight keys as 8 x 8 register transposes: a
+    // decode-sized call packs every key for few products, element by element 4x slower
+    if (depth % 8 == 0 && row(KC - 1)) {
+      for (int64_t j0 = 0; j0 < KC; j0 += 8) {
+        const float *rows[8];
+        for (int j = 0; j < 8; ++j) rows[j] = row(j0 + j);
+        for (int64_t d0 = 0; d0 < depth; d0 += 8) simd::transpose8(rows, d0, dst + d0 * KC + j0, KC);
+      }
+      return;
+    }
+  }
   for (int64_t j = 0; j < KC; ++j) {
     const T *r = row(j);
     if (!r) {

@@ -433,4 +433,32 @@ inline void store_bf16(uint16_t *dst, vf x) {
 }
 #endif
 
+// dst[d * ds + j] = rows[j][d0 + d] for j, d < 8: eight keys' dims d0 .. d0 + 8 into eight
+// rows of eight keys (the float32 packed keys' layout, a transpose). Every x86 build has
+// AVX2: three shuffle steps in registers; other targets plain loops. Moves only: the bits
+// are the input's.
+inline void transpose8(const float *const *rows, int64_t d0, float *dst, int64_t ds) {
+#if defined(__AVX2__)
+  __m256 a[8], t[8], u[8];
+  for (int j = 0; j < 8; ++j) a[j] = _mm256_loadu_ps(rows[j] + d0);
+  for (int j = 0; j < 8; j += 2) {  // t[j] = (a_j0 a_j+1,0 a_j1 a_j+1,1 | ...4, 5)
+    t[j] = _mm256_unpacklo_ps(a[j], a[j + 1]);
+    t[j + 1] = _mm256_unpackhi_ps(a[j], a[j + 1]);
+  }
+  for (int j = 0; j < 8; j += 4) {  // u: four keys' dim d in one 128-bit half
+    u[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);
+    u[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xEE);
+    u[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+    u[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
+  }
+  for (int d = 0; d < 4; ++d) {  // keys 0-3 and 4-7 of dims d and d + 4
+    _mm256_storeu_ps(dst + d * ds, _mm256_permute2f128_ps(u[d], u[d + 4], 0x20));
+    _mm256_storeu_ps(dst + (d + 4) * ds, _mm256_permute2f128_ps(u[d], u[d + 4], 0x31));
+  }
+#else
+  for (int d = 0; d < 8; ++d)
+    for (int j = 0; j < 8; ++j) dst[d * ds + j] = rows[j][d0 + d];
+#endif
+}
+
 }  // namespace simd
