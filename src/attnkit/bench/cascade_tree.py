@@ -28,6 +28,8 @@ from attnkit.bench.peers import Runner
 from attnkit.bench.timing import DTYPES, Case, time_cases
 
 SHAPE = {"h": 8, "h_kv": 2, "d": 64}
+#: Seconds a timed sample lasts at least (a decode call, ~0.1-1 ms, repeated).
+MIN_SAMPLE = 0.02
 REQUESTS, OWN, NODES = 8, 128, 32
 
 
@@ -158,7 +160,7 @@ def time_targets(cases: dict[str, list[Case]], reps: int) -> list[dict]:
     for group in ("cascade", "tree"):
         for key in sorted({(c.pattern, c.dtype) for c in cases[group]}):
             todo = [c for c in cases[group] if (c.pattern, c.dtype) == key]
-            time_cases(todo, reps, build)
+            time_cases(todo, reps, build, min_sample=MIN_SAMPLE)
     return ratios(cases)
 
 

@@ -58,7 +58,9 @@ def prepare(case: Case, build: Build) -> Callable[[], object] | None:
     return run
 
 
-def time_cases(cases: list[Case], reps: int, build: Build) -> list[Case]:
+def time_cases(
+    cases: list[Case], reps: int, build: Build, min_sample: float = 0.0
+) -> list[Case]:
     """Fill ``seconds`` of each case with the median of ``reps`` runs after one warm-up.
 
     The cases are timed round-robin (one run of each per round): when the load of a
@@ -69,14 +71,21 @@ def time_cases(cases: list[Case], reps: int, build: Build) -> list[Case]:
         cases: the cases to time (a case that cannot run keeps ``seconds=None`` and a note).
         reps: timed runs of each case.
         build: how to turn a case into a function that runs it once.
+        min_sample: a run is the case repeated to last at least this many seconds
+            (:func:`repeated`; times are per call): sub-millisecond calls timed one by one
+            are mostly the clock's and the scheduler's noise.
     """
-    runs = [(case, run) for case in cases if (run := prepare(case, build)) is not None]
+    runs = []
+    for case in cases:
+        run = prepare(case, build)
+        if run is not None:
+            runs.append((case, *(repeated(run, min_sample) if min_sample > 0 else (run, 1))))
     for _ in range(reps):
-        for case, run in runs:
+        for case, run, n in runs:
             start = time.perf_counter()
             run()
-            case.times.append(time.perf_counter() - start)
-    for case, _ in runs:
+            case.times.append((time.perf_counter() - start) / n)
+    for case, *_ in runs:
         case.seconds = statistics.median(case.times)
     return cases
 

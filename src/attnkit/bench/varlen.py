@@ -30,6 +30,9 @@ from attnkit.document_mask import document_block_mask
 
 __all__ = ["doc_mask_ms", "main", "target_cases", "time_targets"]
 
+#: Decode steps per timed sample of the split-KV cases (seconds are reported per step).
+STEPS = 20
+
 
 def target_cases(quick: bool) -> dict[str, list[Case]]:
     """The cases behind the ratios (toy sizes when ``quick``)."""
@@ -93,10 +96,14 @@ def build(case: Case) -> Callable[[], object]:
         k, v = (torch.randn(1, h_kv, case.t, d, generator=g).to(dt) for _ in range(2))
 
         def decode() -> object:
+            # a sample is STEPS calls (a decode step lasts ~0.2 ms: one call is timer and
+            # scheduler noise), the thread count set once around them; seconds per step
             before = torch.get_num_threads()
             torch.set_num_threads(threads)
             try:
-                return attention(q, k, v, backend="blockwise")
+                for _ in range(STEPS):
+                    out = attention(q, k, v, backend="blockwise")
+                return out
             finally:
                 torch.set_num_threads(before)
 
@@ -129,6 +136,9 @@ def time_targets(cases: dict[str, list[Case]], reps: int, quick: bool = False) -
         for dtype in ("fp32", "bf16"):
             pair = [c for c in cases[group] if c.dtype == dtype]
             time_cases(pair, reps, build)
+            if group == "split-kv":  # a sample is STEPS decode steps
+                for c in pair:
+                    c.seconds = None if c.seconds is None else c.seconds / STEPS
             a, b = (c.seconds for c in pair)
             ratio = None if a is None or not b else a / b
             if group == "varlen":

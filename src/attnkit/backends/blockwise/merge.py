@@ -35,12 +35,12 @@ def merge_partials(
         dtypes. Differentiable in every argument.
     """
     m = torch.maximum(lse_a, lse_b)
-    m_safe = m.masked_fill(torch.isneginf(m), 0.0)  # both empty: weights exp(-inf) = 0
-    w_a = torch.exp(lse_a - m_safe)  # (..., t)
-    w_b = torch.exp(lse_b - m_safe)
-    den = w_a + w_b
-    lse = m_safe + torch.log(den)  # log(0) = -inf where both are empty
-    inv = torch.where(den > 0, 1.0 / den.clamp_min(torch.finfo(den.dtype).tiny), 0.0)
+    m = m.masked_fill(torch.isneginf(m), 0.0)  # both empty: weights exp(-inf) = 0
+    w_a = torch.exp(lse_a - m)  # (..., t)
+    w_b = torch.exp(lse_b - m)
+    den = w_a + w_b  # >= 1 where either has a key (the larger weight is 1), 0 where none
+    lse = m + torch.log(den)  # log(0) = -inf where both are empty
+    share_b = w_b / den.clamp_min(1.0)  # b's share of the weight; 0 where both are empty
     acc = torch.promote_types(out_a.dtype, lse.dtype)
-    out = out_a.to(acc) * (w_a * inv).unsqueeze(-1) + out_b.to(acc) * (w_b * inv).unsqueeze(-1)
+    out = torch.lerp(out_a.to(acc), out_b.to(acc), share_b.unsqueeze(-1))  # (..., t, d)
     return out.to(out_a.dtype), lse

@@ -167,28 +167,21 @@ class Pool {
       return;
     }
     while (int64_t(workers_.size()) < extra) workers_.emplace_back([this] { loop(); });
+    body_ = &body;
+    running_.store(extra, std::memory_order_relaxed);
+    slots_.store(extra, std::memory_order_release);
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      body_ = &body;
-      slots_ = extra;
-      running_ = extra;
-      ++generation_;
+      std::lock_guard<std::mutex> lock(mu_);  // (a worker about to sleep sees it, or is woken)
+      generation_.fetch_add(1, std::memory_order_acq_rel);
     }
     wake_.notify_all();
     body();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      // (varlen) slots no worker has taken yet are withdrawn: the work is done, so a worker
-      // the OS has not scheduled (a busy machine) is not waited for
-      running_ -= slots_;
-      slots_ = 0;
-    }
+    // (varlen) slots no worker has taken yet are withdrawn: the work is done, so a worker
+    // the OS has not scheduled (a busy machine) is not waited for
+    running_.fetch_sub(slots_.exchange(0, std::memory_order_acq_rel), std::memory_order_acq_rel);
     // (decode) a worker still running is on its last item: wait for it spinning a little
     // before sleeping, so that a short call does not pay this thread's wake-up after it
-    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(SPIN_US);
-    while (running_.load(std::memory_order_acquire) != 0 &&
-           std::chrono::steady_clock::now() < until)
-      relax();
+    spin_until<false>(SPIN_US, [this] { return running_.load(std::memory_order_acquire) == 0; });
     std::unique_lock<std::mutex> lock(mu_);
     done_.wait(lock, [this] { return running_.load(std::memory_order_acquire) == 0; });
     body_ = nullptr;
@@ -196,17 +189,23 @@ class Pool {
 
  private:
   void loop() {
-    int64_t seen = 0;
+    int64_t seen = generation_.load(std::memory_order_acquire);
     for (;;) {
-      const std::function<void()> *body;
-      {
+      // (feature "warm pool") a worker that has just finished spins a while for the next
+      // call before it sleeps, yielding its core to any other thread that wants it: calls
+      // a few tens of microseconds apart (a decode step's layers, a cascade's two passes)
+      // then skip waking a sleeping thread, which on a virtual machine cost about 30 us.
+      auto fresh = [&] { return generation_.load(std::memory_order_acquire) != seen; };
+      if (!spin_until<true>(WORKER_SPIN_US, fresh)) {
         std::unique_lock<std::mutex> lock(mu_);
-        wake_.wait(lock, [&] { return generation_ != seen && slots_ > 0; });
-        seen = generation_;
-        --slots_;
-        body = body_;
+        wake_.wait(lock, fresh);
       }
-      (*body)();
+      seen = generation_.load(std::memory_order_acquire);
+      int64_t free = slots_.load(std::memory_order_acquire);
+      while (free > 0 && !slots_.compare_exchange_weak(free, free - 1, std::memory_order_acq_rel))
+        ;
+      if (free <= 0) continue;  // every slot taken, or withdrawn: wait for the next call
+      (*body_)();
       if (running_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
         std::lock_guard<std::mutex> lock(mu_);  // (the caller may be about to wait)
         done_.notify_all();
@@ -214,7 +213,21 @@ class Pool {
     }
   }
 
-  static constexpr int64_t SPIN_US = 50;  // the longest the caller spins for a last item
+  // Spins until done() or `us` microseconds have passed (YIELD: letting other threads of
+  // this core run between checks); returns done().
+  template <bool YIELD, class F>
+  static bool spin_until(int64_t us, F done) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(us);
+    while (!done()) {
+      if (std::chrono::steady_clock::now() >= until) return false;
+      for (int i = 0; i < 16; ++i) relax();
+      if (YIELD) std::this_thread::yield();
+    }
+    return true;
+  }
+
+  static constexpr int64_t SPIN_US = 50;          // the longest the caller spins for a last item
+  static constexpr int64_t WORKER_SPIN_US = 200;  // the longest a worker spins for a next call
   static void relax() {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
@@ -227,7 +240,7 @@ class Pool {
   std::condition_variable wake_, done_;
   std::vector<std::thread> workers_;
   const std::function<void()> *body_ = nullptr;
-  int64_t slots_ = 0, generation_ = 0;
+  std::atomic<int64_t> slots_{0}, generation_{0};
   std::atomic<int64_t> running_{0};  // workers holding a slot (read by the caller's spin)
 };
 
