@@ -343,6 +343,15 @@ void pack_chunk(int64_t depth, Row row, T *dst) {
 template <class Row>
 void pack_dim_pairs(int64_t depth, Row row, uint16_t *dst) {
   uint32_t *out = reinterpret_cast<uint32_t *>(dst);  // (depth / 2, KC) words
+  if (depth % 16 == 0 && row(KC - 1)) {  // (pack8) a transpose of words, 8 x 8 at a time
+    for (int64_t j0 = 0; j0 < KC; j0 += 8) {
+      const float *rows[8];
+      for (int j = 0; j < 8; ++j) rows[j] = reinterpret_cast<const float *>(row(j0 + j));
+      for (int64_t p0 = 0; p0 < depth / 2; p0 += 8)
+        simd::transpose8(rows, p0, reinterpret_cast<float *>(out) + p0 * KC + j0, KC);
+    }
+    return;
+  }
   for (int64_t j = 0; j < KC; ++j) {
     const uint16_t *r = row(j);
     if (!r) {

@@ -436,7 +436,7 @@ inline void store_bf16(uint16_t *dst, vf x) {
 // dst[d * ds + j] = rows[j][d0 + d] for j, d < 8: eight keys' dims d0 .. d0 + 8 into eight
 // rows of eight keys (the float32 packed keys' layout, a transpose). Every x86 build has
 // AVX2: three shuffle steps in registers; other targets plain loops. Moves only: the bits
-// are the input's.
+// are the input's (any 32-bit words: pairs of bf16 dims go through it too).
 inline void transpose8(const float *const *rows, int64_t d0, float *dst, int64_t ds) {
 #if defined(__AVX2__)
   __m256 a[8], t[8], u[8];
@@ -456,8 +456,8 @@ inline void transpose8(const float *const *rows, int64_t d0, float *dst, int64_t
     _mm256_storeu_ps(dst + (d + 4) * ds, _mm256_permute2f128_ps(u[d], u[d + 4], 0x31));
   }
 #else
-  for (int d = 0; d < 8; ++d)
-    for (int j = 0; j < 8; ++j) dst[d * ds + j] = rows[j][d0 + d];
+  for (int d = 0; d < 8; ++d)  // (4-byte copies: bf16 pairs come here as words too)
+    for (int j = 0; j < 8; ++j) std::memcpy(dst + d * ds + j, rows[j] + d0 + d, 4);
 #endif
 }
 
