@@ -58,9 +58,7 @@ def prepare(case: Case, build: Build) -> Callable[[], object] | None:
     return run
 
 
-def time_cases(
-    cases: list[Case], reps: int, build: Build, min_sample: float = 0.0
-) -> list[Case]:
+def time_cases(cases: list[Case], reps: int, build: Build, min_sample: float = 0.0) -> list[Case]:
     """Fill ``seconds`` of each case with the median of ``reps`` runs after one warm-up.
 
     The cases are timed round-robin (one run of each per round): when the load of a
