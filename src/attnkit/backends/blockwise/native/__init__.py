@@ -172,20 +172,27 @@ def why_not(
             return f"a score_mod not compiled ({program})"
     if paged or not _dense(plan) or calibrate.measuring():
         return None  # (no torch kernel reads pages; the measurement runs the kernel itself)
-    speed = calibrate.speed(call_dtype or dtype, plan.s)  # dense: torch's runs them too
-    ok = speed.backward_ok if with_backward else speed.forward_ok
-    direction = "forward+backward" if with_backward else "forward"
+    call_dtype = call_dtype or dtype
+    speed = calibrate.speed(call_dtype, plan.s)  # dense: torch's runs them too
+    ok, ratio = (
+        (speed.backward_ok, speed.backward) if with_backward else (speed.forward_ok, speed.forward)
+    )
+    slower = (
+        None
+        if ok
+        else _slower("forward+backward" if with_backward else "forward", ratio, speed.tokens)
+    )
     if speed.source == calibrate.FORCED:  # ATTNKIT_NATIVE_SPEED decides alone
-        return None if ok else _slower(direction, speed.forward, speed.tokens)
+        return slower
     rows = plan.t * (plan.h // plan.h_kv)  # query rows each kv head's keys serve
-    half = (call_dtype or dtype) != torch.float32  # torch's half kernels lose at few rows
     if rows <= DIRECT_ROWS and not with_backward:
         # a decode step reads the cache in place: memory-bound, which the calibration
         # (a prefill) does not measure
-        return None if decode_pays(call_dtype or dtype, plan.s) else _short(rows, plan.s)
-    if not ok:
-        return _slower(direction, speed.backward if with_backward else speed.forward, speed.tokens)
-    return _short(rows, plan.s) if not half and rows <= few_rows() else None
+        return None if decode_pays(call_dtype, plan.s) else _short(rows, plan.s)
+    if slower is not None:
+        return slower
+    # (torch's half-precision kernels lose at few rows too)
+    return _short(rows, plan.s) if call_dtype == torch.float32 and rows <= few_rows() else None
 
 
 def decode_pays(dtype: torch.dtype, keys: int) -> bool:

@@ -312,20 +312,25 @@ inline int64_t key_pairs(int64_t j, int64_t d, int64_t depth) {
 
 // One chunk's KC keys (rows `row(j)`, null past the last key) into dst, the layout AT
 // known at compile time so that the element loop is inlined and vectorisable.
+// (feature "pack8") A whole chunk of KC keys, `words` 32-bit words each (float32 dims, or
+// pairs of bf16 dims), transposed into (words, KC) by 8 x 8 register transposes: a
+// decode-sized call packs every key for few products, element by element 4x slower.
+// Takes full chunks (row(KC - 1) not null) of a multiple of 8 words; returns whether it did.
+template <class Row>
+bool pack_words8(int64_t words, Row row, float *dst) {
+  if (words % 8 != 0 || !row(KC - 1)) return false;
+  for (int64_t j0 = 0; j0 < KC; j0 += 8) {
+    const float *rows[8];
+    for (int j = 0; j < 8; ++j) rows[j] = reinterpret_cast<const float *>(row(j0 + j));
+    for (int64_t w0 = 0; w0 < words; w0 += 8) simd::transpose8(rows, w0, dst + w0 * KC + j0, KC);
+  }
+  return true;
+}
+
 template <class T, int64_t (*AT)(int64_t, int64_t, int64_t), class Row>
 void pack_chunk(int64_t depth, Row row, T *dst) {
-  if constexpr (std::is_same_v<T, float> && AT == transposed) {
-    // (feature "pack8") whole groups of eight keys as 8 x 8 register transposes: a
-    // decode-sized call packs every key for few products, element by element 4x slower
-    if (depth % 8 == 0 && row(KC - 1)) {
-      for (int64_t j0 = 0; j0 < KC; j0 += 8) {
-        const float *rows[8];
-        for (int j = 0; j < 8; ++j) rows[j] = row(j0 + j);
-        for (int64_t d0 = 0; d0 < depth; d0 += 8) simd::transpose8(rows, d0, dst + d0 * KC + j0, KC);
-      }
-      return;
-    }
-  }
+  if constexpr (std::is_same_v<T, float> && AT == transposed)
+    if (pack_words8(depth, row, dst)) return;
   for (int64_t j = 0; j < KC; ++j) {
     const T *r = row(j);
     if (!r) {
@@ -343,15 +348,7 @@ void pack_chunk(int64_t depth, Row row, T *dst) {
 template <class Row>
 void pack_dim_pairs(int64_t depth, Row row, uint16_t *dst) {
   uint32_t *out = reinterpret_cast<uint32_t *>(dst);  // (depth / 2, KC) words
-  if (depth % 16 == 0 && row(KC - 1)) {  // (pack8) a transpose of words, 8 x 8 at a time
-    for (int64_t j0 = 0; j0 < KC; j0 += 8) {
-      const float *rows[8];
-      for (int j = 0; j < 8; ++j) rows[j] = reinterpret_cast<const float *>(row(j0 + j));
-      for (int64_t p0 = 0; p0 < depth / 2; p0 += 8)
-        simd::transpose8(rows, p0, reinterpret_cast<float *>(out) + p0 * KC + j0, KC);
-    }
-    return;
-  }
+  if (depth % 2 == 0 && pack_words8(depth / 2, row, reinterpret_cast<float *>(out))) return;
   for (int64_t j = 0; j < KC; ++j) {
     const uint16_t *r = row(j);
     if (!r) {

@@ -602,6 +602,18 @@ class CompiledMod:
 _LIBS: dict[tuple[str, str], tuple[ctypes.CDLL | None, str]] = {}
 
 
+def cached_library(
+    text: str, kind: str, check: Callable[[ctypes.CDLL], str | None], isa: str | None
+) -> tuple[ctypes.CDLL | None, str]:
+    """The library of generated source ``text`` for ``isa`` (None: the selected build) and
+    its build status, built once per source and ISA (:func:`.build.build_generated`; one
+    cache for the score_mod and mask_mod libraries)."""
+    key = (text, isa or selected_isa() or "")
+    if key not in _LIBS:
+        _LIBS[key] = build_generated(text, kind, check, isa)
+    return _LIBS[key]
+
+
 def _wraps(graph: ModGraph, ranges: dict[int, tuple[float, float]]) -> set[int]:
     out = set()
     for n in graph.live():
@@ -643,10 +655,7 @@ def compile_mod(
     if isinstance(generated, str):
         return generated
     text, grad_slots, total = generated
-    key = (text, isa or selected_isa() or "")
-    if key not in _LIBS:
-        _LIBS[key] = build_generated(text, "score-mod", _check_library, isa)
-    lib, status = _LIBS[key]
+    lib, status = cached_library(text, "score-mod", _check_library, isa)
     if lib is None:
         return f"the score_mod's generated code did not build: {status}"
     fwd = ctypes.cast(lib.attnkit_mod_forward, ctypes.c_void_p).value

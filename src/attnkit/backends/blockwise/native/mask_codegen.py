@@ -17,13 +17,12 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-from attnkit.backends.blockwise.native.build import build_generated, selected_isa
 from attnkit.backends.blockwise.native.codegen import (
-    _LIBS,
     _PRELUDE,
     MOD_ABI,
     _Gen,
     _wraps,
+    cached_library,
     library_check,
 )
 from attnkit.mod_graph import ModGraph
@@ -91,10 +90,7 @@ def compile_mask(
         return "a captured tensor of more than 6 dimensions"
     wraps = _wraps(graph, graph.int_ranges(*sizes))
     text = mask_source(graph, wraps, sizes[0] > 1, sizes[1] > 1)
-    key = (text, isa or selected_isa() or "")
-    if key not in _LIBS:
-        _LIBS[key] = build_generated(text, "mask-mod", _check_mask_library, isa)
-    lib, status = _LIBS[key]
+    lib, status = cached_library(text, "mask-mod", _check_mask_library, isa)
     if lib is None:
         return f"the mask_mod's generated code did not build: {status}"
     row = ctypes.cast(lib.attnkit_mask_row, ctypes.c_void_p).value
