@@ -806,15 +806,18 @@ if __name__ == "__main__":
 
 
 def test_the_thread_pool_survives_fork(isa, tmp_path):
-    """The pool's threads are not inherited by a forked child: it starts its own and gives
-    the parent's bits. In a fresh process (torch's own OpenMP pool is not fork-safe once
-    a large torch op has used it, so the test process cannot fork after other tests)."""
+    """The kernel's own pool's threads are not inherited by a forked child: it starts its
+    own and gives the parent's bits. In a fresh process (torch's own OpenMP pool is not
+    fork-safe once a large torch op has used it, so the test process cannot fork after
+    other tests; with ATTNKIT_NATIVE_THREADS=openmp the kernel's calls count as such use:
+    tests/test_native_threads.py checks that case)."""
     import subprocess
     import sys
 
     script = tmp_path / "fork_child.py"
     script.write_text(_FORK_SCRIPT)
-    env = {**os.environ, "ATTNKIT_NATIVE_ISA": isa, "ATTNKIT_NATIVE_SPEED": "fast"}
+    env = {**os.environ, "ATTNKIT_NATIVE_ISA": isa, "ATTNKIT_NATIVE_SPEED": "fast",
+           "ATTNKIT_NATIVE_THREADS": "own"}  # fmt: skip
     run = subprocess.run([sys.executable, str(script)], env=env, timeout=120,
                          capture_output=True, text=True)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]

@@ -58,14 +58,18 @@ def test_measured_once_then_cached(uncalibrated):
 
 def test_the_speed_file_sits_beside_its_build(monkeypatch, tmp_path):
     """Keyed by the library (so by ISA and source), torch's version, the vector code of
-    torch's own kernels, the threads, the dtype and the measured length."""
+    torch's own kernels, the threads (how many, and whose: native.threads), the dtype and
+    the measured length."""
     monkeypatch.setattr(build, "_state", {})
     monkeypatch.setenv("ATTNKIT_CACHE_DIR", str(tmp_path))
-    key = (build.status(), torch.__version__, 3, "AVX2", "bfloat16", 4096)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    key = calibrate.cache_key(torch.bfloat16, 4096)
+    assert key[1:] == (torch.__version__, f"3t-{build.pool()}", key[3], "bfloat16", 4096)
+    key = (*key[:3], "AVX2", *key[4:])
     path = calibrate._cache_file(key)
     assert path is not None and path.parent == tmp_path
     assert path.name.startswith(f"attention-{build.selected_isa()}-") and path.name.endswith(
-        f"torch{torch.__version__}-avx2-3t-bfloat16-T4096.json"
+        f"torch{torch.__version__}-avx2-3t-{build.pool()}-bfloat16-T4096.json"
     )
 
 

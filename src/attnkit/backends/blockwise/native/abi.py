@@ -14,7 +14,7 @@ import ctypes
 __all__ = ["ABI_VERSION", "CODES", "DT_BF16", "DT_F32", "Args", "Grads", "check", "typed"]
 
 #: ``ABI_VERSION`` of attention.cpp: bumped whenever ``Args`` or ``Grads`` change.
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 #: attention.cpp's return codes (``enum Code``) that the binding treats apart.
 OK, NO_MEMORY = 0, 4
@@ -103,6 +103,8 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.attnkit_backward.restype = ctypes.c_int
     lib.attnkit_fma_probe.argtypes = [ctypes.c_int64, ctypes.c_int64]
     lib.attnkit_fma_probe.restype = ctypes.c_double
+    lib.attnkit_use_gomp.argtypes = [ctypes.c_void_p]
+    lib.attnkit_use_gomp.restype = None
     return lib
 
 

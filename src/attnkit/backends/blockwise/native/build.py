@@ -21,6 +21,9 @@ Where libraries are kept, and what is loaded:
   hash, so a truncated or planted file is rebuilt, never mapped; and only when it reports
   the ABI version and struct sizes of :mod:`.abi`.
 
+Once loaded, a build's parallel calls are pointed at torch's OpenMP runtime or at its own
+pool of threads (:mod:`.threads`, :func:`pool`); the status line names which.
+
 Every failure is one line from :func:`status`, and the blockwise backend then runs torch's
 fused kernel instead (same results, slower); :func:`warn_once` says so once per process.
 """
@@ -43,7 +46,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from attnkit.backends.blockwise.native import abi
+from attnkit.backends.blockwise.native import abi, threads
 
 SOURCE = Path(__file__).with_name("attention.cpp")
 HEADERS = (Path(__file__).with_name("simd.h"),)
@@ -69,6 +72,7 @@ _NEEDS = {
 _lock = threading.Lock()
 _state: dict[str, tuple[ctypes.CDLL | None, str]] = {}  # isa -> (library, status line)
 _files: dict[str, Path] = {}  # isa -> the cached library file loaded (not a private build)
+_pools: dict[str, str] = {}  # isa -> "openmp" or "own": the threads of its parallel calls
 _warned: set[str] = set()
 _held_fds: list[int] = []  # descriptors of loaded libraries (see _load)
 
@@ -301,8 +305,19 @@ def library(isa: str | None = None) -> ctypes.CDLL | None:
     with _lock:
         if key not in _state:
             _files.pop(key, None)
-            _state[key] = _build(isa)
+            lib, why = _build(isa)
+            if lib is not None:
+                _pools[key], how = threads.attach(lib)
+                why = f"{why}; threads: {how}"
+            _state[key] = (lib, why)
     return _state[key][0]
+
+
+def pool(isa: str | None = None) -> str | None:
+    """The threads the loaded build for ``isa`` runs its parallel calls on: ``"openmp"``
+    (torch's runtime) or ``"own"`` (see :mod:`.threads`); None when none is loaded."""
+    isa = isa or selected_isa()
+    return _pools.get(isa or "") if library(isa) is not None else None
 
 
 def library_file(isa: str | None = None) -> Path | None:

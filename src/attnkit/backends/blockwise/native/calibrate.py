@@ -115,13 +115,14 @@ def speed(dtype: torch.dtype = torch.float32, keys: int | None = None) -> Speed:
 
 def cache_key(dtype: torch.dtype = torch.float32, keys: int | None = None) -> tuple:
     """What a measurement is kept under: the loaded build, torch's version, the thread
-    count, the vector code of torch's kernels, the dtype and the measured length (last)
-    that decides calls against ``keys`` keys."""
+    count and the threads the kernel runs on (:func:`.build.pool`), the vector code of
+    torch's kernels, the dtype and the measured length (last) that decides calls against
+    ``keys`` keys."""
     tokens = CASE[2] if keys is None or keys <= 2 * CASE[2] else LONG_TOKENS
     return (
         build.status(),
         torch.__version__,
-        torch.get_num_threads(),
+        f"{torch.get_num_threads()}t-{build.pool()}",
         str(torch.backends.cpu.get_cpu_capability()),
         str(dtype).removeprefix("torch."),
         tokens,
@@ -136,8 +137,7 @@ def _cache_file(key: tuple) -> Path | None:
     if library is None or build._private_dir(library.parent) is not None:
         return None
     name = (
-        f"{library.stem}.speed-torch{version}-{capability.lower()}-{threads}t-{dtype}"
-        f"-T{tokens}.json"
+        f"{library.stem}.speed-torch{version}-{capability.lower()}-{threads}-{dtype}-T{tokens}.json"
     )
     return library.with_name(name)
 
