@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from attnkit import attention, create_block_mask
@@ -578,7 +578,18 @@ def _check_grads(q, k, v, keep, bias=None, sinks=None, lse_weight=0.0, **kwargs)
     want = reference(torch.float64)
     plain = reference(torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32)
     floor = 2e-2 if q.dtype == torch.bfloat16 else 1e-5
+    # The backward recomputes P = exp(s - lse) from the float32 lse the forward stored (as
+    # every flash-attention backward does): where scores and lse are far from 0 (ALiBi
+    # over long distances, rows whose keys are all far), their float32 roundings, a few
+    # ulps of |lse|, are P's relative error, which plain softmax (max-subtracted) does
+    # not pay. Found by this fuzzer (seed 20080: |lse| 46, dv off by 1.4e-5 where plain
+    # was off by 1.4e-6); allowed as 2 ulps of the largest |lse| of the gradient's scale.
+    r64 = [x.detach().double() for x in (q, k, v)]
+    _, lse64 = ref_attention_lse(*r64, keep=keep, bias=bias, sinks=None)
+    big = lse64[torch.isfinite(lse64)].abs().max().item() if torch.isfinite(lse64).any() else 0.0
     for i, (a, w) in enumerate(zip(got, want, strict=True)):
+        if q.dtype == torch.float32:
+            floor = 1e-5 + 2 * 2**-24 * big * w.abs().max().item()
         err = (a.double() - w).abs().max().item()
         if i == 3 and q.dtype == torch.bfloat16 and native.bf16():
             # bf16 products: the output is P V with P rounded to bf16, and d_sinks sums
@@ -929,8 +940,16 @@ def test_fuzz_against_float64(case):
     _check(q, k, v, keep, bias=bias, sinks=sinks, **kwargs)
 
 
+_FAR_ALIBI = {  # (its |lse| reaches 46: see _check_grads)
+    "b": 1, "h_kv": 2, "h": 4, "lq": 187, "lk": 32, "d": 16, "causal": None, "window": 35,
+    "block": 8, "mask_lead": "shared", "density": 0.05, "alibi": True, "sinks": False,
+    "mask": None, "strided": True, "seed": 20080,
+}  # fmt: skip
+
+
 @settings(max_examples=25, deadline=None)
 @given(case=_cases(), lse_weight=st.sampled_from([0.0, 1.0]))
+@example(case=_FAR_ALIBI, lse_weight=0.0)
 def test_fuzz_gradients_against_float64(case, lse_weight):
     q, k, v, keep, bias, sinks, kwargs = _fuzz_call(case)
     _check_grads(q, k, v, keep, bias=bias, sinks=sinks, lse_weight=lse_weight, **kwargs)
