@@ -6,7 +6,6 @@ GQA, odd sizes across its 64-key chunks and 128-row blocks, strided inputs, grad
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -796,42 +795,6 @@ def test_backward_bits_do_not_depend_on_threads_or_runs():
     torch.set_num_threads(1)
     for other in grads[1:]:
         assert all(torch.equal(a, b) for a, b in zip(grads[0], other, strict=True))
-
-
-_FORK_SCRIPT = """
-import multiprocessing, sys, torch
-from attnkit import attention
-
-def child(q, k, v):
-    return attention(q, k, v, causal=True, backend="blockwise")
-
-if __name__ == "__main__":
-    torch.set_num_threads(2)
-    g = torch.Generator().manual_seed(36)
-    q, k, v = (torch.randn(1, 2, 300, 32, generator=g) for _ in range(3))
-    want = attention(q, k, v, causal=True, backend="blockwise")  # the pool exists now
-    with multiprocessing.get_context("fork").Pool(1) as pool:
-        got = pool.apply(child, (q, k, v))
-    sys.exit(0 if torch.equal(got, want) else 3)
-"""
-
-
-def test_the_thread_pool_survives_fork(isa, tmp_path):
-    """The kernel's own pool's threads are not inherited by a forked child: it starts its
-    own and gives the parent's bits. In a fresh process (torch's own OpenMP pool is not
-    fork-safe once a large torch op has used it, so the test process cannot fork after
-    other tests; with ATTNKIT_NATIVE_THREADS=openmp the kernel's calls count as such use:
-    tests/test_native_threads.py checks that case)."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "fork_child.py"
-    script.write_text(_FORK_SCRIPT)
-    env = {**os.environ, "ATTNKIT_NATIVE_ISA": isa, "ATTNKIT_NATIVE_SPEED": "fast",
-           "ATTNKIT_NATIVE_THREADS": "own"}  # fmt: skip
-    run = subprocess.run([sys.executable, str(script)], env=env, timeout=120,
-                         capture_output=True, text=True)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
 
 
 def test_out_of_memory_inside_the_kernel_is_a_code_not_an_abort():

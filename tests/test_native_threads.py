@@ -146,7 +146,28 @@ def test_concurrent_callers_get_their_own_answers():
         assert len(got[n]) == 20 and all(torch.equal(o, alone[n]) for o in got[n])
 
 
-_FORK_SCRIPT = """
+# A child forked after the kernel's threads ran, two ways: on the kernel's own pool the
+# child may run torch ops freely (the pool is the only one started, and the child makes a
+# new one); on torch's OpenMP runtime it must not run a parallel torch op (torch's runtime
+# hangs in a forked child), so its answer comes back as bytes through a pipe.
+_FORK_SCRIPTS = {
+    "own": """
+import multiprocessing, sys, torch
+from attnkit import attention
+
+def child(q, k, v):
+    return attention(q, k, v, causal=True, backend="blockwise")
+
+if __name__ == "__main__":
+    torch.set_num_threads(2)
+    g = torch.Generator().manual_seed(36)
+    q, k, v = (torch.randn(1, 2, 300, 32, generator=g) for _ in range(3))
+    want = attention(q, k, v, causal=True, backend="blockwise")  # the pool exists now
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        got = pool.apply(child, (q, k, v))
+    sys.exit(0 if torch.equal(got, want) else 3)
+""",
+    "openmp": """
 import os, sys, torch
 from attnkit import attention
 
@@ -156,7 +177,7 @@ q, k, v = (torch.randn(1, 2, 300, 32, generator=g) for _ in range(3))
 want = attention(q, k, v, causal=True, backend="blockwise")  # torch's runtime started
 read, write = os.pipe()
 pid = os.fork()
-if pid == 0:  # (no parallel torch op here: torch's runtime hangs in a forked child)
+if pid == 0:
     out = attention(q, k, v, causal=True, backend="blockwise")
     os.write(write, out.numpy().tobytes())
     os._exit(0)
@@ -167,18 +188,22 @@ while chunk := os.read(read, 1 << 16):
 os.waitpid(pid, 0)
 got = torch.frombuffer(bytearray(data), dtype=torch.float32).view(want.shape)
 sys.exit(0 if torch.equal(got, want) else 3)
-"""
+""",
+}
 
 
-@pytest.mark.skipif(not OPENMP, reason="torch's CPU ops do not run on OpenMP here")
-def test_a_forked_child_computes_on_a_pool_of_its_own(isa, tmp_path):
-    """The parent's kernel calls ran on torch's OpenMP threads, which a forked child does
-    not have: the child's kernel calls run on a new pool of its own, with the same bits.
-    In a fresh process: the test process's torch runtime has been used."""
+@pytest.mark.parametrize("kind", list(_FORK_SCRIPTS))
+def test_a_forked_child_computes_on_a_pool_of_its_own(isa, tmp_path, kind):
+    """The parent's kernel calls ran on threads (the kernel's own pool, or torch's OpenMP
+    runtime) that a forked child does not have: the child's calls run on a new pool of its
+    own and give the parent's bits. In a fresh process: the test process's torch runtime
+    has been used, so it cannot fork."""
+    if kind == "openmp" and not OPENMP:
+        pytest.skip("torch's CPU ops do not run on OpenMP here")
     script = tmp_path / "fork_child.py"
-    script.write_text(_FORK_SCRIPT)
+    script.write_text(_FORK_SCRIPTS[kind])
     env = {**os.environ, "ATTNKIT_NATIVE_ISA": isa, "ATTNKIT_NATIVE_SPEED": "fast",
-           "ATTNKIT_NATIVE_THREADS": "openmp"}  # fmt: skip
+           "ATTNKIT_NATIVE_THREADS": kind}  # fmt: skip
     run = subprocess.run([sys.executable, str(script)], env=env, timeout=120,
                          capture_output=True, text=True)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
