@@ -14,7 +14,9 @@ as it is free), so the bits never depend on it.
 ``ATTNKIT_NATIVE_THREADS`` chooses: ``"openmp"`` (the default: torch's runtime where there
 is one) or ``"own"`` (always the kernel's pool). A forked child always uses a pool of its
 own (neither set of threads survives fork, and libgomp does not restart its threads in a
-child).
+child). On torch's runtime, a thread that cannot be started is the runtime's affair, as
+for torch's own ops (libgomp ends the process); the kernel's own pool catches it and runs
+the call on the threads it has.
 """
 
 from __future__ import annotations
