@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from attnkit import attention, create_block_mask, document_block_mask
 from attnkit import masks as M
+from attnkit.block_mask import _tril_flags
 
 
 def offsets(lengths: list[int]) -> torch.Tensor:
@@ -32,6 +33,8 @@ def assert_same(a, b):
     assert a.shape == b.shape
     assert torch.equal(a.block_kind, b.block_kind.expand_as(a.block_kind))
     assert torch.equal(a.to_dense(), b.to_dense())
+    if a.stored:  # its causal-triangle flags (computed from spans) are its masks'
+        assert (a._tril == _tril_flags(a.partial_masks)).all()
 
 
 @settings(max_examples=25, deadline=None)

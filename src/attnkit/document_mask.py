@@ -141,9 +141,14 @@ def _sorted(
         hi = torch.minimum(hi, rows - k0 + 1)
     lo, hi = lo.clamp(0, size), torch.where(real, hi.clamp(0, size), 0)
     spans, which = _unique_rows(torch.cat([lo, hi], 1))  # tiles with the same spans share
-    spans = spans.to(torch.int16 if size < 2**15 else torch.int64)  # (narrow: less to read)
-    cols = torch.arange(size, device=dev, dtype=spans.dtype)
-    masks = (cols >= spans[:, :size, None]) & (cols < spans[:, size:, None])  # (u, qb, kb)
+    # a tile's rows are spans [lo, hi) of at most (size + 1)^2 kinds: each distinct span's
+    # row made once, the tiles gathered from them (one pass over the masks, not three)
+    pair, row_of = torch.unique(spans[:, :size] * (size + 1) + spans[:, size:], return_inverse=True)
+    cols = torch.arange(size, device=dev)
+    span_rows = (cols >= (pair // (size + 1))[:, None]) & (cols < (pair % (size + 1))[:, None])
+    masks = span_rows[row_of]  # (u, qb, kb)
+    # the top-left causal triangle: row r keeps [0, r + 1) (what BlockMask would compare)
+    tril = ((spans[:, :size] == 0) & (spans[:, size:] == cols + 1)).all(1).cpu().numpy()
     index = torch.full((b, n, n), -1, dtype=torch.int64, device=dev)
     index[bi, qi, ki] = which
     return BlockMask(
@@ -157,4 +162,5 @@ def _sorted(
         block_kind=kind.unsqueeze(1),  # (b, 1, nq, nk)
         partial_index=index.unsqueeze(1),
         partial_masks=masks,
+        partial_tril=tril,
     )
