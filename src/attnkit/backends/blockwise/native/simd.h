@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -193,18 +194,27 @@ inline vf exp(vf x) {
   return select(dead, splat(0.0f), p * scale);
 }
 
-// 2^x for x <= 127, within 1.2 ulp; 0 below -127 (and for -inf); NaN stays NaN. The
-// forward's softmax works in base 2 (its scores pre-multiplied by log2(e)), which saves
-// exp()'s multiply and its two-part reduction: 2^n 2^r with n = round(x) (|r| <= 1/2) and
-// 2^r = 1 + r P(r), P of degree 5 fitted to 2^r's relative error on [-1/2, 1/2] (max
-// 2e-9, below float32 rounding) by attnkit.
-inline vf exp2(vf x) {
+// 2^x = 2^n 2^r, the range reduction of exp2() and exp2_bf16(): n = round(x) as 2^n's
+// bits (returned), r = x - n in [-1/2, 1/2] (set); x clamped to >= -127 (2^-127 is +0
+// here, so -inf gives 0), NaN stays NaN.
+inline vf exp2_reduce(vf x, vf &r) {
   typedef uint32_t vu __attribute__((vector_size(4 * W)));
   x = vmax(splat(-127.0f), x);  // (vmax(a, b) is b when b is NaN)
   // 1.5 * 2^23 + 127: the sum rounds x to an integer n, and its low bits hold n + 127
   const vf shifter = splat(12583039.0f);
   const vf t = x + shifter;
-  const vf r = x - (t - shifter);
+  r = x - (t - shifter);
+  return (vf)((vu)t << 23);  // (n + 127) << 23: 2^n (+0 for n = -127)
+}
+
+// 2^x for x <= 127, within 1.2 ulp; 0 below -127 (and for -inf); NaN stays NaN. The
+// forward's softmax works in base 2 (its scores pre-multiplied by log2(e)), which saves
+// exp()'s multiply and its two-part reduction: 2^n 2^r (exp2_reduce) and
+// 2^r = 1 + r P(r), P of degree 5 fitted to 2^r's relative error on [-1/2, 1/2] (max
+// 2e-9, below float32 rounding) by attnkit.
+inline vf exp2(vf x) {
+  vf r;
+  const vf scale = exp2_reduce(x, r);
   vf p = splat(1.5353327e-4f);
   p = p * r + splat(1.3398875e-3f);
   p = p * r + splat(9.6184378e-3f);
@@ -212,25 +222,20 @@ inline vf exp2(vf x) {
   p = p * r + splat(2.4022648e-1f);
   p = p * r + splat(6.9314718e-1f);
   p = p * r + splat(1.0f);
-  const vu bits = (vu)t << 23;  // (n + 127) << 23: 2^n (+0 for n = -127)
-  return p * (vf)bits;
+  return p * scale;
 }
 
 // (feature "kfwd2") 2^x as exp2() but within 1.1e-4 relative: P of degree 2 (fitted as
 // above). For weights that are then rounded to bf16 (a relative step of 2^-8), where the
 // two FMAs fewer are a tenth of the softmax's work and the error is 1/40 of the rounding's.
 inline vf exp2_bf16(vf x) {
-  typedef uint32_t vu __attribute__((vector_size(4 * W)));
-  x = vmax(splat(-127.0f), x);
-  const vf shifter = splat(12583039.0f);
-  const vf t = x + shifter;
-  const vf r = x - (t - shifter);
+  vf r;
+  const vf scale = exp2_reduce(x, r);
   vf p = splat(5.5008929e-2f);
   p = p * r + splat(2.4221097e-1f);
   p = p * r + splat(6.9328290e-1f);
   p = p * r + splat(1.0f);
-  const vu bits = (vu)t << 23;
-  return p * (vf)bits;
+  return p * scale;
 }
 
 // -- register tiles at full width (feature "kfwd") ------------------------------------
@@ -295,17 +300,27 @@ inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int
       if (r < nr) store(c + r * ldc + W * v, acc[r][v]);
 }
 
-// tile() of nr rows: a tile of that height from 3 rows up, below on copies of the last.
+// f(std::integral_constant<int, R>{}) with R the height of the register tile that runs
+// nr <= TILE_R rows: nr itself from 3 rows up, TILE_R below (rows past nr computed on
+// copies of the last and not stored).
+template <class F>
+inline void by_height(int nr, F f) {
+  if constexpr (TILE_R > 5)
+    if (nr == 5) return f(std::integral_constant<int, 5>{});
+  if constexpr (TILE_R > 4)
+    if (nr == 4) return f(std::integral_constant<int, 4>{});
+  if constexpr (TILE_R > 3)
+    if (nr == 3) return f(std::integral_constant<int, 3>{});
+  f(std::integral_constant<int, TILE_R>{});
+}
+
+// tile() of nr rows (by_height).
 template <int NC, bool ACC>
 inline void tile_n(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int64_t aks,
                    const float *b, int64_t ldb, int64_t kn, const float *alpha) {
-  if constexpr (TILE_R > 5)
-    if (nr == 5) return tile<5, NC, ACC>(c, ldc, nr, a, ars, aks, b, ldb, kn, alpha);
-  if constexpr (TILE_R > 4)
-    if (nr == 4) return tile<4, NC, ACC>(c, ldc, nr, a, ars, aks, b, ldb, kn, alpha);
-  if constexpr (TILE_R > 3)
-    if (nr == 3) return tile<3, NC, ACC>(c, ldc, nr, a, ars, aks, b, ldb, kn, alpha);
-  tile<TILE_R, NC, ACC>(c, ldc, nr, a, ars, aks, b, ldb, kn, alpha);
+  by_height(nr, [&](auto rows) {
+    tile<decltype(rows)::value, NC, ACC>(c, ldc, nr, a, ars, aks, b, ldb, kn, alpha);
+  });
 }
 
 // The product above over `rows` rows and `cols` columns (a multiple of W), in register
@@ -383,17 +398,13 @@ inline void tile_bf16(float *c, int64_t ldc, int nr, const uint16_t *a, int64_t 
       if (r < nr) _mm512_storeu_ps(c + r * ldc + W * v, acc[r][v]);
 }
 
-// tile_bf16() of nr rows, as tile_n().
+// tile_bf16() of nr rows (by_height).
 template <int NC, bool ACC>
 inline void tile_bf16_n(float *c, int64_t ldc, int nr, const uint16_t *a, int64_t ars,
                         const uint16_t *b, int64_t ldb, int64_t kp, const float *alpha) {
-  if constexpr (TILE_R > 5)
-    if (nr == 5) return tile_bf16<5, NC, ACC>(c, ldc, nr, a, ars, b, ldb, kp, alpha);
-  if constexpr (TILE_R > 4)
-    if (nr == 4) return tile_bf16<4, NC, ACC>(c, ldc, nr, a, ars, b, ldb, kp, alpha);
-  if constexpr (TILE_R > 3)
-    if (nr == 3) return tile_bf16<3, NC, ACC>(c, ldc, nr, a, ars, b, ldb, kp, alpha);
-  tile_bf16<TILE_R, NC, ACC>(c, ldc, nr, a, ars, b, ldb, kp, alpha);
+  by_height(nr, [&](auto rows) {
+    tile_bf16<decltype(rows)::value, NC, ACC>(c, ldc, nr, a, ars, b, ldb, kp, alpha);
+  });
 }
 
 // tile_bf16 over `rows` rows and `cols` columns (a multiple of W) in register tiles (the
