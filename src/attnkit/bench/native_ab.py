@@ -22,9 +22,7 @@ import argparse
 import ctypes
 import hashlib
 import os
-import shlex
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -37,17 +35,19 @@ SHAPE = (1, 4, 64)  # (b, h, d)
 
 
 def load(source_dir: Path, isa: str, out_dir: Path) -> ctypes.CDLL:
-    """The kernel built from ``source_dir`` for ``isa`` with the package's flags, loaded."""
+    """The kernel built from ``source_dir`` for ``isa`` as the package builds its own
+    (compiler, flags, hash, ABI check), loaded."""
     text = (source_dir / "attention.cpp").read_bytes() + (source_dir / "simd.h").read_bytes()
     target = out_dir / f"{isa}-{hashlib.sha256(text).hexdigest()[:12]}.so"
+    compiler = build._compiler()
+    if compiler is None:
+        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH")
     if not target.exists():
-        compiler = shlex.split(os.environ.get("CXX", "g++"))
-        flags = (*build.FLAGS, *build.ISA_FLAGS[isa])
-        cmd = [*compiler, *flags, str(source_dir / "attention.cpp"), "-o", str(target)]
-        subprocess.run(cmd, check=True)
-    lib = ctypes.CDLL(str(target))
-    why = abi.check(lib)
-    if why:
+        failed = build._compile(compiler[0], isa, target, source=source_dir / "attention.cpp")
+        if failed:
+            raise RuntimeError(f"{source_dir}: {failed}")
+    lib, why = build._load(target)
+    if lib is None:
         raise ValueError(f"{source_dir}: {why}")
     return lib
 
