@@ -55,3 +55,30 @@ def test_cases_cover_the_issue_grid():
     dense = {(c["pattern"], c["d"], c["t"], c["backward"]) for c in cs if c["group"] == "dense"}
     assert len(dense) == 2 * 2 * 5 * 2
     assert {c["pattern"] for c in cs if c["group"] == "mods"} == set(gpu.MODS)
+
+
+def test_a_failing_peer_is_recorded_and_the_others_timed(monkeypatch):
+    """torch 2.11's compiled FlexAttention failed to compile ALiBi on the first H100 run and
+    ended the whole benchmark; now that peer's row says why and the rest goes on."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = []
+
+    def broken():
+        raise RuntimeError("InductorError: CompilationError at 145:20\nmore lines")
+
+    fns = {"attnkit-triton": lambda: calls.append(1), "flex-compiled": broken}
+    failed = gpu._warm(fns)
+    assert list(fns) == ["attnkit-triton"] and len(calls) == 2
+    assert failed == {"flex-compiled": "RuntimeError: InductorError: CompilationError at 145:20"}
+
+    def ours_broken():
+        raise RuntimeError("ours")
+
+    with pytest.raises(RuntimeError, match="ours"):  # our own kernel failing is never a row
+        gpu._warm({"attnkit-triton": ours_broken})
+
+    row = dict(group="mods", pattern="alibi", d=128, t=1024, backward=False, b=16, h=16,
+               tflops={"attnkit-triton": 50.0}, ms={}, failed=failed, max_err_vs_fp32=7e-3)  # fmt: skip
+    md = gpu.markdown({"machine": dict(gpu="X", torch="t", triton="3", cuda="12"), "reps": 3,
+                       "rows": [row]})  # fmt: skip
+    assert "| flex-compiled | failed: RuntimeError: InductorError" in md

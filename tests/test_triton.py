@@ -100,9 +100,10 @@ def make_case(case, b, h, lq, lk, gen):
         if lq == lk:
             mod = M.and_masks(M.document(ids), M.causal("top_left"))
         else:  # masks.document() is for self-attention: a user's own mod indexes the ids
+            on = ids.to(DEVICE)  # captured tensors live on the call's device
 
             def mod(b, h, q, kv):
-                return (ids[q] == ids[kv]) & (kv <= q)
+                return (on[q] == on[kv]) & (kv <= q)
 
         return {"mask_mod": mod}, keep.view(1, 1, lq, lk), None
     if case in ("block_mask", "block_mask16"):
@@ -267,7 +268,7 @@ def test_head_dims(d):
     run_case(torch.float32, "causal_br", 33, 33, HEADS["gqa"], b=1, d=d)
 
 
-_W2 = torch.ones(4, 3)
+_W2 = torch.ones(4, 3, device=DEVICE)
 
 
 def _qkv(b=2, hq=4, hkv=2, lq=40, lk=40, d=16, dtype=torch.float32):
@@ -376,7 +377,7 @@ def test_refusals_say_why(kwargs, reason):
     q, k, v = _qkv(dtype=kwargs.pop("dtype", torch.float32), d=kwargs.pop("d", 16))
     if kwargs.get("block_mask") == "bm":
         kwargs["block_mask"] = create_block_mask(
-            M.causal("top_left"), None, None, 40, 40, block_size=16
+            M.causal("top_left"), None, None, 40, 40, block_size=16, device=DEVICE
         )
     if "mask" in kwargs:
         kwargs["mask"] = kwargs["mask"].to(DEVICE)

@@ -165,8 +165,9 @@ def test_documents_mask_mod_from_captured_ids():
     lq = lk = 37
     ids = torch.tensor([0] * 11 + [1] * 17 + [2] * 9)
     keep = (ids.view(-1, 1) == ids.view(1, -1)) & (torch.arange(lk) <= torch.arange(lq).view(-1, 1))
+    on = ids.to(DEVICE)  # what a mod captures lives on the call's device, as in FlexAttention
     check(None, None, lq=lq, lk=lk, keep=keep,
-          mask_mod=lambda b, h, q, kv: (ids[q] == ids[kv]) & (kv <= q))  # fmt: skip
+          mask_mod=lambda b, h, q, kv: (on[q] == on[kv]) & (kv <= q))  # fmt: skip
 
 
 def test_generated_mask_replaces_the_stored_bits(monkeypatch):
@@ -182,12 +183,13 @@ def test_generated_mask_replaces_the_stored_bits(monkeypatch):
     lq = lk = 53
     ids = torch.tensor([0] * 11 + [1] * 25 + [2] * 17)
     keep = (ids.view(-1, 1) == ids.view(1, -1)) & (torch.arange(lk) <= torch.arange(lq).view(-1, 1))
+    on = ids.to(DEVICE)
     check(None, None, b=1, hq=2, hkv=2, lq=lq, lk=lk, keep=keep,
-          mask_mod=lambda b, h, q, kv: (ids[q] == ids[kv]) & (kv <= q))  # fmt: skip
+          mask_mod=lambda b, h, q, kv: (on[q] == on[kv]) & (kv <= q))  # fmt: skip
 
 
 def test_untraceable_mod_is_refused_with_the_reason():
-    w = torch.randn(2, 3)
+    w = torch.randn(2, 3, device=DEVICE)
 
     def mod(s, b, h, q, kv):
         return s + w[h].sum()  # a reduction: outside the traced set
@@ -257,7 +259,7 @@ def test_a_strided_non_leaf_capture_gets_its_gradient():
 
     def run(dtype, backend):
         table = base.to(dtype).t()  # (2, lq + lk - 1), non-contiguous, not a leaf
-        xs = [x.to(DEVICE, dtype) for x in (q, k, v)]
+        xs = [x.to(DEVICE if backend == "triton" else "cpu", dtype) for x in (q, k, v)]
         out = attention(*xs, backend=backend,
                         score_mod=lambda s, b, h, qi, kv: s + table[h, kv - qi + lq - 1])  # fmt: skip
         return torch.autograd.grad(out.square().sum(), base)[0]

@@ -77,9 +77,10 @@ def _check(case):
         bias = bias + m.masked_fill(~torch.isfinite(m), 0.0).double()
     if case["block_mask"] is not None:
         docs = torch.cumsum(torch.rand(max(lq, lk), generator=gen) > 0.9, 0)
+        on = docs.to(DEVICE)  # what the mod captures lives on the call's device
 
         def doc_mod(bb, hh, qi, ki):
-            return docs[qi] == docs[ki]
+            return on[qi] == on[ki]
 
         kwargs["block_mask"] = create_block_mask(
             doc_mod, None, None, lq, lk, block_size=case["block_mask"], device=DEVICE

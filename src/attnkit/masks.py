@@ -558,11 +558,11 @@ def alibi(num_heads: int, slopes: torch.Tensor | None = None) -> ScoreMod:
 
     def fn(score, b, h, q, kv):
         dist = (q.to(score.dtype) - kv.to(score.dtype)).abs_()  # (.., q, kv), small
-        return torch.addcmul(score, s.to(score.dtype)[h], dist, value=-1.0)
+        return torch.addcmul(score, s.to(h.device, score.dtype)[h], dist, value=-1.0)
 
     def relative(rel: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # the same arithmetic as fn on a zero score: -(slope * |q - kv|)
-        return -(s.to(dtype).view(-1, 1) * rel.to(dtype).abs())  # (h, n)
+        return -(s.to(rel.device, dtype).view(-1, 1) * rel.to(dtype).abs())  # (h, n)
 
     return _Mod(
         f"alibi({num_heads})",
@@ -604,10 +604,10 @@ def relative_bias(table: torch.Tensor) -> ScoreMod:
 
     def fn(score, b, h, q, kv):
         rel = (kv - q).clamp(-m, m) + m
-        return score + table.to(score.dtype)[h, rel]
+        return score + table.to(h.device, score.dtype)[h, rel]
 
     def relative(rel: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return table.to(dtype)[:, rel.clamp(-m, m) + m]  # (h, n)
+        return table.to(rel.device, dtype)[:, rel.clamp(-m, m) + m]  # (h, n)
 
     return _Mod(
         f"relative_bias({tuple(table.shape)})",

@@ -88,7 +88,8 @@ def eval_mask_mod(
                     out = out.narrow(dim, 0, 1)
     except Exception as err:
         raise TypeError(
-            f"mask_mod {mod_name(mod)} failed on scalar indices (b, h, q_idx, kv_idx): {err}"
+            f"mask_mod {mod_name(mod)} failed on scalar indices (b, h, q_idx, kv_idx): "
+            f"{err}{_device_hint(err, device)}"
         ) from err
     out = _fit(out, shape, "mask_mod", mod).to(torch.bool)
     return out.expand(out.shape[0], out.shape[1], q1 - q0, k1 - k0)  # (b|1, h|1, rows, keys)
@@ -118,7 +119,7 @@ def eval_score_mod(
     except Exception as err:
         raise TypeError(
             f"score_mod {mod_name(mod)} failed on scalar indices (score, b, h, q_idx, kv_idx): "
-            f"{err}"
+            f"{err}{_device_hint(err, score.device)}"
         ) from err
     out = _fit(torch.as_tensor(out), score.shape, "score_mod", mod)
     if not out.is_floating_point():
@@ -127,6 +128,16 @@ def eval_score_mod(
             f"{out.dtype} (for scores of dtype {score.dtype})"
         )
     return out
+
+
+def _device_hint(err: Exception, device: torch.device) -> str:
+    """What to do when a mod fails because a tensor it captures is on another device."""
+    if "device" not in str(err):
+        return ""
+    return (
+        f" (the indices are on the call's device, {device}: a tensor the mod captures must "
+        "be there too, as in FlexAttention)"
+    )
 
 
 def _fit(
@@ -165,16 +176,27 @@ def grad_leaves(
         out = eval_score_mod(mod, score, 0, 0)
     if not out.requires_grad or out.grad_fn is None:
         return ()
+    return autograd_leaves(out.grad_fn, exclude=score)
+
+
+def autograd_leaves(root: Any, exclude: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """The leaf tensors (``AccumulateGrad`` variables) an autograd graph reaches from
+    ``root`` (a ``grad_fn``), each once, in the order found; ``exclude`` is left out."""
     leaves: dict[int, torch.Tensor] = {}
-    stack: list[Any] = [out.grad_fn]
+    stack: list[Any] = [root]
+    # torch makes a node's Python object when it is reached and may free it once unused, so
+    # a later node can get a freed one's id: the visited objects are kept alive while their
+    # ids mark them seen (a reused id skipped a captured tensor's node on torch 2.11)
     seen: set[int] = set()
+    visited: list[Any] = []
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
+        visited.append(node)
         var = getattr(node, "variable", None)
-        if isinstance(var, torch.Tensor) and var is not score:
+        if isinstance(var, torch.Tensor) and var is not exclude:
             leaves.setdefault(id(var), var)
         stack.extend(nxt for nxt, _ in node.next_functions)
     return tuple(leaves.values())

@@ -158,12 +158,27 @@ def _flex(pattern: str, q, k, v, ids) -> Runner:
     return lambda: flex(q, k, v, score_mod=score_mod, block_mask=block)
 
 
-def _median_ms(fns: dict[str, Runner], reps: int) -> dict[str, float]:
-    """Time every runner ``reps`` times, round-robin, with CUDA events: median ms each."""
-    for fn in fns.values():  # warm up: compile, autotune, allocate
-        fn()
-        fn()
+def _warm(fns: dict[str, Runner]) -> dict[str, str]:
+    """Run every runner twice (compile, autotune, allocate); a peer that fails is taken out
+    of ``fns`` and returned with its error's first line, so one broken peer (torch 2.11's
+    compiled FlexAttention did not compile ALiBi under triton 3.6) costs only its row."""
+    failed = {}
+    for name, fn in list(fns.items()):
+        try:
+            fn()
+            fn()
+        except Exception as err:  # any failure of a peer is its result
+            if name == "attnkit-triton":
+                raise
+            failed[name] = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:160]}"
+            del fns[name]
+            print(f"  {name} failed: {failed[name]}", file=sys.stderr, flush=True)
     torch.cuda.synchronize()
+    return failed
+
+
+def _median_ms(fns: dict[str, Runner], reps: int) -> dict[str, float]:
+    """Time every (warmed) runner ``reps`` times, round-robin, with CUDA events: median ms each."""
     times: dict[str, list[float]] = {n: [] for n in fns}
     for _ in range(reps):
         for name, fn in fns.items():
@@ -221,7 +236,9 @@ def cases(quick: bool) -> list[dict[str, Any]]:
 
 def run(out: Path, *, quick: bool, reps: int) -> dict[str, Any]:
     """Measure every case (see :func:`cases`); write JSON, Markdown and plots to ``out``."""
-    rows = []
+    rows: list[dict[str, Any]] = []
+    result = {"machine": _machine(), "reps": reps, "rows": rows}
+    out.mkdir(parents=True, exist_ok=True)
     for case in cases(quick):
         d, t = case["d"], case["t"]
         b, h = max(1, 16384 // t), 2048 // d
@@ -234,17 +251,17 @@ def run(out: Path, *, quick: bool, reps: int) -> dict[str, Any]:
         ids = _doc_ids(t) if case["pattern"] == "documents" else None
         peers = DENSE_PEERS if case["group"] == "dense" else MOD_PEERS
         err = _check(case["pattern"], q, k, v, ids)
-        ms = _median_ms(
-            {p: _runner(p, case["pattern"], q, k, v, ids, case["backward"]) for p in peers}, reps
-        )
+        fns = {p: _runner(p, case["pattern"], q, k, v, ids, case["backward"]) for p in peers}
+        failed = _warm(fns)
+        ms = _median_ms(fns, reps)
         work = flops(b, h, d, _keep(case["pattern"], t, ids), case["backward"])
         tflops = {p: work / (m * 1e-3) / 1e12 for p, m in ms.items()}
-        rows.append({**case, "b": b, "h": h, "ms": ms, "tflops": tflops, "max_err_vs_fp32": err})
+        rows.append({**case, "b": b, "h": h, "ms": ms, "tflops": tflops, "failed": failed,
+                     "max_err_vs_fp32": err})  # fmt: skip
         print(f"{case['group']} {case['pattern']} d={d} T={t} {'fwd+bwd' if case['backward'] else 'fwd'}: "
               + ", ".join(f"{p} {tf:.0f} TF/s" for p, tf in tflops.items()), flush=True)  # fmt: skip
-    result = {"machine": _machine(), "reps": reps, "rows": rows}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2))
+        # after every row, so a run cut short by a time limit keeps what it measured
+        (out / "results.json").write_text(json.dumps(result, indent=2))
     (out / "results.md").write_text(markdown(result))
     plots(result, out)
     return result
@@ -278,6 +295,12 @@ def markdown(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         goal_peer, goal = GOALS[(r["group"], r["backward"])]
         ours = r["tflops"]["attnkit-triton"]
+        for peer, why in r.get("failed", {}).items():
+            lines.append(
+                f"| {r['group']} | {r['pattern']} | {r['d']} | {r['t']} | "
+                f"{'fwd+bwd' if r['backward'] else 'fwd'} | {ours:.1f} | {peer} | failed: "
+                f"{why.replace('|', '/')} | — | — | — | {r['max_err_vs_fp32']:.2g} |"
+            )
         for peer, tf in r["tflops"].items():
             if peer == "attnkit-triton":
                 continue

@@ -14,7 +14,10 @@ from triton.language.extra import libdevice
 # Kernel signatures are kept dense (one line per group of arguments), not one per line.
 # fmt: off
 
-LOG2E = 1.4426950408889634
+#: log2(e). A global that jitted code reads must be a ``tl.constexpr`` instance: the
+#: compiler refuses plain globals (the interpreter does not, so only a GPU or
+#: tests/triton_compile_only.py sees it).
+LOG2E = tl.constexpr(1.4426950408889634)
 
 #: score mods the kernels run (``MOD`` constexpr)
 MOD_NONE = 0
