@@ -10,7 +10,8 @@ queries are the last ``t`` of the ``key_len`` time indices), ``window``, ``sinks
 mods. Two ways, one answer:
 
 * attnkit's native kernel reads the pages in place (where the kernel is built, on CPU
-  float32, or bf16 on an avx512-bf16 build, with no gradient wanted): its key packing
+  float32, and bf16 in a decode step or on an avx512-bf16 build, with no gradient
+  wanted): its key packing
   and its ``P V`` product follow the page table, nothing is copied first; a decode step
   (at most ``native.DIRECT_ROWS`` query rows per kv head) gives the bits of the same call
   on a contiguous cache, and never uses the value of a key the mask removes for a row
@@ -322,9 +323,12 @@ def _refusal(
         return "a score_mod that is not a relative bias"
     if k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:
         return "pages whose last dim is strided"
-    dtype = query.dtype
-    if not (dtype == torch.float32 or (dtype == torch.bfloat16 and native.bf16())):
-        return f"{dtype} (the kernel reads float32, and bf16 on an avx512-bf16 build)"
+    dtype, rows = query.dtype, query.shape[-2] * (query.shape[1] // k_pages.shape[1])
+    if not (dtype == torch.float32 or (dtype == torch.bfloat16 and native.reads_bf16(rows))):
+        return (
+            f"{dtype} (the kernel reads float32, and bf16 in decode steps or on an "
+            "avx512-bf16 build)"
+        )
     if kwargs["scale"] <= 0.0:
         return "a scale <= 0"
     return None

@@ -1388,15 +1388,16 @@ int guarded(F f) {
 
 // The keys and values a forward reads, packed (per call, or per sequence of a varlen call).
 Code pack_forward(const Args &a, Operands &ops) {
-#if !defined(ATTNKIT_BF16)
-  if (a.dtype == DT_BF16) return BAD_DTYPE;
-#endif
-  // a decode step: keys and values read in place (contiguous or through the page table)
+  // a decode step: keys and values read in place (contiguous or through the page table),
+  // bf16 ones on every build (converted as read: direct_scores, decode_pv)
   if (direct_keys(a)) {
     ops.direct = true;
     ops.kt.chunks = (a.S + KC - 1) / KC;
     return OK;
   }
+#if !defined(ATTNKIT_BF16)
+  if (a.dtype == DT_BF16) return BAD_DTYPE;  // packing bf16 needs bf16 products
+#endif
   if (a.dtype == DT_BF16) {
 #if defined(ATTNKIT_BF16)
     if (a.D % 2) return BAD_SHAPE;
