@@ -185,16 +185,15 @@ def autograd_leaves(root: Any, exclude: torch.Tensor | None = None) -> tuple[tor
     leaves: dict[int, torch.Tensor] = {}
     stack: list[Any] = [root]
     # torch makes a node's Python object when it is reached and may free it once unused, so
-    # a later node can get a freed one's id: the visited objects are kept alive while their
-    # ids mark them seen (a reused id skipped a captured tensor's node on torch 2.11)
-    seen: set[int] = set()
-    visited: list[Any] = []
+    # a later node can get a freed one's id: ``seen`` holds the visited objects, keeping
+    # them alive while their ids mark them seen (a reused id skipped a captured tensor's
+    # node on torch 2.11)
+    seen: dict[int, Any] = {}
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
-        visited.append(node)
+        seen[id(node)] = node
         var = getattr(node, "variable", None)
         if isinstance(var, torch.Tensor) and var is not exclude:
             leaves.setdefault(id(var), var)

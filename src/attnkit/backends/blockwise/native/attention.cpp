@@ -1395,16 +1395,13 @@ Code pack_forward(const Args &a, Operands &ops) {
     ops.kt.chunks = (a.S + KC - 1) / KC;
     return OK;
   }
-#if !defined(ATTNKIT_BF16)
-  if (a.dtype == DT_BF16) return BAD_DTYPE;  // packing bf16 needs bf16 products
-#endif
   if (a.dtype == DT_BF16) {
 #if defined(ATTNKIT_BF16)
     if (a.D % 2) return BAD_SHAPE;
     if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, dim_pairs, ops.kp)) return err;
     return pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, key_pairs, ops.vp);
 #else
-    return BAD_DTYPE;
+    return BAD_DTYPE;  // packing bf16 needs bf16 products
 #endif
   }
   return pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, transposed, ops.kt);
