@@ -192,3 +192,44 @@ def test_keys_outside_the_band_are_never_read(kernel_calls, dtype, paged):
     eps = 2e-6 if dtype == torch.float32 else 2e-2
     err_plain = (plain.double() - want).abs().max().item()
     assert (out.double() - want).abs().max().item() <= 2 * err_plain + eps
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("band", ["none", "causal", "window", "alibi"])
+def test_a_gqa_group_read_as_rows_of_one_block(kernel_calls, dtype, band):
+    """A GQA decode step whose rows nothing tells apart but their head reads each key once
+    for the whole group (attention.cpp's group_rows: the group's heads as rows of one
+    block, the query strided between them); a window (rows at different offsets of the
+    band) or a per-head bias is not folded. Either way every head gets its own float64
+    answer within flash-attn's rule, and the same bits on 1 and 2 threads."""
+    _need(dtype)
+    from attnkit.masks import alibi, alibi_slopes
+
+    h_kv, groups, length, d = 2, 4, 1500, 64
+    gen = torch.Generator().manual_seed(11)
+    # (b, t, h, d) transposed: the heads of a step are not adjacent in memory
+    q = torch.randn(2, 1, h_kv * groups, d, generator=gen).to(dtype).transpose(1, 2)
+    k, v = (torch.randn(2, h_kv, length, d, generator=gen).to(dtype) for _ in range(2))
+    kwargs: dict = {"causal": band in ("causal", "window")}
+    window = 300 if band == "window" else None
+    bias = None
+    if band == "window":
+        kwargs["window"] = window
+    if band == "alibi":
+        kwargs["score_mod"] = alibi(h_kv * groups)
+        slopes = alibi_slopes(h_kv * groups).double().view(1, -1, 1, 1)
+        bias = -slopes * torch.arange(length).double().view(1, 1, 1, -1)  # -|q_idx - kv_idx|
+    results = []
+    with torch.no_grad():
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(attention(q, k, v, backend="blockwise", **kwargs))
+    torch.set_num_threads(1)
+    assert kernel_calls == ["contiguous"] * 2
+    assert torch.equal(results[0], results[1])
+    keep = ref_band_keep(1, length, "bottom_right" if kwargs["causal"] else None, window)
+    want, _ = ref_attention_lse(q, k, v, keep, bias)
+    plain = plain_attention(q, k, v, keep, bias)
+    eps = 2e-6 if dtype == torch.float32 else 2e-2
+    err_plain = (plain.double() - want).abs().max().item()
+    assert (results[0].double() - want).abs().max().item() <= 2 * err_plain + eps

@@ -184,6 +184,9 @@ int main() {
       {"dead rows", 1, 1, 1, 90, 90, 16, 16, 5, 7, false},  // rows past 82: no key
       // decode steps (keys and values read in place, split-KV), head sizes unrolled or not
       {"decode, GQA, split", 1, 8, 2, 1, 2500, 64, 64, -NONE, NONE, false},
+      // GQA groups as rows of one block: causal (folded), a window cuts (not folded)
+      {"decode, GQA rows, causal", 2, 6, 2, 1, 900, 64, 64, -NONE, 899, false},
+      {"decode, GQA, window 300", 2, 6, 2, 1, 900, 64, 64, 600, 899, false},
       {"decode, 2 rows, D=48", 2, 2, 1, 2, 300, 48, 32, -NONE, 298, false},
       {"decode, D=128, mask", 1, 2, 2, 1, 700, 128, 128, -NONE, NONE, true},
   };

@@ -1477,9 +1477,29 @@ Code forward_split(const Args &a, const Operands &ops, int64_t nq, int64_t split
   });
 }
 
+// (feature "group rows") A GQA decode step of one query per head whose rows nothing tells
+// apart but their head: the g query heads of each kv head become g rows of one block
+// (rows head by head: row stride sq_h, out's so_h, lse's (B, H, 1) order unchanged), so
+// each key and value is read once for its whole group, not once per query head. Taken
+// only where no row-dependent rule could see the difference: no mask tensor, block mask,
+// generated mask or score_mod, no relative bias, no varlen sequences, and a band that
+// keeps every key for every folded row (row r of the group sits at offset r of the band).
+Args group_rows(const Args &a) {
+  const int64_t g = a.H / a.HKV;
+  if (a.T != 1 || g == 1 || a.nseq > 0 || a.mask || a.bm_kind || a.mask_row || a.mod_forward ||
+      a.rel || a.band_lo > -(g - 1) || a.band_hi < a.S - 1)
+    return a;
+  Args f = a;
+  f.H = a.HKV, f.T = g;
+  f.sq_t = a.sq_h, f.sq_h = g * a.sq_h;
+  f.so_t = a.so_h, f.so_h = g * a.so_h;
+  return f;
+}
+
 // One forward call (B, H, T) x (B, HKV, S): pack, then (batch, head, query block) items,
 // or split-KV items where those are too few.
-Code forward_call(const Args &a) {
+Code forward_call(const Args &a_) {
+  const Args a = group_rows(a_);
   Operands ops;
   if (Code err = pack_forward(a, ops)) return err;
   const int64_t nq = (a.T + a.bq - 1) / a.bq;  // query blocks per (batch, head)
