@@ -16,10 +16,11 @@ from attnkit.distributed import Layout, context_parallel_attention, shard
 from tests import distributed_cases as cases
 from tests.distributed_harness import run_suite
 
-# One worker runs this module (make test: --dist loadgroup): its module fixture launches
-# every multi-process suite, about 50 s on a 2-core Zen 3, which each xdist worker the
-# module's tests were spread over used to run again.
-pytestmark = pytest.mark.xdist_group("distributed")
+# One worker runs this module (make test: --dist loadfile): its module fixture launches
+# every multi-process suite, about 45 s on a 2-core Zen 3, which each xdist worker the
+# module's tests were spread over used to run again. (--dist loadgroup with an
+# xdist_group mark did not keep them together: pytest-xdist 3.8 tags the node ids by a
+# private attribute pytest 9 no longer reads, so both workers ran the suites, 61 s each.)
 
 WORLDS = (2, 3)
 PIECE_WORLDS = (2, 3, 4)  # W = 4 runs the pieces suite only
