@@ -105,6 +105,8 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.attnkit_fma_probe.restype = ctypes.c_double
     lib.attnkit_use_gomp.argtypes = [ctypes.c_void_p]
     lib.attnkit_use_gomp.restype = None
+    lib.attnkit_reused_bytes.argtypes = []
+    lib.attnkit_reused_bytes.restype = ctypes.c_int64
     return lib
 
 

@@ -320,6 +320,99 @@ struct NoState {
 // Chunks and masks
 // ---------------------------------------------------------------------------------------
 
+// ---------------------------------------------------------------------------------------
+// (feature "reuse") The buffers of one call (packed keys and values, split-KV partials,
+// dQ partials) come from a small cache of the allocating thread's recent buffers instead
+// of fresh memory: glibc hands large blocks out as new mappings and returns them on free,
+// so every call paid a page fault per 4 KB it wrote (on the Zen 3 of session 11, a bf16
+// cascade decode timed beside float32 ones spent about 340 faults a call, 43% of them
+// writing packed keys). A thread keeps at most KEEP bytes in SLOTS blocks; a larger
+// buffer is freed as before. Each thread touches only its own cache (a buffer released on
+// another thread than the one that took it joins that thread's cache). A reused buffer
+// holds an earlier call's values: every user writes each element before reading it.
+// ---------------------------------------------------------------------------------------
+namespace reuse {
+
+constexpr size_t KEEP = size_t(32) << 20;  // bytes a thread keeps between calls
+constexpr int SLOTS = 4;
+
+struct Cache {
+  std::unique_ptr<char[]> block[SLOTS];
+  size_t size[SLOTS] = {};
+  size_t held = 0;
+  void drop(int s) {
+    held -= size[s];
+    block[s].reset();
+    size[s] = 0;
+  }
+};
+
+inline Cache &cache() {
+  thread_local Cache c;
+  return c;
+}
+
+// n elements of T (uninitialised), from this thread's cache where a block is large enough.
+template <class T>
+class Buffer {
+ public:
+  Buffer() = default;
+  explicit Buffer(size_t n) { reset(n); }
+  Buffer(const Buffer &) = delete;
+  Buffer &operator=(const Buffer &) = delete;
+  Buffer(Buffer &&o) noexcept : mem_(std::move(o.mem_)), cap_(o.cap_) { o.cap_ = 0; }
+  ~Buffer() { release(); }
+  void reset(size_t n) {
+    release();
+    const size_t bytes = std::max<size_t>(1, n * sizeof(T));
+    Cache &c = cache();
+    int best = -1;  // the smallest cached block that fits
+    for (int s = 0; s < SLOTS; ++s)
+      if (c.block[s] && c.size[s] >= bytes && (best < 0 || c.size[s] < c.size[best])) best = s;
+    if (best >= 0) {
+      cap_ = c.size[best];
+      c.held -= cap_;
+      mem_ = std::move(c.block[best]);
+      c.size[best] = 0;
+      return;
+    }
+    mem_.reset(new char[bytes]);  // (std::bad_alloc: guarded() makes it NO_MEMORY)
+    cap_ = bytes;
+  }
+  T *get() const { return reinterpret_cast<T *>(mem_.get()); }
+  T &operator[](size_t i) const { return get()[i]; }
+
+ private:
+  std::unique_ptr<char[]> mem_;
+  size_t cap_ = 0;
+  void release() {
+    if (!mem_) return;
+    Cache &c = cache();
+    if (cap_ <= KEEP) {
+      auto smallest = [&]() {
+        int at = -1;
+        for (int s = 0; s < SLOTS; ++s)
+          if (c.block[s] && (at < 0 || c.size[s] < c.size[at])) at = s;
+        return at;
+      };
+      while (c.held + cap_ > KEEP) c.drop(smallest());  // (held > 0 here: a block exists)
+      int slot = -1;
+      for (int s = 0; s < SLOTS && slot < 0; ++s)
+        if (!c.block[s]) slot = s;
+      if (slot < 0 && c.size[smallest()] < cap_) c.drop(slot = smallest());
+      if (slot >= 0) {
+        c.block[slot] = std::move(mem_);
+        c.size[slot] = cap_;
+        c.held += cap_;
+      }
+    }
+    mem_.reset();
+    cap_ = 0;
+  }
+};
+
+}  // namespace reuse
+
 // Keys or values laid out chunk by chunk for the products, zero past the last key, packed
 // once per call and read by every query block: float32 keys transposed, (D, KC) a chunk;
 // bf16 keys in pairs of dims (D / 2, KC, 2) and values in pairs of keys (KC / 2, DV, 2),
@@ -327,7 +420,7 @@ struct NoState {
 template <class T>
 struct Packed {
   int64_t chunks = 0, depth = 0;
-  std::unique_ptr<T[]> t;  // (B, HKV, chunks, depth * KC), every element written
+  reuse::Buffer<T> t;  // (B, HKV, chunks, depth * KC), every element written
   const T *chunk(const Args &a, int64_t b, int64_t hk, int64_t c) const {
     return t.get() + ((b * a.HKV + hk) * chunks + c) * depth * KC;
   }
@@ -409,7 +502,7 @@ Code pack(const Args &a, const void *x_, int64_t sb, int64_t sh, int64_t st, int
   const T *x = static_cast<const T *>(x_);
   pk.chunks = (a.S + KC - 1) / KC;
   pk.depth = depth;
-  pk.t.reset(new T[a.B * a.HKV * pk.chunks * depth * KC]);
+  pk.t.reset(size_t(a.B * a.HKV * pk.chunks * depth * KC));
   const int64_t sp = x_ == a.v ? a.sv_page : a.sk_page;  // paged: one page's stride
   return parallel<NoState>(a, a.B * a.HKV * pk.chunks, [&](NoState &, int64_t it) {
     const int64_t ci = it % pk.chunks, bh = it / pk.chunks, b = bh / a.HKV;
@@ -1430,7 +1523,7 @@ int64_t kv_splits(const Args &a, int64_t work, int64_t chunks) {
 
 Code forward_split(const Args &a, const Operands &ops, int64_t nq, int64_t splits) {
   const int64_t chunks = ops.chunks(), work = a.B * a.H * nq, rows = a.B * a.H * a.T;
-  std::unique_ptr<float[]> po(new float[splits * rows * a.DV]), pl(new float[splits * rows]);
+  reuse::Buffer<float> po(size_t(splits * rows * a.DV)), pl(size_t(splits * rows));
   std::vector<Args> part(splits, a);  // range r writes its rows to po, pl (B, H, T[, DV])
   for (int64_t r = 0; r < splits; ++r) {
     part[r].out = po.get() + r * rows * a.DV;
@@ -1538,7 +1631,7 @@ Code backward_call(const Args &a, const Grads &g) {
   BackOperands ops;
   if (Code err = pack_backward(a, ops)) return err;
   const int64_t groups = key_groups(a, ops.chunks);
-  std::unique_ptr<float[]> dq_part(new float[groups * a.B * a.H * a.T * a.D]);
+  reuse::Buffer<float> dq_part(size_t(groups * a.B * a.H * a.T * a.D));
   const int64_t tasks = a.B * a.HKV * groups;
   const int64_t ngrad = a.mod_backward && a.mod_dgrad ? a.mod_ngrad : 0;
   std::unique_ptr<double[]> dgrad_part(ngrad ? new double[tasks * ngrad] : nullptr);
@@ -1674,7 +1767,7 @@ Code backward_varlen(const Args &a, const Grads &g) {
     part[i + 1] = part[i] + groups[i] * rows * a.D;
     rows_first[i + 1] = rows_first[i] + (rows + PER - 1) / PER;
   }
-  std::unique_ptr<float[]> dq_part(new float[part[n]]);
+  reuse::Buffer<float> dq_part(size_t(part[n]));
   auto which = [](const std::vector<int64_t> &starts, int64_t it) {
     return int64_t(std::upper_bound(starts.begin(), starts.end(), it) - starts.begin() - 1);
   };
@@ -1752,6 +1845,9 @@ ATTNKIT_EXPORT int attnkit_backward(const Args *args, const Grads *grads) {
   if (a.D % 16) return BAD_HEAD_DIM;
   return guarded([&] { return int(backward_call(a, g)); });
 }
+
+// Bytes the calling thread's cache of call buffers holds (feature "reuse"; for the tests).
+ATTNKIT_EXPORT int64_t attnkit_reused_bytes() { return int64_t(reuse::cache().held); }
 
 // Keeps `threads` threads on FMAs for `iters` rounds of CHAINS independent vectors (the
 // machine's peak, for the benchmark): returns the flops done.
