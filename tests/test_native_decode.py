@@ -45,7 +45,7 @@ def kernel_calls(monkeypatch) -> list[str]:
 
 def _need(dtype: torch.dtype) -> None:
     """Every build reads a bf16 decode step as it is (native.reads_bf16)."""
-    assert native.reads_bf16(native.DIRECT_ROWS) == native.available()
+    assert native.reads_bf16() == native.available()
 
 
 def _case(h_kv, groups, t, length, d, page_size, dtype, seed=0):

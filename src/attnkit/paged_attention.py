@@ -323,11 +323,10 @@ def _refusal(
         return "a score_mod that is not a relative bias"
     if k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:
         return "pages whose last dim is strided"
-    dtype, rows = query.dtype, query.shape[-2] * (query.shape[1] // k_pages.shape[1])
-    if not (dtype == torch.float32 or (dtype == torch.bfloat16 and native.reads_bf16(rows))):
+    dtype = query.dtype
+    if not (dtype == torch.float32 or (dtype == torch.bfloat16 and native.reads_bf16())):
         return (
-            f"{dtype} (the kernel reads float32, and bf16 in decode steps or on an "
-            "avx512-bf16 build)"
+            f"{dtype} (the kernel reads float32 and bf16)"
         )
     if kwargs["scale"] <= 0.0:
         return "a scale <= 0"

@@ -2,12 +2,15 @@
 // for any target (the tests cross-compile it for aarch64 and run it under qemu-user), it
 // checks the forward (out, lse) and the backward (dq, dk, dv) of a few calls against a
 // float64 reference written here, with flash-attn's rule: the kernel's error is at most
-// twice that of the same plain math in float32 (plus a small floor).
+// twice that of the same plain math in float32 (plus a small floor). On a build without
+// bf16 products it checks each call's bf16 forward too (inputs rounded to bf16, read by
+// the kernel as they are) against float64 of the rounded inputs.
 //
 // Prints one line per case and a closing "N passed, N failed"; exit 0 iff none failed.
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -110,6 +113,45 @@ bool within(const char *case_name, const char *what, double err, double plain_er
   return ok;
 }
 
+// x rounded to bf16 (to nearest even): its bits, and its value as a float.
+uint16_t to_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return uint16_t(bits >> 16);
+}
+
+// A bf16 forward on a build without bf16 products (converted to float32 in the kernel:
+// attention.cpp's "bf16 read"), or a decode step's (converted as read): the inputs
+// rounded to bf16, checked against float64 of the rounded inputs.
+bool bf16_forward(const Case &c, Args a, const std::vector<float> &q,
+                  const std::vector<float> &k, const std::vector<float> &v,
+                  const std::vector<uint8_t> &mask, const std::vector<float> &dout,
+                  double scale) {
+  std::vector<uint16_t> q16(q.size()), k16(k.size()), v16(v.size());
+  std::vector<float> qr(q.size()), kr(k.size()), vr(v.size());
+  auto round = [](const std::vector<float> &x, std::vector<uint16_t> &x16, std::vector<float> &xr) {
+    for (size_t n = 0; n < x.size(); ++n) {
+      x16[n] = to_bf16(x[n]);
+      const uint32_t bits = uint32_t(x16[n]) << 16;
+      std::memcpy(&xr[n], &bits, 4);
+    }
+  };
+  round(q, q16, qr), round(k, k16, kr), round(v, v16, vr);
+  std::vector<float> out(c.B * c.H * c.T * c.DV), lse(c.B * c.H * c.T);
+  a.q = reinterpret_cast<const float *>(q16.data());
+  a.k = reinterpret_cast<const float *>(k16.data());
+  a.v = reinterpret_cast<const float *>(v16.data());
+  a.out = out.data(), a.lse = lse.data(), a.dtype = DT_BF16;
+  if (attnkit_forward(&a) != 0) {
+    std::printf("  %-22s bf16 forward returned an error: FAILED\n", c.name);
+    return false;
+  }
+  const auto ref = plain<double>(c, qr, kr, vr, mask, dout, scale);
+  const auto f32 = plain<float>(c, qr, kr, vr, mask, dout, scale);
+  return within(c.name, "o16", max_err(out, ref.out), max_err(f32.out, ref.out));
+}
+
 bool run(const Case &c, std::mt19937 &rng) {
   std::normal_distribution<float> normal;
   std::bernoulli_distribution coin(0.7);
@@ -166,6 +208,7 @@ bool run(const Case &c, std::mt19937 &rng) {
   ok &= within(c.name, "dq", max_err(dq, ref.dq), max_err(f32.dq, ref.dq));
   ok &= within(c.name, "dk", max_err(dk, ref.dk), max_err(f32.dk, ref.dk));
   ok &= within(c.name, "dv", max_err(dv, ref.dv), max_err(f32.dv, ref.dv));
+  if (!attnkit_bf16()) ok &= bf16_forward(c, a, q, k, v, mask, dout, scale);
   return ok;
 }
 

@@ -94,8 +94,7 @@ def choose(
         # what the native kernel would read: bf16 as it is where the build reads it
         # (native.reads_bf16), other half precision upcast to float32, float32/float64 as
         # they are
-        rows = plan.t * (plan.h // plan.h_kv)  # query rows each kv head's keys serve
-        bf16 = dtype == torch.bfloat16 and native.reads_bf16(rows, with_backward=grad)
+        bf16 = dtype == torch.bfloat16 and native.reads_bf16(with_backward=grad)
         view = dtype if dtype in (torch.float32, torch.float64) or bf16 else torch.float32
         why = native.why_not(plan, view, d, d_v, call_dtype=dtype, with_backward=grad)
         if why is None:

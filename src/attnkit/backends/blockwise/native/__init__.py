@@ -19,8 +19,10 @@ nothing against it (asked once per call, by :mod:`..engines`); otherwise the eng
 torch-kernel paths run. The library is built on first use (:mod:`.build`); where it
 cannot be, nothing changes but speed. float32 arithmetic; bf16 inputs on an avx512-bf16
 build compute every product with bf16 products (float32 softmax and sums), forward and
-backward, and are upcast on other builds except in a decode step (:func:`reads_bf16`);
-float16 is upcast, float64 runs on torch's kernel.
+backward; other builds read a bf16 forward as it is (a decode step converts keys and
+values as it reads them, any other call converts q, k and v to float32 once, inside the
+kernel) and have a bf16 backward upcast first (:func:`reads_bf16`); float16 is upcast,
+float64 runs on torch's kernel.
 
 A decode step (at most :data:`DIRECT_ROWS` query rows per key/value head, contiguous or
 paged) reads the keys and values where they are (bf16 ones converted as read, products
@@ -117,19 +119,22 @@ def bf16() -> bool:
     return lib is not None and bool(lib.attnkit_bf16())
 
 
-def reads_bf16(rows: int, with_backward: bool = False) -> bool:
+def reads_bf16(with_backward: bool = False) -> bool:
     """Whether the loaded build reads a bf16 call's tensors as they are, with no float32
-    copy first: every call on a build with bf16 products (:func:`bf16`), and on every
-    build a decode step without a backward (at most :data:`DIRECT_ROWS` query ``rows``
-    per key/value head: keys and values converted as read, products in float32). The one
-    rule the engines, :func:`why_not` and :mod:`attnkit.paged_attention` ask.
+    copy made by the caller: every call on a build with bf16 products (:func:`bf16`), and
+    on every build a forward without a backward (a decode step, at most
+    :data:`DIRECT_ROWS` query rows per key/value head, converts keys and values as it
+    reads them; any other forward converts q, k and v to float32 once inside the kernel,
+    into buffers it reuses: attention.cpp's "bf16 read"). The one rule the engines,
+    :func:`why_not` and :mod:`attnkit.paged_attention` ask.
 
     (Before it, an AVX2 build upcast a bf16 decode step's whole cache to float32 on every
     step, and a paged one gathered its pages first: 2.2 and 12.5 ms a GPT-2-small step
-    against 4096 keys on a Zen 3, where a float32 step took 1.3 ms.)"""
+    against 4096 keys on a Zen 3, where a float32 step took 1.3 ms. Other forwards were
+    upcast by torch into three new tensors a call until session 11.)"""
     if not available():
         return False
-    return bf16() or (rows <= DIRECT_ROWS and not with_backward)
+    return bf16() or not with_backward
 
 
 def available() -> bool:
@@ -161,10 +166,10 @@ def why_not(
     if dtype not in (torch.float32, torch.bfloat16):
         return "the native kernel runs float32 (and bf16) tensors"
     rows = plan.t * (plan.h // plan.h_kv)  # query rows each kv head's keys serve
-    if dtype == torch.bfloat16 and not reads_bf16(rows, with_backward):
+    if dtype == torch.bfloat16 and not reads_bf16(with_backward):
         return (
-            "bf16 products need an avx512-bf16 build (bf16 is computed in float32; a decode "
-            "step without a backward reads bf16 on every build)"
+            "a bf16 backward needs an avx512-bf16 build (bf16 is computed in float32; a "
+            "forward without a backward reads bf16 on every build)"
         )
     if d_v % 16 or d == 0:
         return "the native kernel needs value heads a multiple of 16 wide"

@@ -1812,6 +1812,60 @@ ATTNKIT_EXPORT void attnkit_use_gomp(void *gomp_parallel) {
 // The instruction set the library was built for ("avx512-bf16", "avx512", "avx2", "neon").
 ATTNKIT_EXPORT const char *attnkit_isa() { return ATTNKIT_ISA; }
 
+}  // extern "C"
+
+namespace {
+
+// (feature "bf16 read") A bf16 forward on a build without bf16 products, other than a
+// decode step (which reads bf16 where it lies): q, k and v are converted to float32 once,
+// into the call's reused buffers (keys and values through the page table where there is
+// one), and the float32 path runs on them. The same numbers as the caller's upcast
+// before, without its three fresh tensors a call (and the page faults of their memory).
+template <class Run>
+Code read_as_float32(const Args &a, Run run) {
+#if defined(ATTNKIT_BF16)
+  return run(a);
+#else
+  if (a.dtype != DT_BF16 || (a.nseq == 0 && direct_keys(a))) return run(a);
+  reuse::Buffer<float> q(size_t(a.B * a.H * a.T * a.D)), k(size_t(a.B * a.HKV * a.S * a.D)),
+      v(size_t(a.B * a.HKV * a.S * a.DV));
+  Args f = a;
+  f.dtype = DT_F32;
+  f.q = q.get(), f.sq_b = a.H * a.T * a.D, f.sq_h = a.T * a.D, f.sq_t = a.D;
+  f.k = k.get(), f.sk_b = a.HKV * a.S * a.D, f.sk_h = a.S * a.D, f.sk_t = a.D;
+  f.v = v.get(), f.sv_b = a.HKV * a.S * a.DV, f.sv_h = a.S * a.DV, f.sv_t = a.DV;
+  f.pages = nullptr, f.pages_sb = f.page_size = f.sk_page = f.sv_page = 0;
+  const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q);
+  Code err = parallel<NoState>(a, a.B * a.H, [&](NoState &, int64_t bh) {
+    const uint16_t *src = q16 + (bh / a.H) * a.sq_b + (bh % a.H) * a.sq_h;
+    float *dst = q.get() + bh * a.T * a.D;
+    for (int64_t i = 0; i < a.T; ++i)
+      for (int64_t d = 0; d < a.D; ++d) dst[i * a.D + d] = as_f32(src[i * a.sq_t + d]);
+  });
+  if (err) return err;
+  err = parallel<NoState>(a, a.B * a.HKV, [&](NoState &, int64_t bh) {
+    const int64_t b = bh / a.HKV, hk = bh % a.HKV;
+    float *kd = k.get() + bh * a.S * a.D, *vd = v.get() + bh * a.S * a.DV;
+    for (int64_t j = 0, n = 0; j < a.S; j += n) {  // runs of keys (a page's, paged)
+      const uint16_t *kr = kv_run<uint16_t>(a, b, hk, j, a.S, n);
+      for (int64_t x = 0; x < n; ++x)
+        for (int64_t d = 0; d < a.D; ++d) kd[(j + x) * a.D + d] = as_f32(kr[x * a.sk_t + d]);
+    }
+    for (int64_t j = 0, n = 0; j < a.S; j += n) {
+      const uint16_t *vr = kv_run<uint16_t, VALUES>(a, b, hk, j, a.S, n);
+      for (int64_t x = 0; x < n; ++x)
+        for (int64_t d = 0; d < a.DV; ++d) vd[(j + x) * a.DV + d] = as_f32(vr[x * a.sv_t + d]);
+    }
+  });
+  if (err) return err;
+  return run(f);
+#endif
+}
+
+}  // namespace
+
+extern "C" {
+
 // Whether the forward takes bf16 inputs (Args.dtype = DT_BF16): 1 on avx512-bf16 builds.
 ATTNKIT_EXPORT int attnkit_bf16() {
 #if defined(ATTNKIT_BF16)
@@ -1825,10 +1879,10 @@ ATTNKIT_EXPORT int attnkit_forward(const Args *args) {
   const Args &a = *args;
   if (a.nseq > 0) {
     if (Code bad = check_varlen(a)) return bad;
-    return guarded([&] { return int(forward_varlen(a)); });
+    return guarded([&] { return int(read_as_float32(a, forward_varlen)); });
   }
   if (Code bad = check(a)) return bad;
-  return guarded([&] { return int(forward_call(a)); });
+  return guarded([&] { return int(read_as_float32(a, forward_call)); });
 }
 
 // dq, dk, dv from dout, delta and the forward's lse (Args.lse, +inf on dead rows).
