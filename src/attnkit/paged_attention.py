@@ -325,9 +325,7 @@ def _refusal(
         return "pages whose last dim is strided"
     dtype = query.dtype
     if not (dtype == torch.float32 or (dtype == torch.bfloat16 and native.reads_bf16())):
-        return (
-            f"{dtype} (the kernel reads float32 and bf16)"
-        )
+        return f"{dtype} (the kernel reads float32 and bf16)"
     if kwargs["scale"] <= 0.0:
         return "a scale <= 0"
     return None
