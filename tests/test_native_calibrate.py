@@ -102,14 +102,14 @@ FEW = native.few_rows() if native.available() else 20
 
 @pytest.mark.parametrize(
     ("rows", "groups", "keys", "native_runs"),
-    [(FEW, 1, 2048, False), (FEW + 1, 1, 2048, True), (8, 1, 2048, False), (1, 4, 2048, False),
-     (256, 1, 2048, True), (1, 4, 8192, True)],
+    [(FEW, 1, 2048, False), (FEW + 1, 1, 2048, True), (8, 1, 2048, False), (1, 4, 1024, False),
+     (1, 4, 2048, True), (1, 1, 8192, False), (1, 1, 16384, True), (256, 1, 2048, True)],
 )  # fmt: skip
 def test_short_dense_plans_go_to_torch_by_measured_speed(
     monkeypatch, rows, groups, keys, native_runs
 ):
     """Few query rows per kv head against a dense float32 plan: torch's fused kernel
-    (faster there: native.few_rows() for this build's width, native.DIRECT_MIN_KEYS for a
+    (faster there: native.few_rows() for this build's width, native.decode_pays for a
     decode step), with the reason; long decodes, longer queries and masked plans stay
     native; ATTNKIT_NATIVE_SPEED=fast (the tests) runs them all."""
     from attnkit import explain_dispatch

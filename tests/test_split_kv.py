@@ -100,9 +100,10 @@ def test_decode_gradients_through_split_forward():
 
 
 def test_auto_sends_long_decode_steps_to_the_kernel(monkeypatch):
-    """``auto`` runs a float32 decode step against >= native.DIRECT_MIN_KEYS keys and a
-    bf16 one against any cache on the native kernel (split-KV), and leaves short float32
-    caches, gradients and prefills to the others (the kernel's rule, not a forced speed)."""
+    """``auto`` runs a float32 decode step of at least native.DECODE_MIN_WORK
+    multiply-adds (twice that without GQA) and a bf16 one against any cache on the native
+    kernel (split-KV), and leaves short float32 caches, gradients and prefills to the
+    others (the kernel's rule, not a forced speed)."""
     from attnkit.backends.blockwise.native import calibrate
 
     monkeypatch.delenv("ATTNKIT_NATIVE_SPEED", raising=False)
@@ -117,7 +118,7 @@ def test_auto_sends_long_decode_steps_to_the_kernel(monkeypatch):
         return original(plan, q, k, v)
 
     monkeypatch.setattr(native, "forward", spy)
-    long_keys = native.DIRECT_MIN_KEYS
+    long_keys = native.DECODE_MIN_WORK // (8 * 64)  # 8 query heads of 64
     q, k, v = decode_case(1, 8, 2, long_keys)  # 4 rows per kv head: a decode step
     out = attention(q, k, v)
     assert seen == [(1, long_keys)]
@@ -128,7 +129,8 @@ def test_auto_sends_long_decode_steps_to_the_kernel(monkeypatch):
     attention(*half)  # bf16: torch's kernel is several times slower at a decode step
     assert seen == [(1, 1024)]
     seen.clear()
-    attention(*decode_case(1, 8, 2, 1024))  # a short float32 cache: SDPA
+    attention(*decode_case(1, 8, 2, long_keys // 2))  # a short float32 cache: SDPA
+    attention(*decode_case(1, 2, 2, 2 * long_keys))  # MHA (no group): twice the work
     attention(q.requires_grad_(), k, v)  # gradients wanted: as before
     attention(*decode_case(4, 8, 2, long_keys))  # 16 rows per kv head: as before
     assert seen == []

@@ -32,6 +32,7 @@ float mask that requires grad, and weights while gradients are being recorded
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -219,16 +220,18 @@ NATIVE_MIN_KEYS_MASKED = 512
 #: A decode step (at most this many query rows per key/value head) goes to blockwise first
 #: where the native kernel runs it: it reads the cache in place and splits it across the
 #: threads (split-KV decoding). Where that pays is the kernel's own rule
-#: (native.decode_pays: float32 from native.DIRECT_MIN_KEYS keys, bf16/fp16 always:
-#: torch's half-precision kernels are several times slower at a decode step).
+#: (native.decode_pays: float32 from native.DECODE_MIN_WORK multiply-adds, bf16/fp16
+#: always: torch's half-precision kernels are several times slower at a decode step).
 DECODE_MAX_ROWS = native.DIRECT_ROWS
 
 
 def _decode_step(call: AttentionCall) -> bool:
-    groups = call.query.shape[-3] // call.key.shape[-3] if call.query.dim() >= 3 else 1
+    q, k = call.query, call.key
+    heads, kv_heads = (q.shape[-3], k.shape[-3]) if q.dim() >= 3 else (1, 1)
+    batch = math.prod(q.shape[:-3])  # (the leading dims; 1 for none)
     return (
-        call.q_len * groups <= DECODE_MAX_ROWS
-        and native.decode_pays(call.query.dtype, call.k_len)
+        call.q_len * (heads // kv_heads) <= DECODE_MAX_ROWS
+        and native.decode_pays(q.dtype, batch, heads, kv_heads, call.k_len, q.shape[-1])
         and call.query.device.type == "cpu"
         and not call.need_weights
         and not _wants_grad(call)

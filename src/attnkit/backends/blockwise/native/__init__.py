@@ -81,8 +81,8 @@ PAGED_ONE_THREAD = 2**20
 #: the AVX2 build (torch held to AVX2) 1.04-1.2x at 16 rows, 1.0-1.3x at 32-40 and
 #: 0.86-1.09x at 48-64 (FEW_ROWS[8] = 48; NEON, unmeasured, as AVX2). Up to DIRECT_ROWS
 #: rows (attention.cpp's DIRECT_ROWS) the kernel reads the keys in place and splits them
-#: across the threads, which pays from about DIRECT_MIN_KEYS keys (1 row: 1.2x at 1024
-#: keys, 1.03-1.06x at 4096, 0.8-0.85x at 16384, both builds). bf16 and fp16 calls take
+#: across the threads, which pays for a float32 step from DECODE_MIN_WORK multiply-adds
+#: of Q Kᵀ (see :func:`decode_pays`). bf16 and fp16 calls take
 #: neither bound: torch's half-precision kernels are slow at few rows (a decode step, 2176
 #: keys: 0.78 ms in bf16 against 0.12 in fp32), and the kernel ran every few-row bf16 case
 #: measured faster than torch's even in float32 (0.33-0.9x).
@@ -90,7 +90,17 @@ PAGED_ONE_THREAD = 2**20
 #: decode step of rows of different lengths, ``paged_decode``, is taken only this way).
 #: ``ATTNKIT_NATIVE_SPEED=fast`` (the tests) lets the kernel run these too.
 DIRECT_ROWS = 8
-DIRECT_MIN_KEYS = 4096
+#: A float32 decode step goes native from this many multiply-adds of one row's Q Kᵀ
+#: (batch x query heads x keys x head dim) where query heads share a key/value head (GQA: the kernel
+#: reads each key once for the group), and from twice as many without (MHA: both read
+#: every key once a head, and the kernel's call costs ~45 µs more Python). Measured on the
+#: Zen 3 of session 11 (d=64, 2 threads, native / torch's kernel through attention(),
+#: interleaved): 8/2 heads 1.23x at 512 keys (2^18), 0.97 at 1024, 0.78 at 2048 (2^20),
+#: 0.61 at 4096; 32/8 heads 0.76 at 512 (2^20), 0.64 at 1024; 12/12 heads 1.17 at 1024,
+#: 0.98 at 2048 (about 2^21), 0.75 at 4096; 2/2 heads 1.27 at 4096 and 1.15 at 8192
+#: (2^20: both native under the keys-only bound before it). On the Zen 5 of session 9,
+#: 2/2 heads: 1.2x at 1024 keys, 1.03-1.06 at 4096, 0.8-0.85 at 16384 (2^21).
+DECODE_MIN_WORK = 2**20
 FEW_ROWS = {16: 12, 8: 48, 4: 48}
 #: ``mask_kind`` of attention.cpp.
 _MASK_BOOL, _MASK_FLOAT = 1, 2
@@ -211,19 +221,32 @@ def why_not(
     if rows <= DIRECT_ROWS and not with_backward:
         # a decode step reads the cache in place: memory-bound, which the calibration
         # (a prefill) does not measure
-        return None if decode_pays(call_dtype, plan.s) else _short(rows, plan.s)
+        pays = decode_pays(call_dtype, plan.b, plan.h, plan.h_kv, plan.s, d)
+        return None if pays else _short(rows, plan.s)
     if slower is not None:
         return slower
     # (torch's half-precision kernels lose at few rows too)
     return _short(rows, plan.s) if call_dtype == torch.float32 and rows <= few_rows() else None
 
 
-def decode_pays(dtype: torch.dtype, keys: int) -> bool:
+def decode_pays(
+    dtype: torch.dtype,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    keys: int,
+    head_dim: int,
+) -> bool:
     """Whether a dense decode step (at most :data:`DIRECT_ROWS` query rows per key/value
-    head) of ``dtype`` against ``keys`` keys runs faster here than in torch's kernel: bf16
-    and fp16 always, float32 from :data:`DIRECT_MIN_KEYS` keys (the one decode rule, asked
-    by :func:`why_not` and by ``auto`` before it plans a call)."""
-    return dtype != torch.float32 or keys >= DIRECT_MIN_KEYS
+    head) runs faster here than in torch's kernel: bf16 and fp16 always, float32 from
+    :data:`DECODE_MIN_WORK` multiply-adds of one query row's Q Kᵀ (``batch * heads *
+    keys * head_dim``: a step is memory-bound, its few rows read the same keys) with
+    GQA, twice as many without (the one decode rule, asked by :func:`why_not` and by
+    ``auto`` before it plans a call)."""
+    if dtype != torch.float32:
+        return True
+    work = batch * heads * keys * head_dim
+    return work >= DECODE_MIN_WORK * (1 if heads > kv_heads else 2)
 
 
 def few_rows() -> int:
