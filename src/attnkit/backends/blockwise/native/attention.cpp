@@ -25,9 +25,10 @@
 //
 // Every product is simd::gemm, one register-tiled micro-kernel (simd::gemm_bf16 for bf16
 // inputs on avx512-bf16 builds: operands packed in pairs, P and dS rounded to bf16,
-// float32 softmax and sums). Threads come from one
-// persistent pool (rebuilt in a forked child). Errors inside (out of memory, no thread)
-// become return codes, never an abort.
+// float32 softmax and sums; other builds convert a bf16 forward to float32 once, feature
+// "bf16 read"). Threads come from one persistent pool (rebuilt in a forked child), a
+// call's large buffers from a per-thread cache (feature "reuse"). Errors inside (out of
+// memory, no thread) become return codes, never an abort.
 
 #include <algorithm>
 #include <atomic>
@@ -317,10 +318,6 @@ struct NoState {
 };
 
 // ---------------------------------------------------------------------------------------
-// Chunks and masks
-// ---------------------------------------------------------------------------------------
-
-// ---------------------------------------------------------------------------------------
 // (feature "reuse") The buffers of one call (packed keys and values, split-KV partials,
 // dQ partials) come from a small cache of the allocating thread's recent buffers instead
 // of fresh memory: glibc hands large blocks out as new mappings and returns them on free,
@@ -412,6 +409,10 @@ class Buffer {
 };
 
 }  // namespace reuse
+
+// ---------------------------------------------------------------------------------------
+// Chunks and masks
+// ---------------------------------------------------------------------------------------
 
 // Keys or values laid out chunk by chunk for the products, zero past the last key, packed
 // once per call and read by every query block: float32 keys transposed, (D, KC) a chunk;
@@ -1789,33 +1790,6 @@ Code backward_varlen(const Args &a, const Grads &g) {
   });
 }
 
-}  // namespace
-
-#define ATTNKIT_EXPORT __attribute__((visibility("default")))
-
-extern "C" {
-
-// The ABI this library was built for: its version, and sizeof(Args), sizeof(Grads).
-ATTNKIT_EXPORT int64_t attnkit_abi(int64_t *sizes) {
-  sizes[0] = sizeof(Args);
-  sizes[1] = sizeof(Grads);
-  return ABI_VERSION;
-}
-
-// (openmp pool) Run parallel calls on the OpenMP runtime whose GOMP_parallel this is, or
-// on the kernel's own pool (null).
-ATTNKIT_EXPORT void attnkit_use_gomp(void *gomp_parallel) {
-  on_fork();
-  g_gomp.store(reinterpret_cast<GompParallel>(gomp_parallel), std::memory_order_release);
-}
-
-// The instruction set the library was built for ("avx512-bf16", "avx512", "avx2", "neon").
-ATTNKIT_EXPORT const char *attnkit_isa() { return ATTNKIT_ISA; }
-
-}  // extern "C"
-
-namespace {
-
 // (feature "bf16 read") A bf16 forward on a build without bf16 products, other than a
 // decode step (which reads bf16 where it lies): q, k and v are converted to float32 once,
 // into the call's reused buffers (keys and values through the page table where there is
@@ -1864,9 +1838,29 @@ Code read_as_float32(const Args &a, Run run) {
 
 }  // namespace
 
+#define ATTNKIT_EXPORT __attribute__((visibility("default")))
+
 extern "C" {
 
-// Whether the forward takes bf16 inputs (Args.dtype = DT_BF16): 1 on avx512-bf16 builds.
+// The ABI this library was built for: its version, and sizeof(Args), sizeof(Grads).
+ATTNKIT_EXPORT int64_t attnkit_abi(int64_t *sizes) {
+  sizes[0] = sizeof(Args);
+  sizes[1] = sizeof(Grads);
+  return ABI_VERSION;
+}
+
+// (openmp pool) Run parallel calls on the OpenMP runtime whose GOMP_parallel this is, or
+// on the kernel's own pool (null).
+ATTNKIT_EXPORT void attnkit_use_gomp(void *gomp_parallel) {
+  on_fork();
+  g_gomp.store(reinterpret_cast<GompParallel>(gomp_parallel), std::memory_order_release);
+}
+
+// The instruction set the library was built for ("avx512-bf16", "avx512", "avx2", "neon").
+ATTNKIT_EXPORT const char *attnkit_isa() { return ATTNKIT_ISA; }
+
+// Whether bf16 inputs (Args.dtype = DT_BF16) are computed with bf16 products, forward and
+// backward: 1 on avx512-bf16 builds. Other builds take a bf16 forward (read_as_float32).
 ATTNKIT_EXPORT int attnkit_bf16() {
 #if defined(ATTNKIT_BF16)
   return 1;
