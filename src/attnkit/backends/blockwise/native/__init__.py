@@ -175,7 +175,6 @@ def why_not(
     will cost as a whole, not the forward alone)."""
     if dtype not in (torch.float32, torch.bfloat16):
         return "the native kernel runs float32 (and bf16) tensors"
-    rows = plan.t * (plan.h // plan.h_kv)  # query rows each kv head's keys serve
     if dtype == torch.bfloat16 and not reads_bf16(with_backward):
         return (
             "a bf16 backward needs an avx512-bf16 build (bf16 is computed in float32; a "
@@ -218,6 +217,7 @@ def why_not(
     )
     if speed.source == calibrate.FORCED:  # ATTNKIT_NATIVE_SPEED decides alone
         return slower
+    rows = plan.t * (plan.h // plan.h_kv)  # query rows each kv head's keys serve
     if rows <= DIRECT_ROWS and not with_backward:
         # a decode step reads the cache in place: memory-bound, which the calibration
         # (a prefill) does not measure

@@ -1795,6 +1795,18 @@ Code backward_varlen(const Args &a, const Grads &g) {
 // into the call's reused buffers (keys and values through the page table where there is
 // one), and the float32 path runs on them. The same numbers as the caller's upcast
 // before, without its three fresh tensors a call (and the page faults of their memory).
+// The S bf16 keys (or values) of (b, hk), as float32 rows at dst, contiguous; read in runs
+// (a page's, where they are paged).
+template <Side SIDE>
+void rows_as_float32(const Args &a, int64_t b, int64_t hk, float *dst) {
+  const int64_t depth = SIDE == KEYS ? a.D : a.DV, st = SIDE == KEYS ? a.sk_t : a.sv_t;
+  for (int64_t j = 0, n = 0; j < a.S; j += n) {
+    const uint16_t *src = kv_run<uint16_t, SIDE>(a, b, hk, j, a.S, n);
+    for (int64_t x = 0; x < n; ++x)
+      for (int64_t d = 0; d < depth; ++d) dst[(j + x) * depth + d] = as_f32(src[x * st + d]);
+  }
+}
+
 template <class Run>
 Code read_as_float32(const Args &a, Run run) {
 #if defined(ATTNKIT_BF16)
@@ -1819,17 +1831,8 @@ Code read_as_float32(const Args &a, Run run) {
   if (err) return err;
   err = parallel<NoState>(a, a.B * a.HKV, [&](NoState &, int64_t bh) {
     const int64_t b = bh / a.HKV, hk = bh % a.HKV;
-    float *kd = k.get() + bh * a.S * a.D, *vd = v.get() + bh * a.S * a.DV;
-    for (int64_t j = 0, n = 0; j < a.S; j += n) {  // runs of keys (a page's, paged)
-      const uint16_t *kr = kv_run<uint16_t>(a, b, hk, j, a.S, n);
-      for (int64_t x = 0; x < n; ++x)
-        for (int64_t d = 0; d < a.D; ++d) kd[(j + x) * a.D + d] = as_f32(kr[x * a.sk_t + d]);
-    }
-    for (int64_t j = 0, n = 0; j < a.S; j += n) {
-      const uint16_t *vr = kv_run<uint16_t, VALUES>(a, b, hk, j, a.S, n);
-      for (int64_t x = 0; x < n; ++x)
-        for (int64_t d = 0; d < a.DV; ++d) vd[(j + x) * a.DV + d] = as_f32(vr[x * a.sv_t + d]);
-    }
+    rows_as_float32<KEYS>(a, b, hk, k.get() + bh * a.S * a.D);
+    rows_as_float32<VALUES>(a, b, hk, v.get() + bh * a.S * a.DV);
   });
   if (err) return err;
   return run(f);
