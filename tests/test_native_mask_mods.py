@@ -152,6 +152,37 @@ def test_a_generated_mask_reads_a_snapshot_of_its_tensors():
     _same_bits(_run(q, k, v, gen, g_out), _run(q, k, v, stored, g_out), "snapshot")
 
 
+def test_documents_of_any_length_share_one_library():
+    """A per-sequence document mask over captured ids of another length (a longer packed
+    batch: the ids' row stride changes) reuses the generated library (sizes and strides
+    come with the call), and each length's rows are those of stored tiles."""
+    texts = []
+    real = mask_codegen.cached_library
+
+    def spy(text, *args):
+        texts.append(text)
+        return real(text, *args)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(mask_codegen, "cached_library", spy)
+    try:
+        for t, size in ((70, 30), (129, 50), (200, 64)):
+            docs = torch.stack([torch.arange(t) // size, (torch.arange(t) + 7) // (size // 2)])
+
+            def same_doc(b, h, q, kv, docs=docs):
+                return docs[b][q] == docs[b][kv]
+
+            gen = create_block_mask(same_doc, B, None, t, t, block_size=32)
+            stored = create_block_mask(same_doc, B, None, t, t, block_size=32, generated=False)
+            assert not gen.stored
+            q, k, v = _qkv(t, seed=t)
+            g_out = torch.randn(B, HQ, t, D, generator=torch.Generator().manual_seed(t))
+            _same_bits(_run(q, k, v, gen, g_out), _run(q, k, v, stored, g_out), f"T={t}")
+    finally:
+        mp.undo()
+    assert len(texts) == 3 and len(set(texts)) == 1
+
+
 def _float_mask(b, h, q, kv):
     """Float ops rounded as torch rounds them: a true division by 3 (not a product with
     its reciprocal), products and sums (no FMA contraction), sqrt, floor, casts."""

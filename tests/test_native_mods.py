@@ -394,6 +394,39 @@ def test_compiled_library_is_cached():
     assert isinstance(first, codegen.CompiledMod) and again.lib is first.lib
 
 
+def test_captured_tensors_of_other_lengths_reuse_the_library():
+    """Sizes, strides and gradient offsets of captured tensors come with the call: the
+    same mod over a per-key table at three lengths (a second captured tensor before it
+    shifting the gradient offsets) builds one library, and each length matches float64
+    with its gradients."""
+    libs = set()
+    for t in (40, 97, 130):
+        bias = (torch.randn(HQ) * 0.1).requires_grad_(True)
+        table = (torch.randn(HQ, t) * 0.5).requires_grad_(True)
+
+        def mod(s, b, h, q, kv, table=table, bias=bias):
+            return s + bias[h] + table[h][kv]
+
+        compiled = codegen.compile_mod(G.trace(mod), (B, HQ, t, t, 0, 0))
+        assert isinstance(compiled, codegen.CompiledMod), compiled
+        libs.add(id(compiled.lib))
+        q, k, v = _qkv(t, seed=t)
+        xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        out = attention(*xs, score_mod=mod, causal=True, backend="blockwise")
+        grads = torch.autograd.grad(out.square().sum(), [*xs, table, bias])
+        ys = [x.double().requires_grad_(True) for x in (q, k, v)]
+        tab, bi = (x.detach().double().requires_grad_(True) for x in (table, bias))
+        i, j = torch.arange(t).view(-1, 1), torch.arange(t).view(1, -1)
+        s = ys[0] @ ys[1].repeat_interleave(2, 1).transpose(-2, -1) / math.sqrt(D)
+        s = s + bi.view(1, HQ, 1, 1) + tab.view(1, HQ, 1, t)
+        ref = _attend(s.masked_fill(j > i, -math.inf), ys[2], HQ)
+        ref_grads = torch.autograd.grad(ref.square().sum(), [*ys, tab, bi])
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+        for a, r in zip(grads, ref_grads, strict=True):
+            torch.testing.assert_close(a.double(), r, atol=1e-4, rtol=1e-4)
+    assert len(libs) == 1
+
+
 def test_segment_offsets_reach_the_compiled_mod():
     """A context-parallel segment (queries and keys at global offsets) runs the compiled
     mod at global positions: the same rows as the whole call."""

@@ -20,8 +20,9 @@ on ``W``-wide vectors. Keys past the last are computed at the last key (never an
 of range); :meth:`ModGraph.check` proves every int fits in int32 and every load index is
 in range for the call's sizes, else the call is not compiled. A load whose last index is
 ``kv_idx`` plus a row value reads a vector at once; others gather lane by lane.
-Captured tensors are passed as contiguous float32 / int32 / uint8 copies (their shapes
-are compiled in). Floats are computed in float32; a division by a constant is a product
+Captured tensors are passed as contiguous float32 / int32 / uint8 copies; their sizes,
+strides and gradient offsets come with the call (``ModCtx.layout``), so a mod over a
+tensor of another length (a document-id vector of a longer batch) reuses the library. Floats are computed in float32; a division by a constant is a product
 with its float32 reciprocal (within an ulp of the quotient).
 """
 
@@ -44,7 +45,7 @@ if TYPE_CHECKING:  # (mask_codegen builds on this module)
 __all__ = ["CompiledMod", "ModCall", "compile_mod", "generate", "source"]
 
 #: ``attnkit_mod_abi()`` of a generated library: bumped when the row functions change.
-MOD_ABI = 2
+MOD_ABI = 3
 #: The most doubles of captured-tensor gradient partials a backward may hold (one per
 #: backward task; above it the tile engine takes the backward).
 MAX_GRAD_PARTIALS = 1 << 25
@@ -58,6 +59,7 @@ class _Ctx(ctypes.Structure):
         ("last_key", ctypes.c_int64),
         ("q_base", ctypes.c_int64),
         ("k_base", ctypes.c_int64),
+        ("layout", ctypes.POINTER(ctypes.c_int64)),
     ]
 
 
@@ -79,6 +81,9 @@ constexpr float NAN_ = std::numeric_limits<float>::quiet_NaN();
 struct ModCtx {
   const void *const *tensors;  // captured tensors by slot: contiguous copies
   int64_t last_key, q_base, k_base;
+  // per captured tensor (by slot): its sizes, then its strides; then each one's offset
+  // into dgrad (codegen.layout)
+  const int64_t *layout;
 };
 
 inline vi isplat(int32_t x) { return vi{} + x; }
@@ -135,16 +140,27 @@ def _flt(x: float) -> str:
     return f"float({float(x).hex()})"
 
 
+def layout(copies: list[torch.Tensor], grad_slots: dict[int, int]) -> list[int]:
+    """``ModCtx.layout`` of a call: each captured tensor's kernel copy's sizes then its
+    strides, in slot order, then each slot's offset into the gradient buffer (0: none)."""
+    out: list[int] = []
+    for t in copies:
+        out += [*t.shape, *t.stride()]
+    return out + [grad_slots.get(slot, 0) for slot in range(len(copies))]
+
+
 @dataclass
 class _Gen:
     graph: ModGraph
-    shapes: list[tuple[int, ...]]
     wraps: set[int]  # (node, dim) packed as node * 64 + dim: indices that may be negative
     grad_slots: dict[int, int]  # slot -> offset into dgrad
     exact: bool = False  # a mask: every float op as torch rounds it (no reciprocal products)
     lane: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.at: list[int] = [0]  # where each slot's sizes start in ModCtx.layout
+        for t in self.graph.tensors:
+            self.at.append(self.at[-1] + 2 * t.dim())
         for node in self.graph.nodes:
             varying = node.op == "input" and node.value in ("score", "kv_idx")
             self.lane.append(varying or any(self.lane[a] for a in node.args))
@@ -276,13 +292,26 @@ class _Gen:
         return f"lanewise({x}, [](float v) {{ return {scalar[op]}(v); }})"
 
     # -- loads -------------------------------------------------------------------------
-    def strides(self, slot: int) -> list[int]:
-        shape = self.shapes[slot]
-        out, acc = [], 1
-        for n in reversed(shape):
-            out.append(acc)
-            acc *= n
-        return out[::-1]
+    def strides(self, slot: int) -> list[str]:
+        return [f"s{slot}_{d}" for d in range(self.graph.tensors[slot].dim())]
+
+    def layout_values(self) -> list[str]:
+        """Statements naming the call's sizes ``n{slot}_{dim}``, strides ``s{slot}_{dim}``
+        and gradient offsets ``gb{slot}`` (``ModCtx.layout``; locals, so no store in the
+        loops can alias them)."""
+        tensors = self.graph.tensors
+        total = self.at[-1]
+        lines = ["const int64_t *const L_ = ctx.layout; (void)L_;"]
+        for slot, t in enumerate(tensors):
+            nd, at = t.dim(), self.at[slot]
+            for d in range(nd):
+                lines.append(
+                    f"const int64_t n{slot}_{d} = L_[{at + d}], s{slot}_{d} = L_[{at + nd + d}];"
+                    f" (void)n{slot}_{d}; (void)s{slot}_{d};"
+                )
+            if slot in self.grad_slots:
+                lines.append(f"const int64_t gb{slot} = L_[{total + slot}];")
+        return lines
 
     def index(self, n: int, d: int, at: str) -> str:
         """Load n's index d as int64 (lane ``at`` of a vector index, or the row value)."""
@@ -290,7 +319,7 @@ class _Gen:
         x = node.args[d]
         v = f"{self.name(x)}[{at}]" if self.lane[x] else self.name(x)
         if n * 64 + d in self.wraps:
-            size = self.shapes[node.value][d]
+            size = f"n{node.value}_{d}"
             return f"(int64_t({v}) + ({v} < 0 ? {size} : 0))"
         return f"int64_t({v})"
 
@@ -387,6 +416,7 @@ class _Gen:
             "  const ModCtx &ctx = *static_cast<const ModCtx *>(ctx_);",
             "  const int32_t q_ = int32_t(ctx.q_base + i_);",
             "  (void)b_; (void)h_; (void)q_;",
+            *("  " + x for x in self.layout_values()),
         ]
 
     def loop_head(self) -> list[str]:
@@ -465,7 +495,7 @@ class _Gen:
             node = g.nodes[n]
             if node.op != "load":
                 continue
-            base = self.grad_slots[node.value]
+            base = f"gb{node.value}"
             if self.lane[n]:  # lanes the softmax gave no weight add 0; o{n} in order if whole
                 out += [
                     f"    const vf g{n} = simd::select(live, a{n}, fsplat(0.0f));",
@@ -480,7 +510,7 @@ class _Gen:
                 out += [f"    acc{n} += simd::hsum(simd::select(live, a{n}, fsplat(0.0f)));"]
         out += ["  }"]
         for n in row_loads:
-            base = self.grad_slots[g.nodes[n].value]
+            base = f"gb{g.nodes[n].value}"
             out += [f"  dgrad[{base} + {self.offset(n, '')}] += acc{n};"]
         out += ["}"]
         return "\n".join(out)
@@ -550,8 +580,7 @@ class _Gen:
 
 def source(graph: ModGraph, wraps: set[int], grad_slots: dict[int, int]) -> str:
     """The C++ of ``graph``'s row functions (see the module docs)."""
-    shapes = [tuple(t.shape) for t in graph.tensors]
-    gen = _Gen(graph, shapes, wraps, grad_slots)
+    gen = _Gen(graph, wraps, grad_slots)
     lines = [
         f"// generated by attnkit.backends.blockwise.native.codegen from {graph.name!r}",
         _PRELUDE,
@@ -678,8 +707,15 @@ class ModCall:
         self.ptrs = (ctypes.c_void_p * max(1, len(self.copies)))(
             *(c.data_ptr() for c in self.copies)
         )
+        grad_slots = compiled.grad_slots if isinstance(compiled, CompiledMod) else {}
+        shape = layout(self.copies, grad_slots)
+        self.layout = (ctypes.c_int64 * max(1, len(shape)))(*shape)
         self.ctx = _Ctx(
-            ctypes.cast(self.ptrs, ctypes.POINTER(ctypes.c_void_p)), last_key, q_base, k_base
+            ctypes.cast(self.ptrs, ctypes.POINTER(ctypes.c_void_p)),
+            last_key,
+            q_base,
+            k_base,
+            ctypes.cast(self.layout, ctypes.POINTER(ctypes.c_int64)),
         )
 
     @property
