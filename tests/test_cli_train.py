@@ -2,12 +2,32 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 from attnkit.cli import main
+
+
+@pytest.fixture(scope="module")
+def _trained(tmp_path_factory):
+    """A checkpoint of 2 steps on the copy task of length 2 (context_length 5), trained
+    once for the module (each training also draws its loss curve and attention maps)."""
+    out = tmp_path_factory.mktemp("trained") / "ck"
+    argv = ["train", "--task", "copy", "--length", "2", "--steps", "2", "--quiet"]
+    assert main([*argv, "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture
+def trained(_trained, tmp_path, capsys):
+    """A copy of the module's checkpoint under ``tmp_path / "ck"`` (tests may change it)."""
+    out = tmp_path / "ck"
+    shutil.copytree(_trained, out)
+    capsys.readouterr()
+    return out
 
 
 def test_train_resume_generate(tmp_path, capsys):
@@ -54,11 +74,8 @@ def test_errors(tmp_path, capsys):
     )
 
 
-def test_prompt_longer_than_context_subprocess(tmp_path):
-    out = tmp_path / "ck"
-    assert (
-        main(["train", "--task", "copy", "--length", "2", "--steps", "2", "--out", str(out)]) == 0
-    )
+def test_prompt_longer_than_context_subprocess(trained):
+    out = trained
     r = subprocess.run(
         [
             sys.executable,
@@ -78,20 +95,12 @@ def test_prompt_longer_than_context_subprocess(tmp_path):
 
 
 @pytest.mark.parametrize("prompt", ["", "xyz"])
-def test_bad_prompts(tmp_path, capsys, prompt):
-    out = tmp_path / "ck"
-    assert (
-        main(["train", "--task", "copy", "--length", "2", "--steps", "2", "--out", str(out)]) == 0
-    )
-    capsys.readouterr()
-    one_line_error(capsys, ["generate", "--checkpoint", str(out), "--prompt", prompt], "prompt")
+def test_bad_prompts(trained, capsys, prompt):
+    one_line_error(capsys, ["generate", "--checkpoint", str(trained), "--prompt", prompt], "prompt")
 
 
-def test_generate_past_context_length_crops_and_says_so(tmp_path, capsys):
-    out = tmp_path / "ck"
-    argv = ["train", "--task", "copy", "--length", "2", "--steps", "2", "--quiet"]
-    assert main([*argv, "--out", str(out)]) == 0  # context_length 5 (the task's sequence)
-    capsys.readouterr()
+def test_generate_past_context_length_crops_and_says_so(trained, capsys):
+    out = trained  # context_length 5 (the task's sequence)
     assert (
         main(["generate", "--checkpoint", str(out), "--prompt", "12>", "--max-new-tokens", "6"])
         == 0
@@ -108,24 +117,18 @@ def test_generate_help_says_temperature_zero_is_greedy(capsys):
     assert "0 = greedy" in " ".join(capsys.readouterr().out.split())
 
 
-def test_generate_with_a_subnormal_temperature_is_greedy(tmp_path, capsys):
-    out = tmp_path / "ck"
-    argv = ["train", "--task", "copy", "--length", "2", "--steps", "2", "--quiet"]
-    assert main([*argv, "--out", str(out)]) == 0
-    capsys.readouterr()
-    generate = ["generate", "--checkpoint", str(out), "--prompt", "12>"]
+def test_generate_with_a_subnormal_temperature_is_greedy(trained, capsys):
+    generate = ["generate", "--checkpoint", str(trained), "--prompt", "12>"]
     assert main(generate) == 0
     greedy = capsys.readouterr().out
     assert main([*generate, "--temperature", "1e-45"]) == 0  # was a multinomial traceback
     assert capsys.readouterr().out == greedy
 
 
-def test_generate_refuses_a_config_larger_than_its_weights_in_one_line(tmp_path, capsys):
+def test_generate_refuses_a_config_larger_than_its_weights_in_one_line(trained, capsys):
     import json
 
-    out = tmp_path / "ck"
-    argv = ["train", "--task", "copy", "--length", "2", "--steps", "1", "--quiet"]
-    assert main([*argv, "--out", str(out)]) == 0
+    out = trained
     (out / "manifest.json").unlink()  # generate accepts checkpoints from before manifests
     config = json.loads((out / "config.json").read_text())
     config["model"]["vocab_size"] = 10**13

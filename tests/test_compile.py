@@ -107,26 +107,53 @@ def test_blockwise_band_layout_compiles_to_one_graph() -> None:
     assert counter.frame_count == 1
 
 
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        dict(causal=True, score_mod=attnkit.masks.alibi(2)),  # the rows layout when eager
-        dict(mask_mod=lambda b, h, q, kv: (kv <= q) & (q - kv < 16)),  # a Toeplitz block mask
-    ],
-    ids=["alibi", "mask_mod"],
-)
-def test_blockwise_mods_compile_with_graph_breaks(kwargs: dict) -> None:
-    """Mods are probed and block masks built with data-dependent Python: compiled, they
-    break the graph (no fullgraph) and still give the eager answer."""
+def test_a_score_mod_compiles_with_graph_breaks() -> None:
+    """A score mod is probed with data-dependent Python: compiled, it breaks the graph (no
+    fullgraph) and still gives the eager answer."""
 
     def fn(q, k, v):
-        return attnkit.attention(q, k, v, backend="blockwise", **kwargs)
+        return attnkit.attention(
+            q, k, v, backend="blockwise", causal=True, score_mod=attnkit.masks.alibi(2)
+        )
 
     counter = CompileCounter()
     compiled = torch.compile(fn, backend=counter)
     q, k, v = (torch.randn(1, 2, 160, 8) for _ in range(3))
     torch.testing.assert_close(compiled(q, k, v), fn(q, k, v), **TOL[torch.float32])
     assert counter.frame_count >= 1
+
+
+@pytest.mark.parametrize("backend", ["blockwise", "auto"])
+@pytest.mark.parametrize("kind", ["mask_mod", "block_mask"])
+def test_a_block_mask_call_compiles_with_inductor(kind: str, backend: str) -> None:
+    """A block mask's tiles are data: under torch.compile (inductor, the default) the call
+    runs eagerly behind one graph break. Traced, its branches broke the graph dozens of
+    times and inductor failed on the fragments (an IndexError, a C++ compile error)."""
+
+    def mod(b, h, q, kv):
+        return (kv <= q) & (q - kv < 100)
+
+    t = 1100  # auto goes to blockwise from 1024 keys
+    kwargs = dict(mask_mod=mod) if kind == "mask_mod" else dict(
+        block_mask=attnkit.create_block_mask(mod, None, None, t, t)
+    )  # fmt: skip
+
+    def fn(q, k, v):
+        return attnkit.attention(q, k, v, backend=backend, **kwargs)
+
+    q, k, v = (torch.randn(1, 2, t, 8, requires_grad=True) for _ in range(3))
+    g = torch.randn(1, 2, t, 8)
+    compiled = torch.compile(fn)
+    out = compiled(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    eager = fn(q, k, v)
+    eager_grads = torch.autograd.grad(eager, (q, k, v), g)
+    i, j = torch.arange(t).view(-1, 1), torch.arange(t).view(1, -1)
+    ref, _ = ref_attention(*(x.detach() for x in (q, k, v)), mask=mod(0, 0, i, j))
+    assert torch.equal(out, eager)
+    for a, b in zip(grads, eager_grads, strict=True):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(out.double(), ref, **TOL[torch.float32])
 
 
 def test_dropout_in_training_compiles() -> None:

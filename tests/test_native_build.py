@@ -17,10 +17,18 @@ from attnkit.backends.blockwise.native import abi, build
 needs_host_build = pytest.mark.skipif(not build.host_isas(), reason="this CPU runs no native build")
 
 
+#: The loader's rules do not depend on the code's speed: these tests build at -O0 (3 s a
+#: build on a 2-core Zen 3 instead of 8; the real flags are built by every other module).
+QUICK_FLAGS = tuple("-O0" if f == "-O3" else f for f in build.FLAGS)
+
+
 @pytest.fixture
 def fresh(monkeypatch, tmp_path):
-    """A process with nothing built or loaded yet, caching under ``tmp_path / "cache"``."""
+    """A process with nothing built or loaded yet, caching under ``tmp_path / "cache"``,
+    building with :data:`QUICK_FLAGS`."""
+    monkeypatch.setattr(build, "FLAGS", QUICK_FLAGS)
     monkeypatch.setattr(build, "_state", {})
+    monkeypatch.setattr(build, "_files", {})
     monkeypatch.setattr(build, "_warned", set())
     monkeypatch.delenv("ATTNKIT_NATIVE", raising=False)
     monkeypatch.delenv("ATTNKIT_NATIVE_ISA", raising=False)
@@ -30,9 +38,11 @@ def fresh(monkeypatch, tmp_path):
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """A cache holding every build this CPU runs, compiled once for the module's tests."""
+    """A cache holding every build this CPU runs (:data:`QUICK_FLAGS`), compiled once for
+    the module's tests."""
     cache = tmp_path_factory.mktemp("built") / "cache"
-    saved = dict(build._state)
+    saved, files, flags = dict(build._state), dict(build._files), build.FLAGS
+    build.FLAGS = QUICK_FLAGS
     old = {n: os.environ.get(n) for n in ("ATTNKIT_CACHE_DIR", "ATTNKIT_NATIVE_ISA")}
     os.environ["ATTNKIT_CACHE_DIR"] = str(cache)
     try:
@@ -41,8 +51,11 @@ def built(tmp_path_factory):
             build._state.clear()
             assert build.library() is not None, build.status()
     finally:
+        build.FLAGS = flags
         build._state.clear()
         build._state.update(saved)
+        build._files.clear()
+        build._files.update(files)
         for name, value in old.items():
             if value is None:
                 os.environ.pop(name, None)

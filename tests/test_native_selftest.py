@@ -55,15 +55,15 @@ def test_the_aarch64_neon_build_passes_under_qemu(tmp_path):
 
 @pytest.mark.skipif(not X86 or shutil.which("objdump") is None, reason="no x86 build or objdump")
 @pytest.mark.parametrize("isa", X86)
-def test_x86_builds_use_their_vector_width(isa, tmp_path):
+def test_x86_builds_use_their_vector_width(isa):
     """The AVX2 build once lowered 16-float vectors to ~2,300 scalar inserts/extracts; each
-    build must now compute at its own width (zmm for AVX-512, ymm only for AVX2)."""
-    so = tmp_path / f"k-{isa}.so"
-    made = subprocess.run(
-        ["g++", *build.FLAGS, *build.ISA_FLAGS[isa], "-o", str(so), str(build.SOURCE)],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert made.returncode == 0, made.stderr[-3000:]
+    build must now compute at its own width (zmm for AVX-512, ymm only for AVX2). Read from
+    the library this process loads (built with the kernel's own flags, or found cached)."""
+    if build.library(isa) is None:
+        pytest.skip(f"no {isa} build: {build.status(isa)}")
+    so = build.library_file(isa)
+    if so is None:
+        pytest.skip(f"the {isa} build is in a private temporary directory: {build.status(isa)}")
     text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(so)],
                           capture_output=True, text=True, timeout=120).stdout  # fmt: skip
     scalar = sum(text.count(op) for op in ("vinsertps", "vextractps"))

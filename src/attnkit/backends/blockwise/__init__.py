@@ -146,6 +146,12 @@ def _new_plan(call: AttentionCall, engine: str) -> TilePlan:
 
 
 def _run(call: AttentionCall, engine: str) -> BackendResult:
+    if torch.compiler.is_compiling() and (call.block_mask is not None or call.mask_mod is not None):
+        return _run_eagerly(call, engine)
+    return _run_plan(call, engine)
+
+
+def _run_plan(call: AttentionCall, engine: str) -> BackendResult:
     plan = _plan(call, engine)
     if _wants_grad(call):
         out, lse = BlockwiseAttention.apply(
@@ -168,6 +174,13 @@ def _run(call: AttentionCall, engine: str) -> BackendResult:
         lse_out = lse.reshape(lead)
     return out, weights, lse_out
 
+
+#: A block mask's tiles are data: traced, every branch on them broke the graph and left
+#: inductor small fragments of mask code, two of which it failed to compile (torch 2.13:
+#: an IndexError in its reduction codegen, a C++ error mixing VecMask<int> and
+#: VecMask<float>). Under torch.compile such a call runs here instead, eagerly, on the
+#: native kernel: one graph break.
+_run_eagerly = torch.compiler.disable(_run_plan, reason="attnkit: a block mask is data")
 
 _ENGINE_OF = {"blockwise": NATIVE_CPU, "blockwise-flash": FLASH_CPU, "blockwise-tiles": TORCH_TILES}
 
