@@ -36,6 +36,11 @@ import math
 
 import torch
 
+try:  # torch.compiler.disable that imports dynamo on first call, not at attnkit's import
+    from torch._compile import _disable_dynamo  # (dynamo's import: 1.6 s, and triton)
+except ImportError:  # pragma: no cover - a torch without it: the public form
+    _disable_dynamo = torch.compiler.disable
+
 from attnkit.backends.blockwise import native, plan_cache
 from attnkit.backends.blockwise.autograd import BlockwiseAttention
 from attnkit.backends.blockwise.autograd import forward as blockwise_forward
@@ -178,9 +183,9 @@ def _run_plan(call: AttentionCall, engine: str) -> BackendResult:
 #: A block mask's tiles are data: traced, every branch on them broke the graph and left
 #: inductor small fragments of mask code, two of which it failed to compile (torch 2.13:
 #: an IndexError in its reduction codegen, a C++ error mixing VecMask<int> and
-#: VecMask<float>). Under torch.compile such a call runs here instead, eagerly, on the
-#: native kernel: one graph break.
-_run_eagerly = torch.compiler.disable(_run_plan, reason="attnkit: a block mask is data")
+#: VecMask<float>). Under torch.compile such a call runs eagerly instead, on the native
+#: kernel: one graph break.
+_run_eagerly = _disable_dynamo(_run_plan)
 
 _ENGINE_OF = {"blockwise": NATIVE_CPU, "blockwise-flash": FLASH_CPU, "blockwise-tiles": TORCH_TILES}
 
