@@ -58,7 +58,7 @@ def _knobs() -> tuple:
     p, n, f = plan_module, native, flash_cpu
     return (
         p.BLOCK_Q, p.BLOCK_K, p.FUSED_BLOCK_Q, p.MOD_BLOCK, p.MASK_TILE_ELEMENTS,
-        n.DIRECT_ROWS, n.DECODE_MIN_WORK, tuple(n.FEW_ROWS.items()), n.why_not, n.why_not_backward,
+        n.DIRECT_ROWS, tuple(n.FEW_ROWS.items()), n.why_not, n.why_not_backward,
         f.why_not, f._FORWARD, f._BACKWARD, calibrate.speed,
         calibrate.TIE, calibrate.CASE, calibrate.LONG_TOKENS,  # tie margin, measured lengths
     )  # fmt: skip

@@ -87,10 +87,12 @@ PAGED_ONE_THREAD = 2**20
 #: keys: 0.78 ms in bf16 against 0.12 in fp32), and the kernel ran every few-row bf16 case
 #: measured faster than torch's even in float32 (0.33-0.9x).
 #: DIRECT_ROWS is the one decode bound of the kernel, contiguous and paged alike (a paged
-#: decode step of rows of different lengths, ``paged_decode``, is taken only this way).
+#: decode step of rows of different lengths, ``paged_decode``, is taken only this way);
+#: inside blockwise such a step always runs here (see :func:`why_not`).
 #: ``ATTNKIT_NATIVE_SPEED=fast`` (the tests) lets the kernel run these too.
 DIRECT_ROWS = 8
-#: A float32 decode step goes native from this many multiply-adds of one row's Q Kᵀ
+#: ``auto`` sends a float32 decode step to the kernel rather than to SDPA from this many
+#: multiply-adds of one row's Q Kᵀ
 #: (batch x query heads x keys x head dim) where query heads share a key/value head (GQA: the kernel
 #: reads each key once for the group), and from twice as many without (MHA: both read
 #: every key once a head, and the kernel's call costs ~45 µs more Python). Measured on the
@@ -219,10 +221,12 @@ def why_not(
         return slower
     rows = plan.t * (plan.h // plan.h_kv)  # query rows each kv head's keys serve
     if rows <= DIRECT_ROWS and not with_backward:
-        # a decode step reads the cache in place: memory-bound, which the calibration
-        # (a prefill) does not measure
-        pays = decode_pays(call_dtype, plan.b, plan.h, plan.h_kv, plan.s, d)
-        return None if pays else _short(rows, plan.s)
+        # A decode step reads the cache in place, split across the threads: inside
+        # blockwise its other engine is torch's kernel through the tile plan, which the
+        # kernel beat at every decode size measured (session 12, Zen 3, with the LSE:
+        # 0.47-0.92x on 2 threads, 0.59-1.01x on 1, 64-16384 keys). Whether blockwise
+        # takes the step at all, against SDPA, is auto's question (decode_pays).
+        return None
     if slower is not None:
         return slower
     # (torch's half-precision kernels lose at few rows too)
@@ -241,8 +245,9 @@ def decode_pays(
     head) runs faster here than in torch's kernel: bf16 and fp16 always, float32 from
     :data:`DECODE_MIN_WORK` multiply-adds of one query row's Q Kᵀ (``batch * heads *
     keys * head_dim``: a step is memory-bound, its few rows read the same keys) with
-    GQA, twice as many without (the one decode rule, asked by :func:`why_not` and by
-    ``auto`` before it plans a call)."""
+    GQA, twice as many without (the one decode rule, asked by ``auto`` before it plans a
+    call: below it SDPA takes the step; a call blockwise takes anyway, one that wants the
+    log-sum-exp say, runs the step on the kernel)."""
     if dtype != torch.float32:
         return True
     work = batch * heads * keys * head_dim
