@@ -117,6 +117,7 @@ def test_short_dense_plans_go_to_torch_by_measured_speed(
 
     if not native.available():
         pytest.skip(native.status())
+    monkeypatch.delenv("ATTNKIT_NATIVE_SPEED")  # (the tests' "fast": measured here)
     monkeypatch.setattr(
         calibrate, "speed", lambda dtype=None, keys=None: calibrate.Speed(0.5, 0.5, "measured")
     )
@@ -144,6 +145,7 @@ def test_half_precision_decode_and_few_rows_stay_native(monkeypatch, dtype):
     times its float32 time), so neither short-plan bound sends a bf16/fp16 call there."""
     from attnkit import explain_dispatch
 
+    monkeypatch.delenv("ATTNKIT_NATIVE_SPEED")  # (the tests' "fast": measured here)
     monkeypatch.setattr(
         calibrate, "speed", lambda dtype=None, keys=None: calibrate.Speed(0.5, 0.5, "measured")
     )
@@ -159,12 +161,23 @@ def test_a_decode_step_is_not_judged_by_the_prefill_calibration(monkeypatch):
     bound) runs on the kernel inside blockwise even where the prefill measured slower."""
     from attnkit import explain_dispatch
 
+    monkeypatch.delenv("ATTNKIT_NATIVE_SPEED")  # (the tests' "fast": measured here)
     monkeypatch.setattr(
         calibrate, "speed", lambda dtype=None, keys=None: calibrate.Speed(2.0, 2.0, "measured")
     )
     k = torch.randn(1, 2, 8192, 64)
     decode = explain_dispatch(torch.randn(1, 8, 1, 64), k, k, backend="blockwise")
     assert "forward: native_cpu" in decode, decode
+    asked: list[tuple] = []  # a decode forward does not even ask (no prefill measured)
+
+    def spy(dtype=None, keys=None):
+        asked.append((dtype, keys))
+        return calibrate.Speed(2.0, 2.0, "measured")
+
+    monkeypatch.setattr(calibrate, "speed", spy)
+    decode = explain_dispatch(torch.randn(1, 8, 1, 64), k, k, backend="blockwise")
+    assert decode.splitlines()[1] == "forward: native_cpu", decode
+    assert asked == [(torch.float32, 8192)], asked  # the backward's, planned beside it
     prefill = explain_dispatch(torch.randn(1, 2, 256, 64), k, k, backend="blockwise")
     assert "slower than torch's kernel" in prefill, prefill
 

@@ -207,6 +207,15 @@ def why_not(
             return f"a score_mod not compiled ({program})"
     if paged or not _dense(plan) or calibrate.measuring():
         return None  # (no torch kernel reads pages; the measurement runs the kernel itself)
+    rows = plan.t * (plan.h // plan.h_kv)  # query rows each kv head's keys serve
+    if rows <= DIRECT_ROWS and not with_backward and calibrate.forced() is None:
+        # A decode step reads the cache in place, split across the threads: inside
+        # blockwise its other engine is torch's kernel through the tile plan, which the
+        # kernel beat at every decode size measured (session 12, Zen 3, with the LSE:
+        # 0.47-0.92x on 2 threads, 0.59-1.01x on 1, 64-16384 keys). Whether blockwise
+        # takes the step at all, against SDPA, is auto's question (decode_pays). Decided
+        # before the calibration, which times a prefill (and measures on its first use).
+        return None
     call_dtype = call_dtype or dtype
     speed = calibrate.speed(call_dtype, plan.s)  # dense: torch's runs them too
     ok, ratio = (
@@ -219,14 +228,6 @@ def why_not(
     )
     if speed.source == calibrate.FORCED:  # ATTNKIT_NATIVE_SPEED decides alone
         return slower
-    rows = plan.t * (plan.h // plan.h_kv)  # query rows each kv head's keys serve
-    if rows <= DIRECT_ROWS and not with_backward:
-        # A decode step reads the cache in place, split across the threads: inside
-        # blockwise its other engine is torch's kernel through the tile plan, which the
-        # kernel beat at every decode size measured (session 12, Zen 3, with the LSE:
-        # 0.47-0.92x on 2 threads, 0.59-1.01x on 1, 64-16384 keys). Whether blockwise
-        # takes the step at all, against SDPA, is auto's question (decode_pays).
-        return None
     if slower is not None:
         return slower
     # (torch's half-precision kernels lose at few rows too)

@@ -96,16 +96,24 @@ def measuring() -> bool:
     return getattr(_measuring, "on", False)
 
 
+def forced() -> Speed | None:
+    """The :class:`Speed` ``ATTNKIT_NATIVE_SPEED=fast|slow`` sets, or None (measured)."""
+    value = os.environ.get("ATTNKIT_NATIVE_SPEED")
+    if value not in ("fast", "slow"):
+        return None
+    ratio = 0.5 if value == "fast" else 2.0
+    return Speed(ratio, ratio, FORCED)
+
+
 def speed(dtype: torch.dtype = torch.float32, keys: int | None = None) -> Speed:
     """This machine's :class:`Speed` for the loaded build on dense calls of ``dtype``
     against ``keys`` keys (each dtype and length class measured on its first use: torch's
     bf16 kernel and ours differ from fp32 in other ways on each CPU, and long calls from
     short ones). Up to twice :data:`CASE`'s tokens (or ``keys=None``) the measurement at
     CASE's length decides, above it the one at :data:`LONG_TOKENS`."""
-    forced = os.environ.get("ATTNKIT_NATIVE_SPEED")
-    if forced in ("fast", "slow"):
-        ratio = 0.5 if forced == "fast" else 2.0
-        return Speed(ratio, ratio, FORCED)
+    forced_speed = forced()
+    if forced_speed is not None:
+        return forced_speed
     key = cache_key(dtype, keys)
     with _lock:
         if key not in _cache:
