@@ -22,8 +22,9 @@ in range for the call's sizes, else the call is not compiled. A load whose last 
 ``kv_idx`` plus a row value reads a vector at once; others gather lane by lane.
 Captured tensors are passed as contiguous float32 / int32 / uint8 copies; their sizes,
 strides and gradient offsets come with the call (``ModCtx.layout``), so a mod over a
-tensor of another length (a document-id vector of a longer batch) reuses the library. Floats are computed in float32; a division by a constant is a product
-with its float32 reciprocal (within an ulp of the quotient).
+tensor of another length (a document-id vector of a longer batch) reuses the library.
+Floats are computed in float32; a division by a constant is a product with its float32
+reciprocal (within an ulp of the quotient).
 """
 
 from __future__ import annotations
