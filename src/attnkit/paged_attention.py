@@ -10,13 +10,13 @@ queries are the last ``t`` of the ``key_len`` time indices), ``window``, ``sinks
 mods. Two ways, one answer:
 
 * attnkit's native kernel reads the pages in place (where the kernel is built, on CPU
-  float32 and bf16, with no gradient wanted; a bf16 call on a build without bf16
-  products converts the keys and values as it reads them): its key packing and its
-  ``P V`` product follow the page table, nothing is copied first; a decode step (at
-  most ``native.DIRECT_ROWS`` query rows per kv head) gives the bits of the same call on a contiguous cache, and never uses the value of a
-  key the mask removes for a row (masked means removed: :func:`attnkit.attention` zeroes
-  such keys first, which shared pages cannot be; a longer block multiplies its weights,
-  0 included);
+  float32 and bf16, with no gradient wanted; a bf16 call on a build without bf16 products
+  converts the keys and values as it reads them): its key packing and its ``P V`` product
+  follow the page table, nothing is copied first; a decode step (at most
+  ``native.DIRECT_ROWS`` query rows per kv head) gives the bits of the same call on a
+  contiguous cache, and never uses the value of a key the mask removes for a row (masked
+  means removed: :func:`attnkit.attention` zeroes such keys first, which shared pages
+  cannot be; a longer block multiplies its weights, 0 included);
 * anywhere else (a gradient, float64, another device, a request the kernel refuses) the
   pages are gathered into contiguous tensors (:func:`~attnkit.paged_kv_cache.gather_pages`,
   differentiable in the pools) and :func:`attnkit.attention` runs on them.
