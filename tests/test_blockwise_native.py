@@ -720,6 +720,34 @@ def test_a_nan_query_row_stays_nan(calls):
     assert calls
 
 
+@pytest.mark.parametrize("lk", [1, 37, 100])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+def test_short_last_chunks_drop_the_columns_they_do_not_compute(lk, mask_kind, calls):
+    """A chunk with fewer keys than the kernel's 64 computes only its vectors' worth of
+    scores (the tail of a short call); the columns past them hold the previous block's
+    scores, here a NaN row's, and must reach nothing: the rows of the next block match
+    float64, and only the NaN row is NaN."""
+    b, h, lq = 1, 2, 200  # two blocks of 128 rows per head
+    q, k, v = _qkv(b, h, h, lq, lk, 32, 32, seed=32)
+    g = torch.Generator().manual_seed(33)
+    keep = torch.rand(lq, lk, generator=g) < 0.7
+    keep[:, 0] = True  # no dead row: every row keeps key 0
+    mask = None if mask_kind is None else keep
+    if mask_kind == "float":
+        mask = torch.randn(lq, lk, generator=g).masked_fill(~keep, float("-inf"))
+    ref_keep = torch.ones(lq, lk, dtype=torch.bool) if mask is None else keep
+    bias = mask.masked_fill(~keep, 0) if mask_kind == "float" else None
+    _check(q, k, v, ref_keep, bias=bias, mask=mask)
+    q[0, 0, 5] = float("nan")  # block 1 of head 0 leaves NaN scores in the scratch
+    with torch.no_grad():
+        out = attention(q, k, v, mask=mask, backend="blockwise")
+    assert torch.isnan(out[0, 0, 5]).all()
+    nan_rows = torch.isnan(out).any(-1)
+    nan_rows[0, 0, 5] = False
+    assert not nan_rows.any(), "a stale NaN column reached another row"
+    assert calls
+
+
 def test_a_window_past_any_length_is_no_window(calls):
     import sys
 

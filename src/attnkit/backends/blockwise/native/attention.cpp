@@ -661,6 +661,11 @@ struct Masker {
   const T *mask_row(int64_t i, T *buf) const {
     const T *row = static_cast<const T *>(a.mask) + b * a.sm_b + h * a.sm_h + i * a.sm_t;
     if (a.sm_s == 1 && c.c0 + KC <= a.S) return row + c.c0;
+    if (a.sm_s == 1) {  // the last chunk of a contiguous row: its columns [lo, hi), 0 past
+      std::memset(buf, 0, sizeof(T) * KC);
+      if (c.hi > c.lo) std::memcpy(buf + c.lo, row + c.c0 + c.lo, sizeof(T) * (c.hi - c.lo));
+      return buf;
+    }
     for (int64_t j = 0; j < KC; ++j)
       buf[j] = (j >= c.lo && j < c.hi) ? row[(c.c0 + j) * a.sm_s] : T(0);
     return buf;
@@ -1202,6 +1207,11 @@ void paged_pv(const Args &a, int64_t b, int64_t hk, const Chunk &c, int64_t nr, 
   }
 }
 
+// The score columns of chunk c a block computes: up to its last column in range, rounded up
+// to whole vectors (the last chunk of a short call: 32 keys computed as 32, not 64). The
+// columns past it hold stale values that every softmax path drops (col >= hi).
+inline int64_t score_cols(const Chunk &c) { return std::min<int64_t>(KC, (c.hi + W - 1) / W * W); }
+
 // One block of query rows [i0, i1) of batch b, head h.
 // (Split-KV: only the key chunks [cmin, cmax], normalised over them.)
 void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int64_t i0,
@@ -1238,7 +1248,7 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
 #if defined(ATTNKIT_BF16)
     if (a.dtype == DT_BF16) {
       const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
-      simd::gemm_bf16<false>(s, KC, nr, KC, q16 + (i0 + c.r0) * a.sq_t, a.sq_t,
+      simd::gemm_bf16<false>(s, KC, nr, score_cols(c), q16 + (i0 + c.r0) * a.sq_t, a.sq_t,
                              ops.kp.chunk(a, b, hk, c.ci), 2 * KC, a.D / 2, nullptr);
       softmax(a, b, h, i0, c, w);
       // P V over whole pairs of keys: the weights outside [lo, hi) are 0
@@ -1251,7 +1261,7 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       return;
     }
 #endif
-    simd::gemm<false>(s, KC, nr, KC, qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1,
+    simd::gemm<false>(s, KC, nr, score_cols(c), qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1,
                       ops.kt.chunk(a, b, hk, c.ci), KC, a.D, nullptr);
     softmax(a, b, h, i0, c, w);
     if (a.pages)
