@@ -530,9 +530,12 @@ def _drop_removed_keys(
     for every query: masked means removed, so a NaN there reaches no output and no
     gradient on any backend (a fused kernel would compute ``NaN - inf`` or ``0 * NaN``)."""
     gone = None
+    bounded = lo > 0 or hi < key.shape[-2]
     if mask is not None:
+        if not bounded and _keeps_every_key(mask):  # one reduction, the usual answer
+            return key, value
         gone = removed_keys(mask, key.shape[-3] if key.dim() >= 3 else 1)  # (..., s, 1)
-    if lo > 0 or hi < key.shape[-2]:
+    if bounded:
         idx = torch.arange(key.shape[-2], device=key.device).unsqueeze(-1)  # (s, 1)
         bounds = (idx < lo) | (idx >= hi)
         gone = bounds if gone is None else gone | bounds
@@ -550,6 +553,18 @@ def _drop_removed_keys(
     key = torch.where(gone, 0.0, key)  # (..., h_kv, s, d)
     value = torch.where(gone, 0.0, value)
     return key, value
+
+
+def _keeps_every_key(mask: torch.Tensor) -> bool:
+    """Whether every (head, key) of ``mask`` is kept by some query row: then no key is
+    removed for every query (:func:`~attnkit.masks.removed_keys` finds none), known from
+    one reduction without building the removed set. On CPU only (a value read there costs
+    no device sync) and not under ``torch.compile``; False elsewhere."""
+    if mask.device.type != "cpu" or torch.compiler.is_compiling() or mask.dim() < 2:
+        return False
+    if mask.dtype != torch.bool:
+        return not bool(torch.isneginf(mask).all(dim=-2).any())
+    return bool(mask.any(dim=-2).all())
 
 
 def check_dropout(p: float, name: str = "dropout_p") -> float:

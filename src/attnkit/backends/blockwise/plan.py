@@ -532,14 +532,11 @@ def build_plan(
 
 def _mask_4d(mask: torch.Tensor, q_shape: torch.Size, b: int) -> torch.Tensor:
     """View a mask broadcastable to ``(..., h, t, s)`` as ``(b|1, h|1, t|1, s|1)``."""
-    rank = max(len(q_shape), 2)
-    while mask.dim() < rank:
-        mask = mask.unsqueeze(0)
-    lead = mask.shape[:-3] if mask.dim() >= 3 else ()
-    hm = mask.shape[-3] if mask.dim() >= 3 else 1
-    if all(n == 1 for n in lead):
-        bm = 1
-    else:
-        mask = mask.expand(*q_shape[:-3], *mask.shape[-3:])
-        bm = b
-    return mask.reshape(bm, hm, mask.shape[-2], mask.shape[-1])
+    shape = mask.shape
+    lead = shape[:-3]
+    hm = shape[-3] if len(shape) >= 3 else 1
+    t, s = (shape[-2], shape[-1]) if len(shape) >= 2 else (1, shape[-1])
+    if all(n == 1 for n in lead):  # (one view: the missing and unit dims are 1)
+        return mask.reshape(1, hm, t, s)
+    mask = mask.expand(*q_shape[:-3], hm, t, s)
+    return mask.reshape(b, hm, t, s)
