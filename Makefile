@@ -34,7 +34,7 @@ test: $(VENV)/.dev-installed
 	$(PY) -m ruff check src tests
 	$(PY) -m mypy
 	$(MAKE) --no-print-directory docs
-	$(PY) -m pytest -n 2 --dist loadfile -q -m "not slow"
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q -m "not slow"
 
 docs: $(VENV)/.dev-installed
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d site
