@@ -462,11 +462,10 @@ def test_devices_and_dtypes_are_checked_before_any_backend_runs(monkeypatch, cha
 
 @pytest.mark.parametrize("seed", range(40))
 def test_the_one_reduction_test_agrees_with_removed_keys(seed):
-    """_keeps_every_key (one reduction, taken before building the removed set) never says
+    """keeps_every_key (one reduction, taken before building the removed set) never says
     "nothing removed" where removed_keys finds a key, and says it whenever removed_keys
     finds none per head: bool and float masks of random broadcast shapes."""
-    from attnkit.attention import _keeps_every_key
-    from attnkit.masks import removed_keys
+    from attnkit.masks import keeps_every_key, removed_keys
 
     g = torch.Generator().manual_seed(seed)
     shape = [int(n) for n in torch.randint(1, 4, (4,), generator=g)]
@@ -477,6 +476,8 @@ def test_the_one_reduction_test_agrees_with_removed_keys(seed):
     for mask in masks:
         heads = mask.shape[-3] if mask.dim() >= 3 else 1
         none_removed = not removed_keys(mask, heads).any()
-        assert _keeps_every_key(mask) == none_removed, (shape, mask)
-        if _keeps_every_key(mask):  # and for any GQA grouping of those heads
+        assert keeps_every_key(mask) == none_removed, (shape, mask)
+        if keeps_every_key(mask):  # and for any GQA grouping of those heads
             assert not removed_keys(mask, 1).any()
+    for row in (keep[..., 0, :].reshape(-1), torch.ones(5, dtype=torch.bool)):  # 1-D (l_k,)
+        assert keeps_every_key(row) == (not removed_keys(row, 1).any())

@@ -30,6 +30,7 @@ from attnkit.masks import (
     MaskMod,
     ScoreMod,
     check_mod_sizes,
+    keeps_every_key,
     normalize_causal,
     reachable_keys,
     removed_keys,
@@ -531,8 +532,11 @@ def _drop_removed_keys(
     gradient on any backend (a fused kernel would compute ``NaN - inf`` or ``0 * NaN``)."""
     gone = None
     bounded = lo > 0 or hi < key.shape[-2]
+    # On CPU (where reading a value costs no device sync) the copies below are skipped
+    # where they change nothing; elsewhere, and under torch.compile, they are always made.
+    may_skip = key.device.type == "cpu" and not torch.compiler.is_compiling()
     if mask is not None:
-        if not bounded and _keeps_every_key(mask):  # one reduction, the usual answer
+        if may_skip and not bounded and keeps_every_key(mask):  # one reduction, usually
             return key, value
         gone = removed_keys(mask, key.shape[-3] if key.dim() >= 3 else 1)  # (..., s, 1)
     if bounded:
@@ -541,30 +545,13 @@ def _drop_removed_keys(
         gone = bounds if gone is None else gone | bounds
     if gone is None:  # neither a mask nor a bound: nothing removed
         return key, value
-    # On CPU (where reading a value costs no device sync) skip the copies unless a key is
-    # removed and something is not finite: a sum is a cheap test (NaN/inf propagate; an
-    # overflow only costs the copies). Elsewhere, and under torch.compile, always copy.
-    if (
-        key.device.type == "cpu"
-        and not torch.compiler.is_compiling()
-        and (not bool(gone.any()) or bool(key.sum().isfinite() & value.sum().isfinite()))
-    ):
+    # Skipped unless a key is removed and something is not finite: a sum is a cheap test
+    # (NaN/inf propagate; an overflow only costs the copies).
+    if may_skip and (not bool(gone.any()) or bool(key.sum().isfinite() & value.sum().isfinite())):
         return key, value
     key = torch.where(gone, 0.0, key)  # (..., h_kv, s, d)
     value = torch.where(gone, 0.0, value)
     return key, value
-
-
-def _keeps_every_key(mask: torch.Tensor) -> bool:
-    """Whether every (head, key) of ``mask`` is kept by some query row: then no key is
-    removed for every query (:func:`~attnkit.masks.removed_keys` finds none), known from
-    one reduction without building the removed set. On CPU only (a value read there costs
-    no device sync) and not under ``torch.compile``; False elsewhere."""
-    if mask.device.type != "cpu" or torch.compiler.is_compiling() or mask.dim() < 2:
-        return False
-    if mask.dtype != torch.bool:
-        return not bool(torch.isneginf(mask).all(dim=-2).any())
-    return bool(mask.any(dim=-2).all())
 
 
 def check_dropout(p: float, name: str = "dropout_p") -> float:

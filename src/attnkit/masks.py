@@ -77,6 +77,7 @@ __all__ = [
     "check_mod_sizes",
     "dead_rows",
     "document",
+    "keeps_every_key",
     "materialize",
     "normalize_causal",
     "or_masks",
@@ -286,6 +287,23 @@ def check_mod_sizes(
             raise ValueError(f"{name} {mod!r} does not fit this call: {problem}")
 
 
+def _kept(mask: torch.Tensor) -> torch.Tensor:
+    """Where a bool or float mask keeps a score (a float mask removes only ``-inf``)."""
+    return mask if mask.dtype == torch.bool else ~torch.isneginf(mask)
+
+
+def keeps_every_key(mask: torch.Tensor) -> bool:
+    """Whether every (head, key) of ``mask`` is kept by some query row: then
+    :func:`removed_keys` finds no key, for any grouping of the heads; known from one
+    reduction (and one value read) without building the removed set.
+
+    Args:
+        mask: a bool or float mask broadcastable to ``(..., h_q, l_q, l_k)``.
+    """
+    kept = _kept(mask)
+    return bool((kept if kept.dim() == 1 else kept.any(dim=-2)).all())
+
+
 def removed_keys(mask: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """The keys ``mask`` removes for *every* query: bool ``(..., h_kv|1, l_k, 1)``.
 
@@ -296,7 +314,7 @@ def removed_keys(mask: torch.Tensor, kv_heads: int) -> torch.Tensor:
         mask: a bool or float mask broadcastable to ``(..., h_q, l_q, l_k)``.
         kv_heads: the key/value heads ``h_kv`` (1 for a key without a head dim).
     """
-    kept = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)
+    kept = _kept(mask)
     if kept.dim() == 1:  # (l_k,)
         return ~kept.unsqueeze(-1)
     kept = kept.any(dim=-2)  # (..., h_q|1, l_k): kept by some query
