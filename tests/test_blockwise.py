@@ -424,3 +424,35 @@ def test_one_kernel_call_plans_match_reference(monkeypatch, dtype, lq, lk, causa
     ref, _ = ref_attention(q64, k.detach(), v.detach(), causal=align)
     ref.sum().backward()
     torch.testing.assert_close(q.grad.double(), q64.grad, **TOL[dtype])
+
+
+def test_a_repeated_one_call_plan_asks_its_tiles_once(monkeypatch):
+    """A cached plan without a mask keeps its one-call decision (``plan.memo``): its
+    tiles are worked out on the first call only, and every call gives the reference. A
+    masked plan decides per call (its tiles read the mask it brings)."""
+    from attnkit.backends.blockwise import plan_cache
+
+    plan_cache.clear()
+    asked: list[int] = []
+    original = _tiles.TilePlan.tiles
+
+    def spy(self, *args):
+        asked.append(1)
+        return original(self, *args)
+
+    monkeypatch.setattr(_tiles.TilePlan, "tiles", spy)
+    q, k, v = _qkv(b=1, hq=4, hkv=2, lq=3, lk=40, d=16, dtype=torch.float32)
+    ref, _ = ref_attention(q, k, v)
+    for _ in range(3):
+        out = attention(q, k, v, return_lse=True, backend="blockwise-flash")[0]
+        torch.testing.assert_close(out.double(), ref, **TOL[torch.float32])
+    assert len(asked) == 1
+    asked.clear()
+    keep = torch.rand(3, 40, generator=torch.Generator().manual_seed(1)) > 0.3
+    keep[:, 0] = True
+    for _ in range(2):
+        out = attention(q, k, v, mask=keep, return_lse=True, backend="blockwise-flash")[0]
+        torch.testing.assert_close(
+            out.double(), ref_attention(q, k, v, keep)[0], **TOL[torch.float32]
+        )
+    assert len(asked) >= 2

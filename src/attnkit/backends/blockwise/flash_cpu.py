@@ -270,10 +270,10 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = engine_views(plan, q, k, v)
     b, h, dv = plan.b, plan.h, v.shape[-1]
     layout = toeplitz.layout(plan)
-    if layout is None:
-        whole = _one_call(plan, q, k, v)
-        if whole is not None:  # (contiguous, as the buffers of the general path)
-            return whole[0].to(acc).contiguous(), whole[1].to(acc).contiguous()
+    whole_keys = None if layout is not None else _whole_call(plan, q.dtype, q.device)
+    if whole_keys is not None:
+        whole = _one_call(plan, whole_keys, q, k, v)  # (contiguous, as the general path's)
+        return whole[0].to(acc).contiguous(), whole[1].to(acc).contiguous()
     if layout == "band":  # writes every row: no need to clear them first
         out = torch.empty(b, h, plan.t, dv, dtype=acc, device=q.device)
         lse = torch.empty((b, h, plan.t), dtype=acc, device=q.device)
@@ -316,27 +316,38 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lse
 
 
-def _one_call(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(out, lse)`` straight from the kernel where the plan is ONE unmasked kernel call
-    over every query (a decode step, a short dense call: one query block, one tile); None
-    otherwise. The general loop computes the same, into buffers it clears and copies into
-    (four more tensor ops: as much as the kernel of a short call)."""
+def _whole_call(
+    plan: TilePlan, dtype: torch.dtype, device: torch.device
+) -> tuple[int, int, bool] | None:
+    """Where the plan is ONE unmasked kernel call over every query (a decode step, a short
+    dense call: one query block, one tile), that call's keys ``(k0, k1, is_causal)``; else
+    None. The general loop computes the same, into buffers it clears and copies into (four
+    more tensor ops: as much as the kernel of a short call).
+
+    A plan without a mask of any kind decides from its shapes alone: the answer is kept in
+    ``plan.memo`` (a cached plan's repeated calls, token after token, ask once)."""
+    memo = plan.mask is None and not plan.materialises() and not torch.compiler.is_compiling()
+    if memo and "flash-cpu-whole" in plan.memo:
+        return plan.memo["flash-cpu-whole"]
+    whole = None
     blocks = plan.q_blocks()
-    if len(blocks) != 1 or blocks[0] != (0, plan.t):
-        return None
-    tiles = plan.tiles(0, plan.t, q.dtype, q.device)
-    if len(tiles) != 1 or tiles[0].masked:
-        return None
-    tile = tiles[0]  # every row keeps a key: all of them, or its causal square's part
-    return _FORWARD(
-        q,
-        k[:, :, tile.k0 : tile.k1],
-        v[:, :, tile.k0 : tile.k1],
-        0.0,
-        tile.square,
-        attn_mask=None,
-        scale=plan.scale,
-    )
+    if len(blocks) == 1 and blocks[0] == (0, plan.t):
+        tiles = plan.tiles(0, plan.t, dtype, device)
+        if len(tiles) == 1 and not tiles[0].masked:  # every row keeps a key of it
+            whole = (tiles[0].k0, tiles[0].k1, tiles[0].square)
+    if memo:
+        plan.memo["flash-cpu-whole"] = whole
+    return whole
+
+
+def _one_call(
+    plan: TilePlan, keys: tuple[int, int, bool], q, k, v
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` straight from the kernel over ``keys`` (:func:`_whole_call`'s)."""
+    k0, k1, square = keys
+    if (k0, k1) != (0, plan.s):  # (a slice is a tensor op too: none for every key)
+        k, v = k[:, :, k0:k1], v[:, :, k0:k1]
+    return _FORWARD(q, k, v, 0.0, square, attn_mask=None, scale=plan.scale)
 
 
 def backward(plan: TilePlan, q, k, v, out, lse, grad_out) -> tuple[torch.Tensor, ...]:
