@@ -115,3 +115,25 @@ def test_unique_rows_checks_its_hash(monkeypatch):
     monkeypatch.setattr(torch, "randint", lambda *a, **k: torch.zeros(2, dtype=torch.int64))
     unique, which = document_mask._unique_rows(rows)
     assert torch.equal(unique[which], rows) and unique.shape[0] == 3
+
+
+@pytest.mark.parametrize("bound", [1, 17, 129**2, (1 << 22) + 1])
+def test_unique_small_is_torch_unique(bound):
+    """The counted unique (and the sorted one past its bound) agrees with torch.unique."""
+    from attnkit import document_mask
+
+    x = torch.randint(0, bound, (500,), generator=torch.Generator().manual_seed(bound))
+    values, inverse = document_mask._unique_small(x, bound)
+    ref_values, ref_inverse = torch.unique(x, return_inverse=True)
+    assert torch.equal(values, ref_values) and torch.equal(inverse, ref_inverse)
+
+
+@pytest.mark.parametrize("width", [7, 16, 128])
+def test_gather_rows_is_indexing(width):
+    """Bool rows gathered as int64 words (widths a multiple of 8) or as they are."""
+    from attnkit import document_mask
+
+    g = torch.Generator().manual_seed(width)
+    rows = torch.rand(9, width, generator=g) > 0.5
+    index = torch.randint(0, 9, (23,), generator=g)
+    assert torch.equal(document_mask._gather_rows(rows, index), rows[index])
