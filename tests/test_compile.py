@@ -7,15 +7,27 @@ so these stay fast); ``fullgraph=True`` turns any graph break into an error.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounter
 
 import attnkit
 from attnkit.models import GPT, GPTConfig
 from tests.conftest import TOL
 from tests.reference import ref_attention
+
+if TYPE_CHECKING:
+    from torch._dynamo.testing import CompileCounter
+
+
+def _counter() -> CompileCounter:
+    """A fresh dynamo ``CompileCounter``, imported when a test runs: importing dynamo takes
+    about 2 s, which every xdist worker paid while collecting this module."""
+    from torch._dynamo.testing import CompileCounter
+
+    return CompileCounter()
+
 
 # Adding a backend to the compile guarantees is one entry here (e.g. "blockwise").
 BACKENDS = ["reference", "sdpa", "blockwise"]
@@ -46,7 +58,7 @@ MODULES: dict[str, Callable[[str], torch.nn.Module]] = {
 
 
 def _compile(fn: Callable) -> tuple[Callable, CompileCounter]:
-    counter = CompileCounter()
+    counter = _counter()
     return torch.compile(fn, backend=counter, fullgraph=True), counter
 
 
@@ -116,7 +128,7 @@ def test_a_score_mod_compiles_with_graph_breaks() -> None:
             q, k, v, backend="blockwise", causal=True, score_mod=attnkit.masks.alibi(2)
         )
 
-    counter = CompileCounter()
+    counter = _counter()
     compiled = torch.compile(fn, backend=counter)
     q, k, v = (torch.randn(1, 2, 160, 8) for _ in range(3))
     torch.testing.assert_close(compiled(q, k, v), fn(q, k, v), **TOL[torch.float32])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -16,8 +17,21 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
-from attnkit.integrations import hf  # noqa: E402
 from tests.reference import ref_attention  # noqa: E402
+
+#: attnkit.integrations.hf, imported when this module's first test runs (it imports
+#: transformers' attention and masking code: about 1.5 s every xdist worker paid while
+#: collecting).
+hf: Any = None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _import_hf() -> None:
+    global hf
+    from attnkit.integrations import hf as module
+
+    hf = module
+
 
 VOCAB = 97
 _COMMON = dict(
