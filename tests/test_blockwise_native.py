@@ -965,3 +965,26 @@ def test_fuzz_bf16_gradients_against_float64(case, lse_weight):
     q, k, v, keep, bias, sinks, kwargs = _fuzz_call(case)
     q, k, v = (x.to(torch.bfloat16) for x in (q, k, v))
     _check_grads(q, k, v, keep, bias=bias, sinks=sinks, lse_weight=lse_weight, **kwargs)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_chunks_a_mask_keeps_whole_run_as_unmasked(mask_kind, calls):
+    """A chunk whose mask keeps every column for every row of the block (bool all True,
+    float all 0: a padding mask's kept keys, a draft tree's cache) is softmaxed as if
+    there were no mask: block 0's rows equal the unmasked call's bit for bit, while
+    block 1 (one key dropped for one row, a bias in one chunk) matches float64."""
+    b, h, lq, lk = 1, 2, 200, 300  # two blocks of 128 rows, five chunks of 64 keys
+    q, k, v = _qkv(b, h, h, lq, lk, 32, 32, seed=41)
+    keep = torch.ones(lq, lk, dtype=torch.bool)
+    keep[150, 280] = False  # block 1, the last chunk
+    mask: torch.Tensor = keep
+    bias = None
+    if mask_kind == "float":
+        bias = torch.zeros(lq, lk)
+        bias[130:140, 70:75] = 0.7  # block 1, chunk 1: a bias is not "kept as is"
+        mask = bias.masked_fill(~keep, float("-inf"))
+    out = _check(q, k, v, keep, bias=bias, mask=mask)
+    with torch.no_grad():
+        plain = attention(q, k, v, backend="blockwise")
+    assert torch.equal(out[:, :, :128], plain[:, :, :128])
+    assert calls

@@ -292,6 +292,14 @@ def _kept(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else ~torch.isneginf(mask)
 
 
+def _any(kept: torch.Tensor, dim: int) -> torch.Tensor:
+    """``kept.any(dim=dim)`` of a bool tensor, reduced as uint8 on CPU: torch's CPU bool
+    reductions run element by element (a 128 x 2080 mask: 230 us, as uint8 13 us)."""
+    if kept.device.type != "cpu" or kept.numel() == 0 or torch.compiler.is_compiling():
+        return kept.any(dim=dim)
+    return kept.view(torch.uint8).amax(dim=dim).bool()  # (bool bytes are 0 or 1)
+
+
 def keeps_every_key(mask: torch.Tensor) -> bool:
     """Whether every (head, key) of ``mask`` is kept by some query row: then
     :func:`removed_keys` finds no key, for any grouping of the heads; known from one
@@ -301,7 +309,7 @@ def keeps_every_key(mask: torch.Tensor) -> bool:
         mask: a bool or float mask broadcastable to ``(..., h_q, l_q, l_k)``.
     """
     kept = _kept(mask)
-    return bool((kept if kept.dim() == 1 else kept.any(dim=-2)).all())
+    return bool((kept if kept.dim() == 1 else _any(kept, -2)).all())
 
 
 def removed_keys(mask: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -317,9 +325,9 @@ def removed_keys(mask: torch.Tensor, kv_heads: int) -> torch.Tensor:
     kept = _kept(mask)
     if kept.dim() == 1:  # (l_k,)
         return ~kept.unsqueeze(-1)
-    kept = kept.any(dim=-2)  # (..., h_q|1, l_k): kept by some query
+    kept = _any(kept, -2)  # (..., h_q|1, l_k): kept by some query
     if mask.dim() >= 3 and kept.shape[-2] not in (1, kv_heads):
-        kept = kept.unflatten(-2, (kv_heads, -1)).any(dim=-2)  # (..., h_kv, l_k)
+        kept = _any(kept.unflatten(-2, (kv_heads, -1)), -2)  # (..., h_kv, l_k)
     return ~kept.unsqueeze(-1)
 
 

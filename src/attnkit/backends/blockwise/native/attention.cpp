@@ -701,6 +701,35 @@ struct Masker {
     return buf;
   }
 
+  // (feature "kept chunks") Whether the mask tensor keeps every column [lo, hi) of the
+  // chunk for each of its rows (bool: all nonzero; float: all exactly 0): such a chunk's
+  // softmax is the unmasked one (a padding mask's kept keys, a draft tree's cache).
+  bool mask_keeps_all(int64_t i0) const {
+    if (!a.mask || a.sm_s != 1) return false;
+    const int64_t r1 = a.sm_t == 0 ? c.r0 + 1 : c.r1;  // a broadcast row: checked once
+    const int64_t base = b * a.sm_b + h * a.sm_h + c.c0;
+    for (int64_t r = c.r0; r < r1; ++r) {
+      const int64_t at = base + (i0 + r) * a.sm_t;
+      // (branch-free reductions the compiler vectorises: one test a row, not a column)
+      if (a.mask_kind == MASK_BOOL) {  // a bool mask's bytes are 0 or 1: their AND
+        const uint8_t *row = static_cast<const uint8_t *>(a.mask) + at;
+        uint8_t all = 1;
+        for (int64_t j = c.lo; j < c.hi; ++j) all &= row[j];
+        if (!all) return false;
+      } else {  // 0.0 and -0.0 alike: every bit but the sign clear
+        const float *row = static_cast<const float *>(a.mask) + at;
+        uint32_t any = 0;
+        for (int64_t j = c.lo; j < c.hi; ++j) {
+          uint32_t bits;
+          std::memcpy(&bits, row + j, sizeof bits);
+          any |= bits << 1;
+        }
+        if (any) return false;
+      }
+    }
+    return true;
+  }
+
   void row(int64_t r, int64_t i, const float *s, vf *x) {
     vf scale = simd::splat(float(a.scale));
     if (plain) {
@@ -910,8 +939,10 @@ bool softmax_plain(const Args &a, const Chunk &c, int64_t i0, Scratch &w, const 
 // state updated (alpha: O's rescale; m in base-2 units, see above).
 void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Scratch &w) {
   Masker masker(a, c, b, h);
-  // only the band and the keys' range cut the chunk (no mask of any kind, no bias)
-  const bool band_only = !c.keep && !c.gen && !masker.rel && !a.mask;
+  // only the band and the keys' range cut the chunk (no mask of any kind, no bias; a
+  // mask tensor that keeps every column here counts as none)
+  const bool band_only =
+      !c.keep && !c.gen && !masker.rel && (!a.mask || masker.mask_keeps_all(i0));
   const bool cut = c.band || c.lo != 0 || c.hi != KC;
   auto plain = [&](const float *x, double sc) {
 #if defined(ATTNKIT_BF16)
