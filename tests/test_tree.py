@@ -269,3 +269,75 @@ def test_draft_tree_moves_devices_and_accepts_a_plain_mask():
     q, k, tk = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 3, 4)
     a = tree_attention(q, k, k, tk, tk, tree)
     torch.testing.assert_close(a, tree_attention(q, k, k, tk, tk, tree.mask))
+
+
+@settings(max_examples=30, **_SETTINGS)
+@given(tree_cases(), st.booleans())
+def test_one_pass_over_a_cache_the_tree_follows_float64(monkeypatch, case, plain_mask):
+    """Where the tree's keys and values follow the cache's in memory (one buffer split in
+    two, as a model's cache hands them out) and no gradient is wanted, ONE attention call
+    covers cache ++ tree; it equals each branch alone in float64."""
+    import attnkit.tree as tree_module
+
+    parents, b, hq, hkv, L, d, dv = (case[k] for k in ("parents", "b", "hq", "hkv", "L", "d", "dv"))
+    n = len(parents)
+    gen = torch.Generator().manual_seed(case["seed"])
+
+    def r(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    q, keys, values, sinks = r(b, hq, n, d), r(b, hkv, L + n, d), r(b, hkv, L + n, dv), r(hq)
+    k, tk = keys[:, :, :L], keys[:, :, L:]
+    v, tv = values[:, :, :L], values[:, :, L:]
+    tree = build_tree(parents)
+    calls = []
+    real = tree_module.attention
+    monkeypatch.setattr(
+        tree_module, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    s = sinks if case["sinks"] else None
+    with torch.no_grad():
+        for _ in range(2):  # the second call reads the tree's kept joined mask
+            got = tree_attention(
+                q, k, v, tk, tv, tree.mask if plain_mask else tree, sinks=s,
+                return_lse=True, backend=case["backend"],
+            )  # fmt: skip
+    want = _reference(q, k, v, tk, tv, parents, s)
+    torch.testing.assert_close(got[0], want[0], **TOL[torch.float64])
+    torch.testing.assert_close(got[1], want[1], **TOL[torch.float64])
+    assert len(calls) == 2  # one call each (L = 0: the tree pass alone)
+
+
+def test_one_pass_needs_adjacent_keys_and_no_gradient(monkeypatch):
+    """A tree's keys elsewhere in memory, or a gradient to record, take the two passes;
+    a kept joined mask follows the cache length."""
+    import attnkit.tree as tree_module
+
+    calls = []
+    real = tree_module.attention
+    monkeypatch.setattr(
+        tree_module, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    parents = [-1, 0, 0, 1]
+    tree = build_tree(parents)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 4, 8, generator=g, dtype=torch.float64)
+    keys, values = (torch.randn(1, 2, 20, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    for L in (16, 9):  # the same tree against two cache lengths
+        k, tk, v, tv = (
+            keys[:, :, :L],
+            keys[:, :, L : L + 4],
+            values[:, :, :L],
+            values[:, :, L : L + 4],
+        )
+        want = _reference(q, k, v, tk, tv, parents, None)[0]
+        calls.clear()
+        with torch.no_grad():
+            torch.testing.assert_close(tree_attention(q, k, v, tk, tv, tree), want)
+            assert len(calls) == 1
+            torch.testing.assert_close(tree_attention(q, k, v, tk.clone(), tv, tree), want)
+            assert len(calls) == 3
+        out = tree_attention(q.requires_grad_(), k, v, tk, tv, tree)
+        assert len(calls) == 5 and out.requires_grad
+        torch.testing.assert_close(out.detach(), want)
+        q = q.detach()
