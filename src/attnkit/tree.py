@@ -335,7 +335,7 @@ def tree_attention(
     as :mod:`attnkit.models.speculative` hands them in), no gradient is wanted and the
     mask is 2-D, both passes are ONE call over ``cache ++ tree`` with a mask that keeps
     every cache column (chunks the native kernel then runs unmasked): 11-14% less time
-    for a 32-node tree against 2048 keys.
+    for a 32-node tree against 2048 keys (a 2-core Zen 3, fp32 and bf16).
 
     Args:
         query: ``(b, h_q, n, d)``: the nodes' queries (RoPE'd at their tree positions).

@@ -23,6 +23,7 @@ struct Case {
   int64_t B, H, HKV, T, S, D, DV;
   int64_t lo, hi;  // keep key j for query i iff lo <= j - i <= hi
   bool bool_mask;  // also a random bool mask tensor (B, H, T, S)
+  int64_t coin_from = 0;  // the mask keeps every key before this one (chunks kept whole)
 };
 
 constexpr int64_t NONE = int64_t(1) << 40;
@@ -163,7 +164,7 @@ bool run(const Case &c, std::mt19937 &rng) {
   const auto q = randn(c.B * c.H * c.T * c.D), k = randn(c.B * c.HKV * c.S * c.D),
              v = randn(c.B * c.HKV * c.S * c.DV), dout = randn(c.B * c.H * c.T * c.DV);
   std::vector<uint8_t> mask(c.bool_mask ? c.B * c.H * c.T * c.S : 0);
-  for (auto &m : mask) m = coin(rng);
+  for (size_t n = 0; n < mask.size(); ++n) mask[n] = int64_t(n) % c.S < c.coin_from || coin(rng);
   const double scale = 1.0 / std::sqrt(double(c.D));
 
   Args a{};
@@ -232,6 +233,9 @@ int main() {
       {"decode, GQA, window 300", 2, 6, 2, 1, 900, 64, 64, 600, 899, false},
       {"decode, 2 rows, D=48", 2, 2, 1, 2, 300, 48, 32, -NONE, 298, false},
       {"decode, D=128, mask", 1, 2, 2, 1, 700, 128, 128, -NONE, NONE, true},
+      // a mask keeping keys 0-249 for every row: its first chunks run unmasked
+      {"mask kept whole to 250", 1, 2, 2, 140, 300, 32, 32, -NONE, NONE, true, 250},
+      {"... and causal, GQA", 1, 4, 2, 300, 300, 32, 32, -NONE, 0, true, 250},
   };
   std::mt19937 rng(1234);
   int passed = 0, failed = 0;
