@@ -89,6 +89,42 @@ def test_paged_kernel_equals_the_reference(
     _check(out, q, k, v, ref_band_keep(t, past + t, "bottom_right", window), sinks=s)
 
 
+def test_a_repeated_call_is_planned_once_and_a_changed_one_anew(paged_calls, monkeypatch):
+    """Every layer of a decode step makes the same call: its plan is kept (plan_cache);
+    a call differing in key_len, scale, causal or window is planned again, and every answer
+    meets the reference."""
+    import sys
+
+    from attnkit.backends.blockwise import plan_cache
+
+    module = sys.modules["attnkit.paged_attention"]
+    planned: list[int] = []
+    original = module._plan
+
+    def counting(query, k_pages, key_len, **kwargs):
+        planned.append(key_len)
+        return original(query, k_pages, key_len, **kwargs)
+
+    monkeypatch.setattr(module, "_plan", counting)
+    plan_cache.clear()
+    q, k, v, k_pages, v_pages, table = _case(1, 2, 4, 1, 90, 32, 16, seed=3)
+    calls = [  # (key_len, options): the first one three times
+        (90, {}), (90, {}), (90, {}), (77, {}), (90, {"scale": 0.3}),
+        (90, {"window": 20}), (90, {"causal": "top_left"}), (77, {}),
+    ]  # fmt: skip
+    with torch.no_grad():
+        for length, options in calls:
+            out = paged_attention(q, k_pages, v_pages, table, length, **options)
+            causal = options.get("causal", "bottom_right")
+            keep = ref_band_keep(1, length, causal, options.get("window"))
+            want, _ = ref_attention_lse(
+                q, k[:, :, :length], v[:, :, :length], keep=keep, scale=options.get("scale")
+            )
+            assert (out.double() - want).abs().max().item() < 1e-5
+    assert planned == [90, 77, 90, 90, 90]  # each new call once; repeats kept
+    assert len(paged_calls) == len(calls)  # and every call ran on the kernel
+
+
 @pytest.mark.parametrize("t", [1, 19])
 def test_padding_masks_relative_bias_block_masks_and_mods(paged_calls, t):
     length, ps = 150, 16

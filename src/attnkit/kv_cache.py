@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from attnkit import _memory
 from attnkit._validate import (
     check_bool,
     check_float_dtype,
@@ -95,9 +96,10 @@ class KVCache(nn.Module):
         self.window = window if ring else None  # a window as long as the cache is no ring
         self.size = self.sink_tokens + window if ring and window else int(self.max_seq_len or 0)
         shape = (batch_size, num_kv_heads, self.size, head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), False)
+        # (large CPU buffers in transparent huge pages: attnkit._memory)
+        self.register_buffer("k_cache", _memory.zeros(shape, dtype=dtype, device=device), False)
         v_shape = (*shape[:-1], value_dim)
-        v_cache = torch.zeros(v_shape, dtype=dtype, device=device) if value_dim else None
+        v_cache = _memory.zeros(v_shape, dtype=dtype, device=device) if value_dim else None
         self.register_buffer("v_cache", v_cache, False)
 
     @property

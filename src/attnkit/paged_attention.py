@@ -295,15 +295,39 @@ def _route(
     **kwargs,
 ) -> tuple[TilePlan | None, str | None]:
     """``(the native plan, None)``, or ``(None, why the kernel does not run the call)``."""
-    from attnkit.backends.blockwise import native
+    from attnkit.backends.blockwise import native, plan_cache
 
     why = _refusal(query, k_pages, v_pages, backend, **kwargs)
     if why is not None:
         return None, why
-    view = query.dtype
+    cache_key = _cache_key(query, k_pages, v_pages, key_len, **kwargs)
+    plan = None if cache_key is None else plan_cache.get(cache_key, None)
+    if plan is not None:  # planned and accepted before: every layer of a decode step
+        return plan, None
     plan = _plan(query, k_pages, key_len, **kwargs)
-    why = native.why_not(plan, view, query.shape[-1], v_pages.shape[-1], paged=True)
+    why = native.why_not(plan, query.dtype, query.shape[-1], v_pages.shape[-1], paged=True)
+    if why is None and cache_key is not None:
+        plan_cache.put(cache_key, plan)
     return (plan, None) if why is None else (None, why)
+
+
+def _cache_key(
+    query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, key_len: int, **kwargs
+) -> tuple | None:
+    """The :mod:`~attnkit.backends.blockwise.plan_cache` key of a call with no mask, mod or
+    block mask, whose plan is a function of its sizes and options alone (None for any
+    other: planned every time). (_refusal has passed: no gradient is wanted.)"""
+    from attnkit.backends.blockwise import plan_cache
+
+    if any(kwargs[name] is not None for name in ("mask", "mask_mod", "score_mod", "block_mask")):
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    return (
+        "paged", query.shape, query.dtype, query.device, k_pages.shape[1], k_pages.shape[-1],
+        v_pages.shape[-1], key_len, kwargs["scale"], kwargs["causal"], kwargs["window"],
+        *plan_cache.process_key(),
+    )  # fmt: skip
 
 
 def _refusal(

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from attnkit import _memory
 from attnkit._validate import check_float_dtype, check_int, check_positions
 
 __all__ = ["PackedLayout", "PagedBatch", "PagedKVCache", "PagedLayer"]
@@ -180,9 +181,11 @@ class PagedKVCache(nn.Module):
         self.value_dim = head_dim if value_dim is None else check_int(value_dim, "value_dim")
         dtype = check_float_dtype(dtype, "dtype")
         shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
-        self.register_buffer("k_pages", torch.zeros(shape, dtype=dtype, device=device), False)
+        # (large CPU pools in transparent huge pages: a page table's reads hop across the
+        # pool, each 4 KiB piece a page walk on ordinary pages; see attnkit._memory)
+        self.register_buffer("k_pages", _memory.zeros(shape, dtype=dtype, device=device), False)
         v_shape = (*shape[:-1], self.value_dim)
-        self.register_buffer("v_pages", torch.zeros(v_shape, dtype=dtype, device=device), False)
+        self.register_buffer("v_pages", _memory.zeros(v_shape, dtype=dtype, device=device), False)
         self._refcount = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: page 0 is handed out first
         self._tables: dict[int, list[int]] = {}

@@ -3,7 +3,10 @@
 * **paged decode step**: one decode attention call (GPT-2-small heads: 12 x 64, batch 1)
   against ``L`` cached keys held in pages of ``page_size`` tokens, in a shuffled page
   order, vs the same call on a contiguous cache (what :class:`attnkit.KVCache` returns:
-  :func:`attnkit.attention` on ``(1, h, L, d)``); fp32 and bf16; goal <= 1.1.
+  :func:`attnkit.attention` on ``(1, h, L, d)``); fp32 and bf16; goal <= 1.1. Both sides
+  live where attnkit allocates them (a :class:`attnkit.KVCache`'s buffers, a
+  :class:`attnkit.PagedKVCache`'s pool: large CPU ones in transparent huge pages, see
+  ``attnkit._memory``).
 * **continuous batching**: GPT-2-small shape, random weights (seeded; nothing is
   downloaded), ``--requests`` requests with prompts of 16-256 tokens and 64 new tokens
   each, greedy: :class:`attnkit.models.serving.Server` vs transformers'
@@ -22,12 +25,14 @@ import json
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from attnkit.attention import attention
+from attnkit.kv_cache import KVCache
 from attnkit.paged_attention import paged_attention
+from attnkit.paged_kv_cache import PagedKVCache
 
 __all__ = ["continuous_batching", "paged_decode", "run"]
 
@@ -54,10 +59,15 @@ def paged_decode(
     q = torch.randn(1, h, 1, d, generator=gen).to(dtype)
     k = torch.randn(1, h, length, d, generator=gen).to(dtype)
     v = torch.randn(1, h, length, d, generator=gen).to(dtype)
+    # both sides as attnkit allocates them: a KVCache's buffers, a PagedKVCache's pool
+    contiguous = KVCache(1, length, h, d, dtype=dtype)
+    with torch.no_grad():
+        k, cached = contiguous.update(torch.arange(length), k, v)  # (1, h, length, d) views
+    v = cast(torch.Tensor, cached)  # (a cache with values)
     n = -(-length // page_size)
     order = torch.randperm(n, generator=gen)  # page i of the sequence is pool page order[i]
-    k_pages = torch.zeros(n, h, page_size, d, dtype=dtype)
-    v_pages = torch.zeros(n, h, page_size, d, dtype=dtype)
+    pool = PagedKVCache(n, page_size, h, d, dtype=dtype)
+    k_pages, v_pages = pool.k_pages[0], pool.v_pages[0]  # (n, h, page_size, d)
     pad = n * page_size - length
     k_pages[order] = (
         torch.nn.functional.pad(k[0], (0, 0, 0, pad)).view(h, n, page_size, d).transpose(0, 1)

@@ -42,7 +42,7 @@ from attnkit.backends.blockwise.native import build, calibrate
 from attnkit.backends.blockwise.plan import TilePlan
 from attnkit.backends.registry import AttentionCall
 
-__all__ = ["MAX_PLANS", "clear", "get", "key", "put", "size"]
+__all__ = ["MAX_PLANS", "clear", "get", "key", "process_key", "put", "size"]
 
 #: The most plans kept (each a few hundred bytes: no tensor is kept with one).
 MAX_PLANS = 256
@@ -72,12 +72,20 @@ def key(call: AttentionCall, engine: str) -> tuple | None:
     if torch.compiler.is_compiling() or calibrate.measuring():
         return None
     q, k, v, mask = call.query, call.key, call.value, call.mask
-    isa = build.selected_isa()
     return (
         engine, q.shape, k.shape, v.shape, q.dtype, q.device,
         call.scale, call.causal, call.window,
         None if mask is None else (mask.shape, mask.dtype),
         torch.is_grad_enabled(), q.requires_grad, k.requires_grad, v.requires_grad,
+        *process_key(),
+    )  # fmt: skip
+
+
+def process_key() -> tuple:
+    """What a key holds of the process (the module docs' second list): a caller keying a
+    call of its own (:mod:`attnkit.paged_attention`) adds the call's sizes and options."""
+    isa = build.selected_isa()
+    return (
         torch.get_num_threads(),
         os.environ.get("ATTNKIT_NATIVE"), os.environ.get("ATTNKIT_NATIVE_SPEED"), isa,
         build._state.get(isa or ""),  # (library, status) of that build, None before it
@@ -86,15 +94,16 @@ def key(call: AttentionCall, engine: str) -> tuple | None:
     )  # fmt: skip
 
 
-def get(cache_key: tuple, call: AttentionCall) -> TilePlan | None:
-    """The plan kept under ``cache_key``, carrying ``call``'s own mask; None if none."""
+def get(cache_key: tuple, call: AttentionCall | None) -> TilePlan | None:
+    """The plan kept under ``cache_key``, carrying ``call``'s own mask (None: a call of no
+    mask); None if none."""
     with _lock:
         entry = _plans.get(cache_key)
         if entry is None or entry[1] is not calibrate._cache:
             return None
         _plans.move_to_end(cache_key)
     plan = entry[0]
-    if call.mask is None:
+    if call is None or call.mask is None:
         return plan
     plan = copy.copy(plan)  # (shares the plan's memo: nothing in it reads mask values)
     plan.mask = plan_module._mask_4d(call.mask, call.query.shape, plan.b)
