@@ -297,3 +297,125 @@ def test_bench_runners_compute_the_same_attention():
     assert tree.shape == (1, 4, 7, 8) and len(steps) == 7  # type: ignore[union-attr, arg-type]
     for node in (0, 1):
         torch.testing.assert_close(tree[:, :, node : node + 1], steps[node], **TOL[torch.float64])  # type: ignore[index]
+
+
+# -- the native kernel's one-call cascade (attention.cpp's cascade_call) -------------------
+
+
+@pytest.fixture
+def kernel_cascades(monkeypatch, isa) -> list[tuple]:
+    """Record the one-call cascades the native kernel runs (once per build this CPU runs);
+    a dispatch to attention() in the same call fails the test."""
+    from attnkit.backends.blockwise import native
+
+    seen: list[tuple] = []
+    original = native.cascade
+
+    def spy(pre, suf, rows, *args):
+        seen.append((tuple(rows.shape), suf.t, suf.s))
+        return original(pre, suf, rows, *args)
+
+    def no_dispatch(*args, **kwargs):
+        raise AssertionError("the one-call cascade dispatched an attention() pass")
+
+    monkeypatch.setattr(native, "cascade", spy)
+    monkeypatch.setattr(attnkit.cascade, "attention", no_dispatch)
+    return seen
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    n=st.integers(1, 5),
+    hkv=st.sampled_from([1, 2]),
+    groups=st.sampled_from([1, 3, 4]),
+    t=st.sampled_from([1, 1, 2, 7]),
+    p=st.sampled_from([1, 63, 64, 130]),
+    s=st.sampled_from([7, 65, 140]),
+    d=st.sampled_from([16, 48, 64]),
+    ragged=st.booleans(),
+    sinks=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_one_kernel_call_equals_the_whole_sequence(
+    kernel_cascades, n, hkv, groups, t, p, s, d, ragged, sinks, dtype, seed
+):
+    """Both passes and their merge in one native call (no grad wanted): the flash-attn rule
+    against the float64 reference, keys across chunk edges (64), GQA, padded suffixes,
+    sinks, float32 and bf16, every build this CPU runs."""
+    kernel_cascades.clear()  # (one list for every example)
+    hq = hkv * groups
+    xs64 = list(_inputs(n, hq, hkv, t, p, s, d, d, seed=seed))
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(t, s + 1, (n,), generator=gen) if ragged else torch.full((n,), s)
+    sink = xs64[5] if sinks else None
+    out, lse = cascade_attention(
+        *(x.to(dtype) for x in xs64[:5]),
+        suffix_lengths=lengths if ragged else None,
+        sinks=None if sink is None else sink.to(dtype),
+        return_lse=True,
+    )
+    assert kernel_cascades == [((1, hkv, n * groups * t, d), t, s)]
+    want, want_lse = _reference(*xs64[:5], lengths, sink)
+    # plain attention in the same dtype, per request (the flash-attn rule's yardstick)
+    q, pk, pv, sk, sv = (x.to(dtype) for x in xs64[:5])
+    plain = []
+    for r in range(n):
+        k = torch.cat((pk, sk[r, :, : int(lengths[r])]), 1).repeat_interleave(groups, 0)
+        v = torch.cat((pv, sv[r, :, : int(lengths[r])]), 1).repeat_interleave(groups, 0)
+        keep = torch.ones(t, k.shape[1], dtype=torch.bool).tril(k.shape[1] - t)
+        sc = (q[r] @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(~keep, -math.inf)
+        if sink is not None:  # a sink: one more logit, no value
+            sc = torch.cat((sc, sink.to(dtype).view(hq, 1, 1).expand(hq, t, 1)), -1)
+            v = torch.cat((v, torch.zeros_like(v[:, :1])), 1)
+        plain.append(torch.softmax(sc.float(), -1).to(dtype) @ v)
+    err_plain = (torch.stack(plain).double() - want).abs().max().item()
+    err = (out.double() - want).abs().max().item()
+    eps = 1e-6 if dtype == torch.float32 else 1e-2
+    assert err <= 2 * err_plain + eps, (err, err_plain)
+    # the lse against the reference on the inputs as rounded to the dtype
+    rounded = [x.to(dtype).double() for x in xs64]
+    _, want_lse = _reference(*rounded[:5], lengths, rounded[5] if sinks else None)
+    assert (lse.double() - want_lse).abs().max().item() <= 1e-4 * max(1.0, want_lse.abs().max())
+
+
+def test_one_kernel_call_keeps_a_nan_to_its_own_rows(kernel_cascades):
+    """A NaN in one request's own keys reaches that request's rows alone; one in the shared
+    prefix reaches every row (as the two passes and attention() give)."""
+    q, pk, pv, sk, sv, _ = (x.float() for x in _inputs(3, 4, 2, 1, 70, 9, 16, 16))
+    sk[1, 0, 4, 2] = math.nan
+    out, lse = cascade_attention(q, pk, pv, sk, sv, return_lse=True)
+    nan_rows = out.isnan().any(-1)  # (n, h, t)
+    assert nan_rows[1, :2].all() and not nan_rows[1, 2:].any()  # kv head 0's group only
+    assert not nan_rows[0].any() and not nan_rows[2].any()
+    assert torch.equal(lse.isnan(), nan_rows)
+    pk[1, 3, 0] = math.nan
+    assert cascade_attention(q, pk, pv, sk, sv)[:, 2:].isnan().all()  # kv head 1's rows
+    assert len(kernel_cascades) == 2
+
+
+def test_a_gradient_or_another_backend_takes_the_two_passes(isa, monkeypatch):
+    """The kernel's cascade is forward only: with a gradient wanted, a backend other than
+    auto/blockwise, or a scale <= 0, the two passes run (and give the same answer)."""
+    from attnkit.backends.blockwise import native
+
+    called: list[int] = []
+    original = native.cascade
+    monkeypatch.setattr(native, "cascade", lambda *a: called.append(1) or original(*a))
+    q, pk, pv, sk, sv, _ = (x.float() for x in _inputs(2, 4, 2, 1, 100, 9, 16, 16))
+    one = cascade_attention(q, pk, pv, sk, sv)
+    assert called == [1]
+    two = cascade_attention(q.requires_grad_(), pk, pv, sk, sv)
+    plain = cascade_attention(q.detach(), pk, pv, sk, sv, backend="reference")
+    assert called == [1]
+    torch.testing.assert_close(one, two.detach(), **TOL[torch.float32])
+    torch.testing.assert_close(one, plain, **TOL[torch.float32])
+    for scale in (0.0, -0.3):  # attention() folds these into the query: two passes
+        got = cascade_attention(q.detach(), pk, pv, sk, sv, scale=scale)
+        want = cascade_attention(q.detach(), pk, pv, sk, sv, scale=scale, backend="reference")
+        torch.testing.assert_close(got, want, **TOL[torch.float32])
+    assert called == [1]

@@ -50,6 +50,7 @@ __all__ = [
     "available",
     "backward",
     "bf16",
+    "cascade",
     "explain_block_mask",
     "forward",
     "forward_paged",
@@ -163,6 +164,7 @@ def why_not(
     paged: bool = False,
     call_dtype: torch.dtype | None = None,
     with_backward: bool = False,
+    one_of_two: bool = False,
 ) -> str | None:
     """Why the kernel cannot run this fused plan (CPU tensors) on the engine's views of
     ``dtype`` (None when it can): it takes float32 (bf16 on an avx512-bf16 build), value
@@ -174,7 +176,10 @@ def why_not(
     own tensors (default ``dtype``), whose measured speed (:func:`.calibrate.speed`, for
     the plan's length) decides dense plans; ``with_backward``: the call runs a backward
     too, so its forward is judged by the measured forward+backward speed (what the call
-    will cost as a whole, not the forward alone)."""
+    will cost as a whole, not the forward alone); ``one_of_two``: the plan is one pass of
+    a call that runs two (:func:`cascade`), so the few-rows bound, which weighs one
+    call's Python and packing against torch's kernel, is not the question (the measured
+    speed still is)."""
     if dtype not in (torch.float32, torch.bfloat16):
         return "the native kernel runs float32 (and bf16) tensors"
     if dtype == torch.bfloat16 and not reads_bf16(with_backward):
@@ -231,7 +236,8 @@ def why_not(
     if slower is not None:
         return slower
     # (torch's half-precision kernels lose at few rows too)
-    return _short(rows, plan.s) if call_dtype == torch.float32 and rows <= few_rows() else None
+    short = call_dtype == torch.float32 and rows <= few_rows() and not one_of_two
+    return _short(rows, plan.s) if short else None
 
 
 def decode_pays(
@@ -452,6 +458,44 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     args, keep_alive = _args(plan, q, k, v, out, lse)
     _check_code(_kernel("attnkit_forward")(ctypes.byref(args)))
     del keep_alive
+    return out, lse
+
+
+def cascade(
+    prefix_plan: TilePlan,
+    suffix_plan: TilePlan,
+    rows: torch.Tensor,
+    prefix_key: torch.Tensor,
+    prefix_value: torch.Tensor,
+    query: torch.Tensor,
+    suffix_key: torch.Tensor,
+    suffix_value: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A shared-prefix cascade's two passes and their merge in one kernel call
+    (:func:`attnkit.cascade_attention`; attention.cpp's ``cascade_call``), plans that
+    :func:`why_not` accepts (the prefix's with ``one_of_two``).
+
+    Args:
+        prefix_plan: the prefix pass, ``rows`` against the shared keys (no mask).
+        suffix_plan: the suffix pass, ``query`` against each request's own keys.
+        rows: ``(1, h_kv, n * g * t, d)``: every request's query rows stacked per kv head
+            (request, then group head, then query), last dim contiguous.
+        prefix_key: ``(1, h_kv, p, d)``; prefix_value: ``(1, h_kv, p, d_v)``.
+        query: ``(n, h, t, d)``; suffix_key: ``(n, h_kv, s, d)``; suffix_value:
+            ``(n, h_kv, s, d_v)`` (all with the last dim contiguous).
+
+    Returns:
+        ``(out (n, h, t, d_v) float32, lse (n, h, t) float32)`` over prefix ++ suffix.
+    """
+    n, h, t = query.shape[:3]
+    out = torch.empty(n, h, t, suffix_value.shape[-1], dtype=torch.float32)
+    lse = torch.empty(n, h, t, dtype=torch.float32)
+    # (the prefix pass's out and lse are the kernel's own buffers: _args is handed the
+    # call's lse only to fill the struct, and the kernel sets both pointers)
+    pre, keep_pre = _args(prefix_plan, rows, prefix_key, prefix_value, None, lse)
+    suf, keep_suf = _args(suffix_plan, query, suffix_key, suffix_value, out, lse)
+    _check_code(_kernel("attnkit_cascade")(ctypes.byref(pre), ctypes.byref(suf)))
+    del keep_pre, keep_suf
     return out, lse
 
 

@@ -13,8 +13,9 @@ import ctypes
 
 __all__ = ["ABI_VERSION", "CODES", "DT_BF16", "DT_F32", "Args", "Grads", "check", "typed"]
 
-#: ``ABI_VERSION`` of attention.cpp: bumped whenever ``Args`` or ``Grads`` change.
-ABI_VERSION = 8
+#: ``ABI_VERSION`` of attention.cpp: bumped whenever ``Args``, ``Grads`` or the exported
+#: functions change (9: ``attnkit_cascade``).
+ABI_VERSION = 9
 
 #: attention.cpp's return codes (``enum Code``) that the binding treats apart.
 OK, NO_MEMORY = 0, 4
@@ -99,6 +100,8 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.attnkit_bf16.restype = ctypes.c_int
     lib.attnkit_forward.argtypes = [ctypes.POINTER(Args)]
     lib.attnkit_forward.restype = ctypes.c_int
+    lib.attnkit_cascade.argtypes = [ctypes.POINTER(Args), ctypes.POINTER(Args)]
+    lib.attnkit_cascade.restype = ctypes.c_int
     lib.attnkit_backward.argtypes = [ctypes.POINTER(Args), ctypes.POINTER(Grads)]
     lib.attnkit_backward.restype = ctypes.c_int
     lib.attnkit_fma_probe.argtypes = [ctypes.c_int64, ctypes.c_int64]

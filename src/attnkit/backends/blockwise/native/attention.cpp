@@ -64,8 +64,9 @@ constexpr int SUPER = 16;     // chunks whose sums are gathered before joining a
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int8_t EMPTY = 0, PARTIAL = 1, FULL = 2;  // attnkit.block_mask's kinds
 
-// Bumped whenever Args or Grads change; native/__init__.py checks it and the sizes at load.
-constexpr int64_t ABI_VERSION = 8;
+// Bumped whenever Args, Grads or the exported functions change; native/__init__.py checks
+// it and the sizes at load.
+constexpr int64_t ABI_VERSION = 9;
 
 enum Code : int {
   OK = 0,
@@ -1910,6 +1911,60 @@ Code read_as_float32(const Args &a, Run run) {
 #endif
 }
 
+// ---------------------------------------------------------------------------------------
+// Shared-prefix cascades (feature "cascade"; attnkit.cascade_attention): n requests of t
+// queries each over a prefix of keys they share and a suffix of their own, in one call.
+// The prefix pass stacks every request's rows (and a GQA group's g heads) against the
+// shared keys, `pre` = (1, HKV, n g t) x (1, HKV, p), its partial rows kept here; the
+// suffix pass is an ordinary call, `suf` = (n, H, t) x (n, HKV, s), writing the caller's
+// out and lse; then each row of out is merged with its prefix partial by their
+// log-sum-exps (the merge of backends/blockwise/merge.py, written out as forward_split's).
+// One call: no partial crosses the boundary, and the caller makes one call, not two
+// dispatches and a merge of its own.
+// ---------------------------------------------------------------------------------------
+
+// Checks the two passes fit together: `suf` the (n, H, t) call, `pre` the stacked rows.
+Code check_cascade(const Args &pre, const Args &suf) {
+  if (Code bad = check(pre)) return bad;
+  if (Code bad = check(suf)) return bad;
+  if (pre.nseq || suf.nseq || pre.pages || suf.pages || pre.B != 1 || pre.H != pre.HKV ||
+      pre.HKV != suf.HKV || pre.T != suf.B * (suf.H / suf.HKV) * suf.T || pre.DV != suf.DV ||
+      pre.dtype != suf.dtype)
+    return BAD_SHAPE;
+  return OK;
+}
+
+Code cascade_call(const Args &pre_, const Args &suf) {
+  const int64_t n = suf.B, H = suf.H, t = suf.T, g = H / suf.HKV, DV = suf.DV;
+  const int64_t rows = n * H * t;  // (= HKV x pre.T, the prefix pass's rows)
+  reuse::Buffer<float> po{size_t(rows * DV)}, pl{size_t(rows)};
+  Args pre = pre_;  // its partial rows here, (1, HKV, n g t, DV) contiguous
+  pre.out = po.get(), pre.so_b = rows * DV, pre.so_h = pre.T * DV, pre.so_t = DV;
+  pre.lse = pl.get();
+  if (Code err = read_as_float32(pre, forward_call)) return err;
+  if (Code err = read_as_float32(suf, forward_call)) return err;
+  Args merge = suf;  // few rows (a decode step): merged on this thread, no other woken
+  if (rows * DV < SPLIT_MERGE_ALONE) merge.threads = 1;
+  return parallel<NoState>(merge, rows, [&](NoState &, int64_t row) {
+    const int64_t r = row / (H * t), h = (row / t) % H, i = row % t;  // suf's (b, h, i)
+    const int64_t at = (h / g) * pre.T + (r * g + h % g) * t + i;     // its prefix row
+    float *o = suf.out + r * suf.so_b + h * suf.so_h + i * suf.so_t;
+    const float *op = po.get() + at * DV;
+    const float ls = suf.lse[row], lp = pl[at];
+    if (std::isnan(ls) || std::isnan(lp)) {  // a NaN stays NaN
+      std::fill(o, o + DV, std::numeric_limits<float>::quiet_NaN());
+      suf.lse[row] = std::numeric_limits<float>::quiet_NaN();
+      return;
+    }
+    const float m = std::max(ls, lp);
+    if (m == NEG_INF) return;  // no key in either: zeros and -inf, as the suffix left them
+    const float es = std::exp(ls - m), ep = std::exp(lp - m), inv = 1.0f / (es + ep);
+    const float ws = es * inv, wp = ep * inv;  // (0 for a pass that kept no key)
+    for (int64_t d = 0; d < DV; ++d) o[d] = ws * o[d] + wp * op[d];
+    suf.lse[row] = m + std::log(es + ep);
+  });
+}
+
 }  // namespace
 
 #define ATTNKIT_EXPORT __attribute__((visibility("default")))
@@ -1951,6 +2006,12 @@ ATTNKIT_EXPORT int attnkit_forward(const Args *args) {
   }
   if (Code bad = check(a)) return bad;
   return guarded([&] { return int(read_as_float32(a, forward_call)); });
+}
+
+// A shared-prefix cascade (cascade_call): `suf`'s out and lse receive the whole result.
+ATTNKIT_EXPORT int attnkit_cascade(const Args *pre, const Args *suf) {
+  if (Code bad = check_cascade(*pre, *suf)) return bad;
+  return guarded([&] { return int(cascade_call(*pre, *suf)); });
 }
 
 // dq, dk, dv from dout, delta and the forward's lse (Args.lse, +inf on dead rows).
