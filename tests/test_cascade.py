@@ -419,3 +419,24 @@ def test_a_gradient_or_another_backend_takes_the_two_passes(isa, monkeypatch):
         want = cascade_attention(q.detach(), pk, pv, sk, sv, scale=scale, backend="reference")
         torch.testing.assert_close(got, want, **TOL[torch.float32])
     assert called == [1]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_one_kernel_call_takes_strided_and_expanded_inputs(kernel_cascades, n):
+    """A query whose last dim is strided (its stacked rows then too), a prefix expanded over
+    its heads (stride 0) and suffixes sliced out of a longer cache: the same answer."""
+    hq, hkv, t, p, s, d = 4, 2, 2, 90, 33, 32
+    q, pk, pv, sk, sv, _ = (x.float() for x in _inputs(n, hq, hkv, t, p, s, d, d, seed=n))
+    q_strided = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # last dim stride t
+    pk_one, pv_one = pk[:1], pv[:1]
+    pk_expanded, pv_expanded = pk_one.expand(hkv, -1, -1), pv_one.expand(hkv, -1, -1)
+    cache_k, cache_v = torch.cat((sk, sk), 2), torch.cat((sv, sv), 2)  # (n, h_kv, 2s, d)
+    sk_slice, sv_slice = cache_k[:, :, :s], cache_v[:, :, :s]
+    assert q_strided.stride(-1) != 1 and pk_expanded.stride(0) == 0
+    out = cascade_attention(q_strided, pk_expanded, pv_expanded, sk_slice, sv_slice)
+    assert len(kernel_cascades) == 1
+    want, _ = _reference(
+        q.double(), pk_one.expand(hkv, -1, -1).double(), pv_one.expand(hkv, -1, -1).double(),
+        sk.double(), sv.double(), torch.full((n,), s), None,
+    )  # fmt: skip
+    assert (out.double() - want).abs().max().item() < 1e-5

@@ -226,8 +226,8 @@ def _native(
     """Both passes and their merge in one call of attnkit's native kernel
     (:func:`attnkit.backends.blockwise.native.cascade`), or None where it does not run
     them: another backend, a gradient wanted, another device, no prefix or no suffix, a
-    scale <= 0, or a pass the kernel refuses (``native.why_not``: dtype, head sizes, the speed this
-    machine measured for dense plans). The few-rows bound of a lone dense call (torch's
+    scale <= 0, or a pass the kernel refuses (``native.why_not``: dtype, head sizes, the
+    speed this machine measured for dense plans). The few-rows bound of a lone dense call (torch's
     kernel for up to 48 float32 rows per kv head on AVX2) does not apply to the prefix
     pass here: one call instead of two dispatches and a merge was faster in every case
     measured, 1 to 32 requests decoding and 4-8 prefilling, fp32 and bf16 (0.56-1.01x of
@@ -252,6 +252,11 @@ def _native(
     # (n, h_kv, g, t, d) -> (h_kv, n, g, t, d) -> (1, h_kv, n*g*t, d)
     rows = query.reshape(n, h_kv, g, t, d).permute(1, 0, 2, 3, 4).reshape(1, h_kv, -1, d)
     pk, pv = prefix_key[None], prefix_value[None]  # (1, h_kv, p, d|d_v)
+    # (the kernel reads rows of the last dim in place: each must be contiguous)
+    rows, pk, pv, query, sk, sv = (
+        x if x.stride(-1) == 1 else x.contiguous()
+        for x in (rows, pk, pv, query, suffix_key, suffix_value)
+    )
 
     def plan(q: torch.Tensor, k: torch.Tensor, causal: str | None, mask: torch.Tensor | None):
         return build_plan(
@@ -260,16 +265,14 @@ def _native(
         )  # fmt: skip
 
     pre = plan(rows, pk, None, None)
-    suf = plan(query, suffix_key, "bottom_right" if mask is None and t > 1 else None, mask)
+    suf = plan(query, sk, "bottom_right" if mask is None and t > 1 else None, mask)
     dtype = query.dtype
     if (
         native.why_not(pre, dtype, d, d_v, one_of_two=True) is not None
         or native.why_not(suf, dtype, d, d_v) is not None
     ):
         return None
-    inner = [x if x.stride(-1) == 1 else x.contiguous() for x in (pk, pv, query)]
-    sk, sv = (x if x.stride(-1) == 1 else x.contiguous() for x in (suffix_key, suffix_value))
-    return native.cascade(pre, suf, rows, inner[0], inner[1], inner[2], sk, sv)
+    return native.cascade(pre, suf, rows, pk, pv, query, sk, sv)
 
 
 def _suffix_mask(
