@@ -23,6 +23,9 @@
 // group's own dQ partial; the partials are then summed in group order. Groups depend only
 // on the shapes, so every bit of the result is the same for any number of threads.
 //
+// A shared-prefix cascade (attnkit_cascade) is two forward calls, n requests' stacked rows
+// against their shared keys and each request against its own, merged row by row.
+//
 // Every product is simd::gemm, one register-tiled micro-kernel (simd::gemm_bf16 for bf16
 // inputs on avx512-bf16 builds: operands packed in pairs, P and dS rounded to bf16,
 // float32 softmax and sums; other builds convert a bf16 forward to float32 once, feature
