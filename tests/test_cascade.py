@@ -351,7 +351,8 @@ def test_one_kernel_call_equals_the_whole_sequence(
     hq = hkv * groups
     xs64 = list(_inputs(n, hq, hkv, t, p, s, d, d, seed=seed))
     gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(t, s + 1, (n,), generator=gen) if ragged else torch.full((n,), s)
+    # (a length under t: the rows before the suffix's first key see the prefix alone)
+    lengths = torch.randint(0, s + 1, (n,), generator=gen) if ragged else torch.full((n,), s)
     sink = xs64[5] if sinks else None
     out, lse = cascade_attention(
         *(x.to(dtype) for x in xs64[:5]),
@@ -367,7 +368,9 @@ def test_one_kernel_call_equals_the_whole_sequence(
     for r in range(n):
         k = torch.cat((pk, sk[r, :, : int(lengths[r])]), 1).repeat_interleave(groups, 0)
         v = torch.cat((pv, sv[r, :, : int(lengths[r])]), 1).repeat_interleave(groups, 0)
-        keep = torch.ones(t, k.shape[1], dtype=torch.bool).tril(k.shape[1] - t)
+        own = torch.arange(k.shape[1]) - p  # suffix position of each key (< 0: prefix)
+        keep = own.view(1, -1) <= int(lengths[r]) - t + torch.arange(t).view(-1, 1)
+        keep |= own.view(1, -1) < 0  # the prefix, whole
         sc = (q[r] @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(~keep, -math.inf)
         if sink is not None:  # a sink: one more logit, no value
             sc = torch.cat((sc, sink.to(dtype).view(hq, 1, 1).expand(hq, t, 1)), -1)
