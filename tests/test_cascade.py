@@ -336,20 +336,22 @@ def kernel_cascades(monkeypatch, isa) -> list[tuple]:
     p=st.sampled_from([1, 63, 64, 130]),
     s=st.sampled_from([7, 65, 140]),
     d=st.sampled_from([16, 48, 64]),
+    dv=st.sampled_from([16, 32, 64]),
     ragged=st.booleans(),
     sinks=st.booleans(),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     seed=st.integers(0, 2**16),
 )
 def test_one_kernel_call_equals_the_whole_sequence(
-    kernel_cascades, n, hkv, groups, t, p, s, d, ragged, sinks, dtype, seed
+    kernel_cascades, n, hkv, groups, t, p, s, d, dv, ragged, sinks, dtype, seed
 ):
     """Both passes and their merge in one native call (no grad wanted): the flash-attn rule
-    against the float64 reference, keys across chunk edges (64), GQA, padded suffixes,
-    sinks, float32 and bf16, every build this CPU runs."""
+    against the float64 reference, keys across chunk edges (64), GQA, padded suffixes
+    (shorter than the queries too), value heads of another size, sinks, float32 and bf16,
+    every build this CPU runs."""
     kernel_cascades.clear()  # (one list for every example)
     hq = hkv * groups
-    xs64 = list(_inputs(n, hq, hkv, t, p, s, d, d, seed=seed))
+    xs64 = list(_inputs(n, hq, hkv, t, p, s, d, dv, seed=seed))
     gen = torch.Generator().manual_seed(seed)
     # (a length under t: the rows before the suffix's first key see the prefix alone)
     lengths = torch.randint(0, s + 1, (n,), generator=gen) if ragged else torch.full((n,), s)
