@@ -69,7 +69,7 @@ def zeros(
         The tensor (an ordinary one: resizing aside, it behaves as :func:`torch.zeros`'s).
     """
     dev = torch.get_default_device() if device is None else torch.device(device)
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     if dev.type != "cpu" or nbytes < MIN_BYTES or not huge_pages():
         return torch.zeros(shape, dtype=dtype, device=device)
     try:
