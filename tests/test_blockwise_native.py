@@ -193,6 +193,9 @@ BF16_CASES = [
     (1, 2, 2, 1, 257, 80, 80, "bottom_right", None, False),  # decode: one query row
     # packed operands deeper than 64, keys past the last chunk's (kfwd2's packing)
     (1, 2, 2, 200, 197, 96, 96, "top_left", None, False),
+    # builds without bf16 products convert keys as they pack them, 8 rows at a time, up to
+    # heads of 256; a head past that scratch has its keys converted first
+    (1, 2, 2, 90, 140, 272, 272, "top_left", None, False),
 ]
 
 

@@ -28,8 +28,8 @@
 //
 // Every product is simd::gemm, one register-tiled micro-kernel (simd::gemm_bf16 for bf16
 // inputs on avx512-bf16 builds: operands packed in pairs, P and dS rounded to bf16,
-// float32 softmax and sums; other builds convert a bf16 forward to float32 once, feature
-// "bf16 read"). Threads come from one persistent pool (rebuilt in a forked child), a
+// float32 softmax and sums; other builds convert a bf16 forward to float32 once, its keys
+// as they are packed, feature "bf16 read"). Threads come from one persistent pool (rebuilt in a forked child), a
 // call's large buffers from a per-thread cache (feature "reuse"). Errors inside (out of
 // memory, no thread) become return codes, never an abort.
 
@@ -1555,8 +1555,40 @@ int guarded(F f) {
   }
 }
 
-// The keys and values a forward reads, packed (per call, or per sequence of a varlen call).
-Code pack_forward(const Args &a, Operands &ops) {
+// (feature "bf16 read", builds without bf16 products) bf16 keys a float32 forward packs
+// as they are read: read_as_float32 leaves them in place and hands their strides here.
+struct Keys16 {
+  const uint16_t *k;
+  int64_t sb, sh, st;
+};
+constexpr int64_t KEYS16_MAX_D = 256;  // head sizes whose 8 rows the packing's scratch holds
+
+// The keys of a Keys16 packed as float32 (transposed, as pack's): each chunk's rows
+// converted 8 at a time into a scratch that stays in L1 and transposed from there, so
+// the keys are read once, in bf16, instead of converted into a float32 copy first.
+Code pack_keys16(const Args &a, const Keys16 &k16, Packed<float> &pk) {
+  pk.chunks = (a.S + KC - 1) / KC;
+  pk.depth = a.D;
+  pk.t.reset(size_t(a.B * a.HKV * pk.chunks * a.D * KC));
+  return parallel<NoState>(a, a.B * a.HKV * pk.chunks, [&](NoState &, int64_t it) {
+    const int64_t ci = it % pk.chunks, bh = it / pk.chunks;
+    const uint16_t *src = k16.k + (bh / a.HKV) * k16.sb + (bh % a.HKV) * k16.sh;
+    alignas(64) float scratch[8 * KEYS16_MAX_D];
+    auto row = [&](int64_t j) -> const float * {  // (pack_chunk reads 8 rows at a time)
+      const int64_t key = ci * KC + j;
+      if (key >= a.S) return nullptr;
+      const uint16_t *r = src + key * k16.st;
+      float *dst = scratch + (j % 8) * a.D;
+      for (int64_t d = 0; d < a.D; ++d) dst[d] = as_f32(r[d]);
+      return dst;
+    };
+    pack_chunk<float, transposed>(a.D, row, pk.t.get() + it * a.D * KC);
+  });
+}
+
+// The keys and values a forward reads, packed (per call, or per sequence of a varlen call;
+// k16: bf16 keys to convert as they are packed, see Keys16).
+Code pack_forward(const Args &a, Operands &ops, const Keys16 *k16 = nullptr) {
   // a decode step: keys and values read in place (contiguous or through the page table),
   // bf16 ones on every build (converted as read: direct_scores, decode_pv)
   if (direct_keys(a)) {
@@ -1573,6 +1605,7 @@ Code pack_forward(const Args &a, Operands &ops) {
     return BAD_DTYPE;  // packing bf16 needs bf16 products
 #endif
   }
+  if (k16) return pack_keys16(a, *k16, ops.kt);
   return pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, transposed, ops.kt);
 }
 
@@ -1667,10 +1700,10 @@ Args group_rows(const Args &a) {
 
 // One forward call (B, H, T) x (B, HKV, S): pack, then (batch, head, query block) items,
 // or split-KV items where those are too few.
-Code forward_call(const Args &a_) {
+Code forward_call(const Args &a_, const Keys16 *k16 = nullptr) {
   const Args a = group_rows(a_);
   Operands ops;
-  if (Code err = pack_forward(a, ops)) return err;
+  if (Code err = pack_forward(a, ops, k16)) return err;
   const int64_t nq = (a.T + a.bq - 1) / a.bq;  // query blocks per (batch, head)
   const int64_t splits = kv_splits(a, a.B * a.H * nq, ops.chunks());
   if (splits > 1) return forward_split(a, ops, nq, splits);
@@ -1866,10 +1899,12 @@ Code backward_varlen(const Args &a, const Grads &g) {
 }
 
 // (feature "bf16 read") A bf16 forward on a build without bf16 products, other than a
-// decode step (which reads bf16 where it lies): q, k and v are converted to float32 once,
-// into the call's reused buffers (keys and values through the page table where there is
-// one), and the float32 path runs on them. The same numbers as the caller's upcast
-// before, without its three fresh tensors a call (and the page faults of their memory).
+// decode step (which reads bf16 where it lies): q and v are converted to float32 once,
+// into the call's reused buffers, and the keys as they are packed (Keys16; a varlen or
+// paged call's keys, or heads over KEYS16_MAX_D, converted here too, through the page
+// table where there is one), and the float32 path runs on them. The same numbers as the
+// caller's upcast before, without its three fresh tensors a call (and the page faults of
+// their memory).
 // The S bf16 keys (or values) of (b, hk), as float32 rows at dst, contiguous; read in runs
 // (a page's, where they are paged).
 template <Side SIDE>
@@ -1885,15 +1920,21 @@ void rows_as_float32(const Args &a, int64_t b, int64_t hk, float *dst) {
 template <class Run>
 Code read_as_float32(const Args &a, Run run) {
 #if defined(ATTNKIT_BF16)
-  return run(a);
+  return run(a, nullptr);
 #else
-  if (a.dtype != DT_BF16 || (a.nseq == 0 && direct_keys(a))) return run(a);
-  reuse::Buffer<float> q(size_t(a.B * a.H * a.T * a.D)), k(size_t(a.B * a.HKV * a.S * a.D)),
+  if (a.dtype != DT_BF16 || (a.nseq == 0 && direct_keys(a))) return run(a, nullptr);
+  // A plain call's keys are converted as they are packed (Keys16: read once, in bf16);
+  // a varlen or paged call's here, with its queries and values.
+  const bool keys_as_packed = a.nseq == 0 && !a.pages && a.D <= KEYS16_MAX_D;
+  const Keys16 k16{reinterpret_cast<const uint16_t *>(a.k), a.sk_b, a.sk_h, a.sk_t};
+  reuse::Buffer<float> q(size_t(a.B * a.H * a.T * a.D)),
+      k(keys_as_packed ? 0 : size_t(a.B * a.HKV * a.S * a.D)),
       v(size_t(a.B * a.HKV * a.S * a.DV));
   Args f = a;
   f.dtype = DT_F32;
   f.q = q.get(), f.sq_b = a.H * a.T * a.D, f.sq_h = a.T * a.D, f.sq_t = a.D;
-  f.k = k.get(), f.sk_b = a.HKV * a.S * a.D, f.sk_h = a.S * a.D, f.sk_t = a.D;
+  if (!keys_as_packed)
+    f.k = k.get(), f.sk_b = a.HKV * a.S * a.D, f.sk_h = a.S * a.D, f.sk_t = a.D;
   f.v = v.get(), f.sv_b = a.HKV * a.S * a.DV, f.sv_h = a.S * a.DV, f.sv_t = a.DV;
   f.pages = nullptr, f.pages_sb = f.page_size = f.sk_page = f.sv_page = 0;
   const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q);
@@ -1906,11 +1947,11 @@ Code read_as_float32(const Args &a, Run run) {
   if (err) return err;
   err = parallel<NoState>(a, a.B * a.HKV, [&](NoState &, int64_t bh) {
     const int64_t b = bh / a.HKV, hk = bh % a.HKV;
-    rows_as_float32<KEYS>(a, b, hk, k.get() + bh * a.S * a.D);
+    if (!keys_as_packed) rows_as_float32<KEYS>(a, b, hk, k.get() + bh * a.S * a.D);
     rows_as_float32<VALUES>(a, b, hk, v.get() + bh * a.S * a.DV);
   });
   if (err) return err;
-  return run(f);
+  return run(f, keys_as_packed ? &k16 : nullptr);
 #endif
 }
 
@@ -2005,7 +2046,8 @@ ATTNKIT_EXPORT int attnkit_forward(const Args *args) {
   const Args &a = *args;
   if (a.nseq > 0) {
     if (Code bad = check_varlen(a)) return bad;
-    return guarded([&] { return int(read_as_float32(a, forward_varlen)); });
+    auto varlen = [](const Args &f, const Keys16 *) { return forward_varlen(f); };
+    return guarded([&] { return int(read_as_float32(a, varlen)); });
   }
   if (Code bad = check(a)) return bad;
   return guarded([&] { return int(read_as_float32(a, forward_call)); });
