@@ -29,9 +29,9 @@
 // Every product is simd::gemm, one register-tiled micro-kernel (simd::gemm_bf16 for bf16
 // inputs on avx512-bf16 builds: operands packed in pairs, P and dS rounded to bf16,
 // float32 softmax and sums; other builds convert a bf16 forward to float32 once, its keys
-// as they are packed, feature "bf16 read"). Threads come from one persistent pool (rebuilt in a forked child), a
-// call's large buffers from a per-thread cache (feature "reuse"). Errors inside (out of
-// memory, no thread) become return codes, never an abort.
+// as they are packed, feature "bf16 read"). Threads come from one persistent pool
+// (rebuilt in a forked child), a call's large buffers from a per-thread cache (feature
+// "reuse"). Errors inside (out of memory, no thread) become return codes, never an abort.
 
 #include <algorithm>
 #include <atomic>
