@@ -20,8 +20,9 @@ torch-kernel paths run. The library is built on first use (:mod:`.build`); where
 cannot be, nothing changes but speed. float32 arithmetic; bf16 inputs on an avx512-bf16
 build compute every product with bf16 products (float32 softmax and sums), forward and
 backward; other builds read a bf16 forward as it is (a decode step converts keys and
-values as it reads them, any other call converts q and v to float32 once, inside the
-kernel, and its keys as it packs them) and have a bf16 backward upcast first (:func:`reads_bf16`); float16 is upcast,
+values as it reads them, any other call converts q to float32 once, inside the kernel,
+its keys as it packs them and its values as the P V product loads them, or once where a
+head has more than one query block) and have a bf16 backward upcast first (:func:`reads_bf16`); float16 is upcast,
 float64 runs on torch's kernel.
 
 A decode step (at most :data:`DIRECT_ROWS` query rows per key/value head, contiguous or
@@ -137,9 +138,10 @@ def reads_bf16(with_backward: bool = False) -> bool:
     copy made by the caller: every call on a build with bf16 products (:func:`bf16`), and
     on every build a forward without a backward (a decode step, at most
     :data:`DIRECT_ROWS` query rows per key/value head, converts keys and values as it
-    reads them; any other forward converts q and v to float32 once inside the kernel,
-    into buffers it reuses, and its keys as it packs them: attention.cpp's "bf16 read").
-    The one rule the engines,
+    reads them; any other forward converts q to float32 once inside the kernel, into a
+    buffer it reuses, its keys as it packs them and its values as P V loads them, or once
+    where a head has more than one query block: attention.cpp's "bf16 read"). The one
+    rule the engines,
     :func:`why_not` and :mod:`attnkit.paged_attention` ask.
 
     (Before it, an AVX2 build upcast a bf16 decode step's whole cache to float32 on every

@@ -819,6 +819,7 @@ struct Scratch {
 struct Operands {
   Packed<float> kt;
   bool direct = false;  // a decode step: keys read in place (direct_scores)
+  bool v16 = false;     // (bf16 read) a float32 forward's values are bf16, read in place
 #if defined(ATTNKIT_BF16)
   Packed<uint16_t> kp, vp;
 #endif
@@ -1285,6 +1286,7 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
   const int64_t hk = h / (a.H / a.HKV);
   const float *qh = a.q + b * a.sq_b + h * a.sq_h;
   const float *vh = a.v + b * a.sv_b + hk * a.sv_h;
+  const uint16_t *vh16 = reinterpret_cast<const uint16_t *>(a.v) + b * a.sv_b + hk * a.sv_h;
   std::fill(w.o.begin(), w.o.begin() + rows * a.DV, 0.0f);
   std::fill(w.o_blk.begin(), w.o_blk.begin() + rows * a.DV, 0.0f);
   std::fill(w.m.begin(), w.m.begin() + rows, NEG_INF);
@@ -1331,6 +1333,10 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
     softmax(a, b, h, i0, c, w);
     if (a.pages)
       paged_pv(a, b, hk, c, nr, s, w);
+    else if (ops.v16)
+      simd::gemm<true>(w.o_blk.data() + c.r0 * a.DV, a.DV, nr, a.DV, s + c.lo, KC, 1,
+                       vh16 + (c.c0 + c.lo) * a.sv_t, a.sv_t, c.hi - c.lo,
+                       w.alpha.data() + c.r0);
     else
       simd::gemm<true>(w.o_blk.data() + c.r0 * a.DV, a.DV, nr, a.DV, s + c.lo, KC, 1,
                        vh + (c.c0 + c.lo) * a.sv_t, a.sv_t, c.hi - c.lo, w.alpha.data() + c.r0);
@@ -1557,9 +1563,14 @@ int guarded(F f) {
 
 // (feature "bf16 read", builds without bf16 products) bf16 keys a float32 forward packs
 // as they are read: read_as_float32 leaves them in place and hands their strides here.
+// With `values`, the values stay in place too (Args.v, bf16), widened as P V loads them
+// (simd::gemm): where a head has one query block, which loads each value vector once a
+// register tile of rows; a longer call converts them once (at T=4096 widening them in
+// every block cost 1.6%, while a 32-row call gained 10%).
 struct Keys16 {
   const uint16_t *k;
   int64_t sb, sh, st;
+  bool values;
 };
 constexpr int64_t KEYS16_MAX_D = 256;  // head sizes whose 8 rows the packing's scratch holds
 
@@ -1605,7 +1616,10 @@ Code pack_forward(const Args &a, Operands &ops, const Keys16 *k16 = nullptr) {
     return BAD_DTYPE;  // packing bf16 needs bf16 products
 #endif
   }
-  if (k16) return pack_keys16(a, *k16, ops.kt);
+  if (k16) {
+    ops.v16 = k16->values;
+    return pack_keys16(a, *k16, ops.kt);
+  }
   return pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, transposed, ops.kt);
 }
 
@@ -1899,10 +1913,11 @@ Code backward_varlen(const Args &a, const Grads &g) {
 }
 
 // (feature "bf16 read") A bf16 forward on a build without bf16 products, other than a
-// decode step (which reads bf16 where it lies): q and v are converted to float32 once,
-// into the call's reused buffers, and the keys as they are packed (Keys16; a varlen or
-// paged call's keys, or heads over KEYS16_MAX_D, converted here too, through the page
-// table where there is one), and the float32 path runs on them. The same numbers as the
+// decode step (which reads bf16 where it lies): q is converted to float32 once, into the
+// call's reused buffers, the keys as they are packed and the values as P V loads them
+// where a head has one query block, else here too (Keys16; a varlen or paged call's keys
+// and values, or heads over KEYS16_MAX_D, converted here, through the page table where
+// there is one), and the float32 path runs on them. The same numbers as the
 // caller's upcast before, without its three fresh tensors a call (and the page faults of
 // their memory).
 // The S bf16 keys (or values) of (b, hk), as float32 rows at dst, contiguous; read in runs
@@ -1926,16 +1941,19 @@ Code read_as_float32(const Args &a, Run run) {
   // A plain call's keys are converted as they are packed (Keys16: read once, in bf16);
   // a varlen or paged call's here, with its queries and values.
   const bool keys_as_packed = a.nseq == 0 && !a.pages && a.D <= KEYS16_MAX_D;
-  const Keys16 k16{reinterpret_cast<const uint16_t *>(a.k), a.sk_b, a.sk_h, a.sk_t};
+  const bool values_in_place = keys_as_packed && a.T <= a.bq;  // one query block a head
+  const Keys16 k16{reinterpret_cast<const uint16_t *>(a.k), a.sk_b, a.sk_h, a.sk_t,
+                   values_in_place};
   reuse::Buffer<float> q(size_t(a.B * a.H * a.T * a.D)),
       k(keys_as_packed ? 0 : size_t(a.B * a.HKV * a.S * a.D)),
-      v(size_t(a.B * a.HKV * a.S * a.DV));
+      v(values_in_place ? 0 : size_t(a.B * a.HKV * a.S * a.DV));
   Args f = a;
   f.dtype = DT_F32;
   f.q = q.get(), f.sq_b = a.H * a.T * a.D, f.sq_h = a.T * a.D, f.sq_t = a.D;
   if (!keys_as_packed)
     f.k = k.get(), f.sk_b = a.HKV * a.S * a.D, f.sk_h = a.S * a.D, f.sk_t = a.D;
-  f.v = v.get(), f.sv_b = a.HKV * a.S * a.DV, f.sv_h = a.S * a.DV, f.sv_t = a.DV;
+  if (!values_in_place)
+    f.v = v.get(), f.sv_b = a.HKV * a.S * a.DV, f.sv_h = a.S * a.DV, f.sv_t = a.DV;
   f.pages = nullptr, f.pages_sb = f.page_size = f.sk_page = f.sv_page = 0;
   const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q);
   Code err = parallel<NoState>(a, a.B * a.H, [&](NoState &, int64_t bh) {
@@ -1945,12 +1963,14 @@ Code read_as_float32(const Args &a, Run run) {
       for (int64_t d = 0; d < a.D; ++d) dst[i * a.D + d] = as_f32(src[i * a.sq_t + d]);
   });
   if (err) return err;
-  err = parallel<NoState>(a, a.B * a.HKV, [&](NoState &, int64_t bh) {
-    const int64_t b = bh / a.HKV, hk = bh % a.HKV;
-    if (!keys_as_packed) rows_as_float32<KEYS>(a, b, hk, k.get() + bh * a.S * a.D);
-    rows_as_float32<VALUES>(a, b, hk, v.get() + bh * a.S * a.DV);
-  });
-  if (err) return err;
+  if (!values_in_place) {
+    err = parallel<NoState>(a, a.B * a.HKV, [&](NoState &, int64_t bh) {
+      const int64_t b = bh / a.HKV, hk = bh % a.HKV;
+      if (!keys_as_packed) rows_as_float32<KEYS>(a, b, hk, k.get() + bh * a.S * a.D);
+      rows_as_float32<VALUES>(a, b, hk, v.get() + bh * a.S * a.DV);
+    });
+    if (err) return err;
+  }
   return run(f, keys_as_packed ? &k16 : nullptr);
 #endif
 }

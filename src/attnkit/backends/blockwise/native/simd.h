@@ -262,9 +262,13 @@ inline int tile_rows(int64_t left) {
 // A(r, k) = a[r * ars + k * aks] and B(k, :) the NC vectors at b + k * ldb, k < kn.
 // Rows past `nr` (< R) are computed on a copy of the last row and not stored.
 // `alpha` (per row, or null for 1) rescales the loaded C first.
-template <int R, int NC, bool ACC>
+// B's vectors: float32, or bf16 widened as they are loaded (load_bf16).
+inline vf load_b(const float *p) { return load(p); }
+inline vf load_b(const uint16_t *p) { return load_bf16(p); }
+
+template <int R, int NC, bool ACC, class TB = float>
 inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int64_t aks,
-                 const float *b, int64_t ldb, int64_t kn, const float *alpha) {
+                 const TB *b, int64_t ldb, int64_t kn, const float *alpha) {
   vf acc[R][NC];
   const float *ar[R];
   alpha = ACC ? rescaled(alpha, nr) : nullptr;
@@ -283,7 +287,7 @@ inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int
   for (int64_t k = 0; k < kn; ++k) {
     vf bv[NC];
 #pragma GCC unroll 4
-    for (int v = 0; v < NC; ++v) bv[v] = load(b + k * ldb + W * v);
+    for (int v = 0; v < NC; ++v) bv[v] = load_b(b + k * ldb + W * v);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const vf av = splat(ar[r][k * aks]);
@@ -315,19 +319,20 @@ inline void by_height(int nr, F f) {
 }
 
 // tile() of nr rows (by_height).
-template <int NC, bool ACC>
+template <int NC, bool ACC, class TB = float>
 inline void tile_n(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int64_t aks,
-                   const float *b, int64_t ldb, int64_t kn, const float *alpha) {
+                   const TB *b, int64_t ldb, int64_t kn, const float *alpha) {
   by_height(nr, [&](auto rows) {
-    tile<decltype(rows)::value, NC, ACC>(c, ldc, nr, a, ars, aks, b, ldb, kn, alpha);
+    tile<decltype(rows)::value, NC, ACC, TB>(c, ldc, nr, a, ars, aks, b, ldb, kn, alpha);
   });
 }
 
 // The product above over `rows` rows and `cols` columns (a multiple of W), in register
-// tiles of TILE_R rows x TILE_C vectors (the last ones lower: tile_rows).
-template <bool ACC>
+// tiles of TILE_R rows x TILE_C vectors (the last ones lower: tile_rows); B float32 or
+// bf16 (TB = uint16_t: widened as loaded).
+template <bool ACC, class TB = float>
 inline void gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float *a,
-                 int64_t ars, int64_t aks, const float *b, int64_t ldb, int64_t kn,
+                 int64_t ars, int64_t aks, const TB *b, int64_t ldb, int64_t kn,
                  const float *alpha) {
   for (int64_t c0 = 0; c0 < cols; c0 += TILE_C * W) {
     const int64_t nv = (cols - c0) / W < TILE_C ? (cols - c0) / W : TILE_C;
@@ -340,13 +345,13 @@ inline void gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float 
 #define ATTNKIT_CASE(n)                                                          \
   case n:                                                                        \
     if constexpr (n <= TILE_C)                                                   \
-      tile_n<n, ACC>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al);        \
+      tile_n<n, ACC, TB>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al);    \
     break;
         ATTNKIT_CASE(4)
         ATTNKIT_CASE(3)
         ATTNKIT_CASE(2)
         default:
-          tile_n<1, ACC>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al);
+          tile_n<1, ACC, TB>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al);
 #undef ATTNKIT_CASE
       }
     }
