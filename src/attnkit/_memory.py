@@ -1,14 +1,14 @@
 """Buffers for long-lived caches: large CPU ones in transparent huge pages.
 
 A key/value cache is allocated once and read on every decode step. With the 4 KiB pages
-the operating system hands out by default, every 4 KiB of keys is another TLB entry:
-read in order (a contiguous cache) the page walks are cheap and the hardware prefetcher
-hides them, but read in the order of a page table (:class:`attnkit.PagedKVCache`, whose
-pages of 16 tokens x 64 floats are exactly 4 KiB a head) each piece is a fresh page walk
-and the prefetcher starts cold. Measured on a 2-core Zen 3 (AVX2, 32 MiB L3), one decode
-step over 4096 keys in 16-token pages, 12 heads x 64 fp32, through attnkit's native
-kernel: 1.55-1.9 ms on 4 KiB pages against 1.3-1.4 ms on 2 MiB ones (a contiguous cache:
-1.3-1.5 and 1.2-1.4 ms).
+the operating system hands out by default, every 4 KiB of keys is another TLB entry and,
+read in the order of a page table (:class:`attnkit.PagedKVCache`, whose pages of 16
+tokens x 64 floats are exactly 4 KiB a head), another page walk. Measured on a 2-core
+Zen 3 (AVX2, 32 MiB L3) through attnkit's native kernel, one decode step over 4096 keys,
+12 heads x 64 fp32, old and new alternating in one process: a contiguous cache 985 ->
+926 us, 16-token pages in shuffled order 1563 -> 1440 us. (Most of the paged step's gap
+to the contiguous one is the scattered 4 KiB runs themselves, not the TLB: see
+docs/serving.md.)
 
 :func:`zeros` gives such buffers on Linux where transparent huge pages are available
 (``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``): an

@@ -133,7 +133,6 @@ def cascade_attention(
     return_lse = check_bool(return_lse, "return_lse")
     check_sinks(sinks, query)
     n, h_q, t, _ = query.shape
-    h_kv, p = prefix_key.shape[0], prefix_key.shape[1]
     s = suffix_key.shape[2]
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
@@ -143,22 +142,44 @@ def cascade_attention(
     if fused is not None:  # both passes and their merge in one kernel call
         out, lse = fused
         out = out.to(query.dtype)
-        if sinks is not None:
-            sink_lse = sinks.to(lse.dtype).view(1, h_q, 1).expand_as(lse)
-            out, lse = merge_partials(out, lse, out.new_zeros(()), sink_lse)
-        return (out, lse) if return_lse else out
+    else:
+        out, lse = _two_passes(
+            query, prefix_key, prefix_value, suffix_key, suffix_value, mask, scale, backend
+        )
+    if sinks is not None:  # a sink is a partial with no value and lse = its logit
+        sink_lse = sinks.to(lse.dtype).view(1, h_q, 1).expand_as(lse)
+        out, lse = merge_partials(out, lse, out.new_zeros(()), sink_lse)
+    return (out, lse) if return_lse else out
+
+
+def _stacked_rows(query: torch.Tensor, h_kv: int) -> torch.Tensor:
+    """Every request's query rows (and each GQA group's heads) stacked per kv head, as the
+    prefix pass sees them: (n, h_kv, g, t, d) -> (h_kv, n, g, t, d) -> (1, h_kv, n*g*t, d)."""
+    n, h_q, t, d = query.shape
+    return query.reshape(n, h_kv, h_q // h_kv, t, d).permute(1, 0, 2, 3, 4).reshape(1, h_kv, -1, d)
+
+
+def _two_passes(
+    query: torch.Tensor,
+    prefix_key: torch.Tensor,
+    prefix_value: torch.Tensor,
+    suffix_key: torch.Tensor,
+    suffix_value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prefix pass and the suffix pass as :func:`attnkit.attention` calls (any
+    backend, differentiable), merged by their log-sum-exps; ``(out, lse)`` without sinks."""
+    n, h_q, t, _ = query.shape
+    h_kv, p = prefix_key.shape[0], prefix_key.shape[1]
+    s = suffix_key.shape[2]
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []
     if p > 0:
-        # Every request's rows (and each GQA group's heads) stacked against the prefix:
-        # (n, h_kv, g, t, d) -> (h_kv, n, g, t, d) -> (1, h_kv, n*g*t, d); one call.
+        # every request's rows against the prefix in one call
         g = h_q // h_kv
-        rows = (
-            query.reshape(n, h_kv, g, t, -1)
-            .permute(1, 0, 2, 3, 4)
-            .reshape(1, h_kv, -1, query.shape[-1])
-        )
         out, lse = attention(
-            rows,
+            _stacked_rows(query, h_kv),
             prefix_key[None],
             prefix_value[None],
             scale=scale,
@@ -207,10 +228,7 @@ def cascade_attention(
     out, lse = parts[0]
     for other in parts[1:]:
         out, lse = merge_partials(out, lse, *other)
-    if sinks is not None:  # a sink is a partial with no value and lse = its logit
-        sink_lse = sinks.to(lse.dtype).view(1, h_q, 1).expand_as(lse)
-        out, lse = merge_partials(out, lse, out.new_zeros(()), sink_lse)
-    return (out, lse) if return_lse else out
+    return out, lse
 
 
 def _native(
@@ -227,9 +245,9 @@ def _native(
     (:func:`attnkit.backends.blockwise.native.cascade`), or None where it does not run
     them: another backend, a gradient wanted, another device, no prefix or no suffix, a
     scale <= 0, or a pass the kernel refuses (``native.why_not``: dtype, head sizes, the
-    speed this machine measured for dense plans). The few-rows bound of a lone dense call (torch's
-    kernel for up to 48 float32 rows per kv head on AVX2) does not apply to the prefix
-    pass here: one call instead of two dispatches and a merge was faster in every case
+    speed this machine measured for dense plans). The few-rows bound of a lone dense call
+    (torch's kernel for up to 48 float32 rows per kv head on AVX2) does not apply to the
+    prefix pass here: one call instead of two dispatches and a merge was faster in every case
     measured, 1 to 32 requests decoding and 4-8 prefilling, fp32 and bf16 (0.56-1.01x of
     the two passes' time, 2-core Zen 3; docs/serving.md)."""
     from attnkit.backends.blockwise import native
@@ -245,12 +263,8 @@ def _native(
         return None
     if scale <= 0.0:  # (attention() folds such a scale into the query: the two passes)
         return None
-    n, h_q, t, d = query.shape
-    h_kv = prefix_key.shape[0]
-    g, d_v = h_q // h_kv, prefix_value.shape[-1]
-    # every request's rows (and each GQA group's heads) stacked against the prefix:
-    # (n, h_kv, g, t, d) -> (h_kv, n, g, t, d) -> (1, h_kv, n*g*t, d)
-    rows = query.reshape(n, h_kv, g, t, d).permute(1, 0, 2, 3, 4).reshape(1, h_kv, -1, d)
+    t, d, d_v = query.shape[2], query.shape[3], prefix_value.shape[-1]
+    rows = _stacked_rows(query, prefix_key.shape[0])
     pk, pv = prefix_key[None], prefix_value[None]  # (1, h_kv, p, d|d_v)
     # (the kernel reads rows of the last dim in place: each must be contiguous)
     rows, pk, pv, query, sk, sv = (
