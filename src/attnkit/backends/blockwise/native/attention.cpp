@@ -1567,17 +1567,17 @@ int guarded(F f) {
 // (simd::gemm): where a head has one query block, which loads each value vector once a
 // register tile of rows; a longer call converts them once (at T=4096 widening them in
 // every block cost 1.6%, while a 32-row call gained 10%).
-struct Keys16 {
+struct Bf16InPlace {
   const uint16_t *k;
   int64_t sb, sh, st;
   bool values;
 };
 constexpr int64_t KEYS16_MAX_D = 256;  // head sizes whose 8 rows the packing's scratch holds
 
-// The keys of a Keys16 packed as float32 (transposed, as pack's): each chunk's rows
+// The keys of a Bf16InPlace packed as float32 (transposed, as pack's): each chunk's rows
 // converted 8 at a time into a scratch that stays in L1 and transposed from there, so
 // the keys are read once, in bf16, instead of converted into a float32 copy first.
-Code pack_keys16(const Args &a, const Keys16 &k16, Packed<float> &pk) {
+Code pack_keys16(const Args &a, const Bf16InPlace &k16, Packed<float> &pk) {
   pk.chunks = (a.S + KC - 1) / KC;
   pk.depth = a.D;
   pk.t.reset(size_t(a.B * a.HKV * pk.chunks * a.D * KC));
@@ -1598,8 +1598,8 @@ Code pack_keys16(const Args &a, const Keys16 &k16, Packed<float> &pk) {
 }
 
 // The keys and values a forward reads, packed (per call, or per sequence of a varlen call;
-// k16: bf16 keys to convert as they are packed, see Keys16).
-Code pack_forward(const Args &a, Operands &ops, const Keys16 *k16 = nullptr) {
+// k16: bf16 keys to convert as they are packed, see Bf16InPlace).
+Code pack_forward(const Args &a, Operands &ops, const Bf16InPlace *k16 = nullptr) {
   // a decode step: keys and values read in place (contiguous or through the page table),
   // bf16 ones on every build (converted as read: direct_scores, decode_pv)
   if (direct_keys(a)) {
@@ -1714,7 +1714,7 @@ Args group_rows(const Args &a) {
 
 // One forward call (B, H, T) x (B, HKV, S): pack, then (batch, head, query block) items,
 // or split-KV items where those are too few.
-Code forward_call(const Args &a_, const Keys16 *k16 = nullptr) {
+Code forward_call(const Args &a_, const Bf16InPlace *k16 = nullptr) {
   const Args a = group_rows(a_);
   Operands ops;
   if (Code err = pack_forward(a, ops, k16)) return err;
@@ -1915,7 +1915,7 @@ Code backward_varlen(const Args &a, const Grads &g) {
 // (feature "bf16 read") A bf16 forward on a build without bf16 products, other than a
 // decode step (which reads bf16 where it lies): q is converted to float32 once, into the
 // call's reused buffers, the keys as they are packed and the values as P V loads them
-// where a head has one query block, else here too (Keys16; a varlen or paged call's keys
+// where a head has one query block, else here too (Bf16InPlace; a varlen or paged call's keys
 // and values, or heads over KEYS16_MAX_D, converted here, through the page table where
 // there is one), and the float32 path runs on them. The same numbers as the
 // caller's upcast before, without its three fresh tensors a call (and the page faults of
@@ -1938,11 +1938,11 @@ Code read_as_float32(const Args &a, Run run) {
   return run(a, nullptr);
 #else
   if (a.dtype != DT_BF16 || (a.nseq == 0 && direct_keys(a))) return run(a, nullptr);
-  // A plain call's keys are converted as they are packed (Keys16: read once, in bf16);
+  // A plain call's keys are converted as they are packed (Bf16InPlace: read once, in bf16);
   // a varlen or paged call's here, with its queries and values.
   const bool keys_as_packed = a.nseq == 0 && !a.pages && a.D <= KEYS16_MAX_D;
   const bool values_in_place = keys_as_packed && a.T <= a.bq;  // one query block a head
-  const Keys16 k16{reinterpret_cast<const uint16_t *>(a.k), a.sk_b, a.sk_h, a.sk_t,
+  const Bf16InPlace k16{reinterpret_cast<const uint16_t *>(a.k), a.sk_b, a.sk_h, a.sk_t,
                    values_in_place};
   reuse::Buffer<float> q(size_t(a.B * a.H * a.T * a.D)),
       k(keys_as_packed ? 0 : size_t(a.B * a.HKV * a.S * a.D)),
@@ -2066,7 +2066,7 @@ ATTNKIT_EXPORT int attnkit_forward(const Args *args) {
   const Args &a = *args;
   if (a.nseq > 0) {
     if (Code bad = check_varlen(a)) return bad;
-    auto varlen = [](const Args &f, const Keys16 *) { return forward_varlen(f); };
+    auto varlen = [](const Args &f, const Bf16InPlace *) { return forward_varlen(f); };
     return guarded([&] { return int(read_as_float32(a, varlen)); });
   }
   if (Code bad = check(a)) return bad;
