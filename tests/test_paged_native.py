@@ -241,3 +241,67 @@ def test_a_decode_step_of_sequences_of_different_lengths(paged_calls, groups, dt
         paged_decode(q, k_pages, v_pages, table, lens[:3])
     with pytest.raises(ValueError, match="one query a row"):
         paged_decode(q.expand(-1, -1, 2, -1), k_pages, v_pages, table, lens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "h_kv, groups, padded", [(12, 1, False), (6, 2, True), (4, 1, False), (3, 1, True)]
+)
+def test_heads_walked_together_give_the_bits_of_one_head_at_a_time(
+    paged_calls, dtype, h_kv, groups, padded
+):
+    """A paged decode step walks several kv heads of a row per work item, page by page
+    (attention.cpp, "page walk"); how many depends on the thread count (1 thread: every
+    head; 5 threads on 12 heads: one at a time, the layout of every other call). Each
+    head's sums are its own, so every thread count gives the same bits, and they meet the
+    float64 reference: with split-KV ranges (2100 keys), GQA heads sharing kv heads (a mask
+    keeps them apart: no folding), and a padding mask."""
+    length, ps, d = 2100, 16, 32
+    q, k, v, k_pages, v_pages, table = _case(
+        1, h_kv, groups, 1, length, d, ps, seed=h_kv, dtype=dtype
+    )
+    keep = torch.ones(1, 1, 1, length, dtype=torch.bool)
+    if padded:
+        keep[..., torch.randperm(length, generator=torch.Generator().manual_seed(1))[:700]] = False
+    mask = keep if padded else None
+    outs = []
+    try:
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            with torch.no_grad():
+                outs.append(paged_attention(q, k_pages, v_pages, table, length, mask=mask))
+    finally:
+        torch.set_num_threads(1)
+    assert paged_calls == [(1, length)] * 4  # the kernel read the pages each time
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+    _check(outs[0], q, k, v, keep[0, 0].expand(1, length))
+
+
+def test_the_kernel_checks_the_page_ids_each_row_reads(paged_calls):
+    """The native path checks page ids in the kernel, before reading (no Python pass over
+    the table a call): an id outside the pool is a ValueError naming the ids; the columns
+    past a row's own pages are never read, whatever they hold (paged_decode: per row)."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 1, 16, generator=gen)
+    k_pages, v_pages = torch.randn(4, 2, 4, 16, generator=gen), torch.randn(4, 2, 4, 16)
+    with torch.no_grad():
+        for bad in (7, -1):
+            with pytest.raises(
+                ValueError, match=rf"page ids {min(0, bad)}\.\.{max(3, bad)}; .* \[0, 4\)"
+            ):
+                paged_attention(q[:1], k_pages, v_pages, torch.tensor([[0, bad, 3]]), 12)
+        assert paged_calls == [(1, 12)] * 2  # refused by the kernel
+        paged_calls.clear()
+        with pytest.raises(ValueError, match=r"page ids 0\.\.9; they must be in \[0, 4\)"):
+            paged_decode(q, k_pages, v_pages, torch.tensor([[1, -5], [0, 9]]), [3, 8])
+        # row 0 reads page 1 alone (3 keys); its -5 is padding, never read
+        table = torch.tensor([[1, -5], [0, 2]])
+        out = paged_decode(q, k_pages, v_pages, table, [3, 8])
+        gathered = paged_decode(q, k_pages, v_pages, table, [3, 8], backend="reference")
+    assert paged_calls == [(1, 8)] * 2
+    for i, (n, pages) in enumerate([(3, [1]), (8, [0, 2])]):
+        k = k_pages[pages].transpose(0, 1).reshape(1, 2, -1, 16)[:, :, :n]
+        v = v_pages[pages].transpose(0, 1).reshape(1, 2, -1, 16)[:, :, :n]
+        _check(out[i : i + 1], q[i : i + 1], k, v, torch.ones(1, n, dtype=torch.bool))
+        _check(gathered[i : i + 1], q[i : i + 1], k, v, torch.ones(1, n, dtype=torch.bool))

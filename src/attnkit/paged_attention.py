@@ -40,7 +40,7 @@ from attnkit.attention import (
 )
 from attnkit.block_mask import BlockMask
 from attnkit.masks import MaskMod, ScoreMod, normalize_causal
-from attnkit.paged_kv_cache import gather_pages
+from attnkit.paged_kv_cache import check_page_ids, gather_pages
 
 if TYPE_CHECKING:
     from attnkit.backends.blockwise.plan import TilePlan
@@ -134,7 +134,7 @@ def paged_attention(
     """
     _check_pages(query, k_pages, v_pages)
     key_len = check_int(key_len, "key_len")
-    _check_page_table(page_table, query.shape[0], k_pages.shape[0], k_pages.shape[2], key_len)
+    _check_page_table(page_table, query.shape[0], k_pages.shape[2], key_len)
     backend = check_backend(backend)
     return_lse = check_bool(return_lse, "return_lse")
     window = check_window(window)
@@ -152,8 +152,9 @@ def paged_attention(
         return_lse=return_lse,
     )
     plan, _ = _route(query, k_pages, v_pages, key_len, backend, **kwargs)
-    if plan is not None:
+    if plan is not None:  # (the kernel checks the page ids it reads)
         return _native(plan, query, k_pages, v_pages, page_table, None, **kwargs)
+    check_page_ids(page_table, key_len, k_pages.shape[2], k_pages.shape[0])
     k, v = gather_pages(k_pages, v_pages, page_table, key_len)  # (b, h_kv, s, d)
     return attention(query, k, v, backend=backend, **kwargs)  # type: ignore[call-overload]
 
@@ -189,7 +190,7 @@ def paged_decode(
     if len(lens) != query.shape[0]:
         raise ValueError(f"key_lens has {len(lens)} lengths for a batch of {query.shape[0]}")
     longest = max(lens)
-    _check_page_table(page_table, query.shape[0], k_pages.shape[0], k_pages.shape[2], longest)
+    _check_page_table(page_table, query.shape[0], k_pages.shape[2], longest)
     backend = check_backend(backend)
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else check_float(scale, "scale")
     check_sinks(sinks, query)
@@ -214,7 +215,11 @@ def paged_decode(
     if plan is not None and direct:
         out = _native(plan, query, k_pages, v_pages, page_table, key_lens=lengths, **kwargs)
         return out  # type: ignore[return-value]
-    k, v = gather_pages(k_pages, v_pages, page_table, longest)  # (b, h_kv, s, d)
+    ps = k_pages.shape[2]
+    check_page_ids(page_table, lengths, ps, k_pages.shape[0])  # (what each row reads, as
+    # the kernel checks; the columns past a row's own pages are gathered as page 0)
+    unread = torch.arange(page_table.shape[1]) >= (lengths[:, None] + ps - 1) // ps  # (b, n)
+    k, v = gather_pages(k_pages, v_pages, page_table.masked_fill(unread, 0), longest)
     real = torch.arange(longest, device=query.device) < lengths[:, None]  # (b, s)
     return attention(
         query, k, v, mask=real[:, None, None], scale=scale, sinks=sinks, backend=backend
@@ -247,9 +252,9 @@ def _check_pages(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tens
         raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({h_kv})")
 
 
-def _check_page_table(
-    page_table: torch.Tensor, b: int, num_pages: int, page_size: int, key_len: int
-) -> None:
+def _check_page_table(page_table: torch.Tensor, b: int, page_size: int, key_len: int) -> None:
+    """The table's type and shape (its ids: :func:`check_page_ids` where the pages are
+    gathered, the kernel itself where it reads them in place)."""
     if not isinstance(page_table, torch.Tensor) or page_table.dtype not in (
         torch.int64,
         torch.int32,
@@ -264,12 +269,6 @@ def _check_page_table(
         raise ValueError(
             f"page_table has {page_table.shape[1]} pages a row; key_len={key_len} needs "
             f"{need} of page_size {page_size}"
-        )
-    used = page_table[:, :need]
-    low, high = int(used.min()), int(used.max())
-    if low < 0 or high >= num_pages:
-        raise ValueError(
-            f"page_table holds page ids {low}..{high}; they must be in [0, {num_pages})"
         )
 
 
@@ -304,6 +303,9 @@ def _route(
     plan = None if cache_key is None else plan_cache.get(cache_key, None)
     if plan is not None:  # planned and accepted before: every layer of a decode step
         return plan, None
+    why = _dtype_refusal(query.dtype)
+    if why is not None:
+        return None, why
     plan = _plan(query, k_pages, key_len, **kwargs)
     why = native.why_not(plan, query.dtype, query.shape[-1], v_pages.shape[-1], paged=True)
     if why is None and cache_key is not None:
@@ -333,8 +335,7 @@ def _cache_key(
 def _refusal(
     query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, backend: str, **kwargs
 ) -> str | None:
-    from attnkit.backends.blockwise import native
-
+    """Why the kernel does not run the call, from what no plan or build decides."""
     if backend not in ("auto", "blockwise"):
         return f"backend={backend!r} (the native kernel is 'auto' or 'blockwise')"
     if query.device.type != "cpu":
@@ -347,11 +348,18 @@ def _refusal(
         return "a score_mod that is not a relative bias"
     if k_pages.stride(-1) != 1 or v_pages.stride(-1) != 1:
         return "pages whose last dim is strided"
-    dtype = query.dtype
-    if not (dtype == torch.float32 or (dtype == torch.bfloat16 and native.reads_bf16())):
-        return f"{dtype} (the kernel reads float32 and bf16)"
     if kwargs["scale"] <= 0.0:
         return "a scale <= 0"
+    return None
+
+
+def _dtype_refusal(dtype: torch.dtype) -> str | None:
+    """Why the loaded build does not read ``dtype`` (asked where a call is planned: a kept
+    plan's key holds the dtype and the build)."""
+    from attnkit.backends.blockwise import native
+
+    if not (dtype == torch.float32 or (dtype == torch.bfloat16 and native.reads_bf16())):
+        return f"{dtype} (the kernel reads float32 and bf16)"
     return None
 
 

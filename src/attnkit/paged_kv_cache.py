@@ -390,6 +390,25 @@ class PagedKVCache(nn.Module):
         )
 
 
+def check_page_ids(
+    page_table: torch.Tensor, key_lens: torch.Tensor | int, page_size: int, num_pages: int
+) -> None:
+    """Raise a ValueError if a page id a row reads is outside ``[0, num_pages)``: its first
+    ``ceil(key_len / page_size)`` (``key_lens``: one length for every row, or ``(b,)``)."""
+    if isinstance(key_lens, int):
+        used = page_table[:, : -(-key_lens // page_size)]
+    else:
+        need = (key_lens.reshape(-1, 1) + page_size - 1) // page_size  # (b, 1)
+        used = page_table[torch.arange(page_table.shape[1]) < need]
+    if used.numel() == 0:
+        return
+    low, high = (int(x) for x in torch.aminmax(used))
+    if low < 0 or high >= num_pages:
+        raise ValueError(
+            f"page_table holds page ids {low}..{high}; they must be in [0, {num_pages})"
+        )
+
+
 def gather_pages(
     k_pages: torch.Tensor, v_pages: torch.Tensor, page_table: torch.Tensor, length: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

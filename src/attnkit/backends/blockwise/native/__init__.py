@@ -44,6 +44,7 @@ from attnkit.backends.blockwise.native import abi, calibrate, codegen, mask_code
 from attnkit.backends.blockwise.native.build import library, status, warn_once
 from attnkit.backends.blockwise.plan import Band, TilePlan
 from attnkit.block_mask import PARTIAL
+from attnkit.paged_kv_cache import check_page_ids
 
 __all__ = [
     "BLOCK_Q",
@@ -518,7 +519,8 @@ def forward_paged(
         k_pages: ``(num_pages, h_kv, page_size, d)`` key pages (last dim contiguous).
         v_pages: ``(num_pages, h_kv, page_size, d_v)`` value pages.
         page_table: int64 ``(b, n)``, row ``i`` the pages of batch row ``i`` in order
-            (checked by the caller: ``n * page_size >= s``, ids in range).
+            (its shape checked by the caller: ``n * page_size >= s``; the ids a row reads
+            by the kernel, a ValueError naming them when one is outside the pool).
         key_lens: int64 ``(b,)``, row ``i`` attending to its first ``key_lens[i] <= s``
             keys: a decode step of sequences of different lengths (one query row per kv
             head and few heads a group, no band); None = every row to ``s``.
@@ -531,13 +533,18 @@ def forward_paged(
     # _args read the pages' strides as (b, h, t): the first is a page's stride here
     args.sk_page, args.sv_page, args.sk_b, args.sv_b = args.sk_b, args.sv_b, 0, 0
     args.pages, args.pages_sb, args.page_size = table.data_ptr(), table.stride(0), k_pages.shape[2]
+    args.num_pages = k_pages.shape[0]
     if key_lens is not None:
         key_lens = key_lens.to(torch.int64).contiguous()
         keep_alive.append(key_lens)
         args.key_lens = key_lens.data_ptr()
     if plan.b * plan.h * plan.t * plan.s * (q.shape[-1] + v_pages.shape[-1]) < PAGED_ONE_THREAD:
         args.threads = 1  # a short decode step: waking a thread costs more than it saves
-    _check_code(_kernel("attnkit_forward")(ctypes.byref(args)))
+    code = _kernel("attnkit_forward")(ctypes.byref(args))
+    if code == abi.BAD_PAGE:  # (the kernel checked every id a row reads before reading)
+        lens = plan.s if key_lens is None else key_lens
+        check_page_ids(table, lens, k_pages.shape[2], k_pages.shape[0])
+    _check_code(code)
     del keep_alive
     return out, lse
 

@@ -14,11 +14,11 @@ import ctypes
 __all__ = ["ABI_VERSION", "CODES", "DT_BF16", "DT_F32", "Args", "Grads", "check", "typed"]
 
 #: ``ABI_VERSION`` of attention.cpp: bumped whenever ``Args``, ``Grads`` or the exported
-#: functions change (9: ``attnkit_cascade``).
-ABI_VERSION = 9
+#: functions change (9: ``attnkit_cascade``; 10: ``num_pages``, page ids checked).
+ABI_VERSION = 10
 
 #: attention.cpp's return codes (``enum Code``) that the binding treats apart.
-OK, NO_MEMORY = 0, 4
+OK, NO_MEMORY, BAD_PAGE = 0, 4, 9
 
 #: attention.cpp's return codes (``enum Code``), described.
 CODES = {
@@ -30,6 +30,7 @@ CODES = {
     6: "an internal error",
     7: "bf16 inputs to a build without bf16 products",
     8: "paged keys and values to the backward (the kernel runs their forward only)",
+    9: "a page id outside the pool",
 }
 
 #: ``Args.dtype``: what ``q``, ``k``, ``v`` (and the backward's ``dout``) point to.
@@ -75,7 +76,7 @@ class Args(ctypes.Structure):
         ("kv_splits", _I),
         # paged keys and values (attnkit.PagedKVCache): the page table and its geometry
         ("pages", _P),
-        *((name, _I) for name in ("pages_sb", "page_size", "sk_page", "sv_page")),
+        *((name, _I) for name in ("pages_sb", "page_size", "sk_page", "sv_page", "num_pages")),
         ("key_lens", _P),
         # generated mask tests (native/codegen.py, compiled mask_mods): a block mask's
         # PARTIAL tiles made row by row, no stored tile

@@ -122,7 +122,7 @@ def selected_isa() -> str | None:
     forced = os.environ.get("ATTNKIT_NATIVE_ISA")
     if forced:
         return forced
-    isas = host_isas()
+    isas = _host_isas()
     return isas[0] if isas else None
 
 
@@ -302,6 +302,9 @@ def library(isa: str | None = None) -> ctypes.CDLL | None:
     first call, or None (see :func:`status`)."""
     isa = isa or selected_isa()
     key = isa or ""
+    known = _state.get(key)  # (every call after the first: no lock)
+    if known is not None:
+        return known[0]
     with _lock:
         if key not in _state:
             _files.pop(key, None)
