@@ -445,3 +445,43 @@ def test_one_kernel_call_takes_strided_and_expanded_inputs(kernel_cascades, n):
         sk.double(), sv.double(), torch.full((n,), s), None,
     )  # fmt: skip
     assert (out.double() - want).abs().max().item() < 1e-5
+
+
+def test_a_repeated_cascade_is_planned_once_and_a_changed_one_anew(kernel_cascades, monkeypatch):
+    """Every layer of a decode step makes the same cascade: with no padding mask its two
+    plans are kept (plan_cache); a call of another size, scale or dtype is planned again,
+    a padded one every time, and every answer meets the float64 reference."""
+    from attnkit.backends.blockwise import plan as plan_module
+    from attnkit.backends.blockwise import plan_cache
+
+    planned: list[tuple] = []
+    original = plan_module.build_plan
+
+    def counting(q, k, **kwargs):
+        planned.append(tuple(q.shape))
+        return original(q, k, **kwargs)
+
+    monkeypatch.setattr(plan_module, "build_plan", counting)
+    plan_cache.clear()
+    xs = [x.float() for x in _inputs(3, 4, 2, 1, 100, 9, 16, 16, seed=5)]
+    q, pk, pv, sk, sv, _ = xs
+    short = (q, pk[:, :70], pv[:, :70], sk, sv)
+    lengths = torch.tensor([9, 4, 0])
+    calls = [  # (inputs, options): the first one three times
+        (xs[:5], {}), (xs[:5], {}), (xs[:5], {}), (short, {}), (xs[:5], {"scale": 0.3}),
+        ([x.to(torch.bfloat16) for x in xs[:5]], {}), (xs[:5], {"suffix_lengths": lengths}),
+        (xs[:5], {"suffix_lengths": lengths}), (short, {}),
+    ]  # fmt: skip
+    for inputs, options in calls:
+        out = cascade_attention(*inputs, **options)
+        rounded = [x.double() for x in inputs]
+        if "scale" in options:  # (the reference scales by 1/sqrt(d): fold the rest into q)
+            rounded[0] = rounded[0] * options["scale"] * math.sqrt(q.shape[-1])
+        n_own = options.get("suffix_lengths", torch.full((3,), 9))
+        want, _ = _reference(*rounded, n_own, None)
+        tol = 1e-5 if inputs[0].dtype == torch.float32 else 2e-2
+        assert (out.double() - want).abs().max().item() < tol
+    # two plans (prefix, suffix) for each call planned: the first, the short prefix, the
+    # new scale, bf16 and both padded calls; the repeats and the short prefix again kept
+    assert len(planned) == 2 * 6
+    assert len(kernel_cascades) == len(calls)  # and every call ran in one kernel call

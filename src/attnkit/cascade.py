@@ -250,7 +250,8 @@ def _native(
     prefix pass here: one call instead of two dispatches and a merge was faster in every case
     measured, 1 to 32 requests decoding and 4-8 prefilling, fp32 and bf16 (0.56-1.01x of
     the two passes' time, 2-core Zen 3; docs/serving.md)."""
-    from attnkit.backends.blockwise import native
+    from attnkit.backends.blockwise import native, plan_cache
+    from attnkit.backends.blockwise.native import calibrate
     from attnkit.backends.blockwise.plan import NATIVE_CPU, build_plan
 
     if backend not in ("auto", "blockwise") or query.device.type != "cpu":
@@ -278,15 +279,38 @@ def _native(
             score_mod=None, block_mask=None, engine=NATIVE_CPU,
         )  # fmt: skip
 
-    pre = plan(rows, pk, None, None)
-    suf = plan(query, sk, "bottom_right" if mask is None and t > 1 else None, mask)
-    dtype = query.dtype
-    if (
-        native.why_not(pre, dtype, d, d_v, one_of_two=True) is not None
-        or native.why_not(suf, dtype, d, d_v) is not None
-    ):
-        return None
+    # a cascade with no padding mask is a function of its sizes and options: its two
+    # plans, once accepted, are kept (every layer of a decode step makes the same call)
+    key = None if mask is not None or calibrate.measuring() else _cache_key(query, pv, sk, scale)
+    pre = None if key is None else plan_cache.get(("prefix", *key), None)
+    suf = None if key is None else plan_cache.get(("suffix", *key), None)
+    if pre is None or suf is None:
+        pre = plan(rows, pk, None, None)
+        suf = plan(query, sk, "bottom_right" if mask is None and t > 1 else None, mask)
+        dtype = query.dtype
+        if (
+            native.why_not(pre, dtype, d, d_v, one_of_two=True) is not None
+            or native.why_not(suf, dtype, d, d_v) is not None
+        ):
+            return None
+        if key is not None:
+            plan_cache.put(("prefix", *key), pre)
+            plan_cache.put(("suffix", *key), suf)
     return native.cascade(pre, suf, rows, pk, pv, query, sk, sv)
+
+
+def _cache_key(
+    query: torch.Tensor, prefix_value: torch.Tensor, suffix_key: torch.Tensor, scale: float
+) -> tuple:
+    """The :mod:`~attnkit.backends.blockwise.plan_cache` key of a cascade with no padding
+    mask (the prefix's length and value size in ``prefix_value``'s shape, the suffix's in
+    ``suffix_key``'s; the rest of the shapes :func:`_check` ties to these)."""
+    from attnkit.backends.blockwise import plan_cache
+
+    return (
+        "cascade", query.shape, query.dtype, query.device, prefix_value.shape,
+        suffix_key.shape, scale, *plan_cache.process_key(),
+    )  # fmt: skip
 
 
 def _suffix_mask(
