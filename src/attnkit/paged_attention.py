@@ -218,7 +218,8 @@ def paged_decode(
     ps = k_pages.shape[2]
     check_page_ids(page_table, lengths, ps, k_pages.shape[0])  # (what each row reads, as
     # the kernel checks; the columns past a row's own pages are gathered as page 0)
-    unread = torch.arange(page_table.shape[1]) >= (lengths[:, None] + ps - 1) // ps  # (b, n)
+    columns = torch.arange(page_table.shape[1], device=page_table.device)
+    unread = columns >= (lengths[:, None].to(page_table.device) + ps - 1) // ps  # (b, n)
     k, v = gather_pages(k_pages, v_pages, page_table.masked_fill(unread, 0), longest)
     real = torch.arange(longest, device=query.device) < lengths[:, None]  # (b, s)
     return attention(

@@ -398,8 +398,8 @@ def check_page_ids(
     if isinstance(key_lens, int):
         used = page_table[:, : -(-key_lens // page_size)]
     else:
-        need = (key_lens.reshape(-1, 1) + page_size - 1) // page_size  # (b, 1)
-        used = page_table[torch.arange(page_table.shape[1]) < need]
+        need = (key_lens.reshape(-1, 1).to(page_table.device) + page_size - 1) // page_size
+        used = page_table[torch.arange(page_table.shape[1], device=page_table.device) < need]
     if used.numel() == 0:
         return
     low, high = (int(x) for x in torch.aminmax(used))
