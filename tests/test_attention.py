@@ -481,3 +481,35 @@ def test_the_one_reduction_test_agrees_with_removed_keys(seed):
             assert not removed_keys(mask, 1).any()
     for row in (keep[..., 0, :].reshape(-1), torch.ones(5, dtype=torch.bool)):  # 1-D (l_k,)
         assert keeps_every_key(row) == (not removed_keys(row, 1).any())
+
+
+@pytest.mark.parametrize("causal, lq, lk", [(True, 1, 9), ("top_left", 3, 1)])
+def test_a_causal_flag_that_masks_nothing_is_dropped(monkeypatch, causal, lq, lk):
+    """causal=True on a decode step (one query, bottom-right: every key is in its past)
+    masks nothing: the call runs as an unmasked one (SDPA without a mask, not a dense
+    causal mask), with the float64 reference's answer and gradients."""
+    import attnkit.backends.sdpa as sdpa_module
+
+    seen: list[tuple] = []
+    original = sdpa_module.F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, **kwargs):
+        seen.append((attn_mask, kwargs["is_causal"]))
+        return original(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(sdpa_module.F, "scaled_dot_product_attention", spy)
+    q, k, v = _qkv(lq=lq, lk=lk, grad=True)
+    out = attention(q, k, v, causal=causal, backend="sdpa")
+    assert seen == [(None, False)]
+    ref, _ = ref_attention(q, k, v, causal=None)
+    torch.testing.assert_close(out.double(), ref, **TOL[torch.float32])
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want, _ = ref_attention(qd, kd, vd, causal=None)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    want_grads = torch.autograd.grad(want.sum(), (qd, kd, vd))
+    for got, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got.double(), w, **TOL[torch.float32])
+    # with a window the flag sets how the window lines up: it stays
+    seen.clear()
+    attention(q, k, v, causal=causal, window=2, backend="sdpa")
+    assert seen[0][0] is not None

@@ -346,3 +346,22 @@ def test_alignment_and_window_are_checked_alike_everywhere():
     with pytest.raises(TypeError, match="window must be an int, got bool"):
         M.window_mask(3, 3, True)
     assert M.causal_mask(2, 3, "top_left").tolist() == [[True, False, False], [True, True, False]]
+
+
+@pytest.mark.parametrize(
+    "q_len, k_len, causal, keeps_all",
+    [
+        (1, 9, "bottom_right", True),  # a decode step: the query is the last position
+        (2, 9, "bottom_right", False),
+        (1, 1, "top_left", True),
+        (1, 2, "top_left", False),
+        (5, 1, "top_left", True),
+        (3, 3, "bottom_right", False),
+        (4, 2, None, True),
+    ],
+)
+def test_causal_keeps_every_key_only_where_no_query_loses_a_key(q_len, k_len, causal, keeps_all):
+    assert M.causal_keeps_every_key(q_len, k_len, causal) is keeps_all
+    # the same answer as the rule itself, key by key
+    keep = M.causal_mask(q_len, k_len, causal or "bottom_right")
+    assert bool(keep.all()) == keeps_all or causal is None

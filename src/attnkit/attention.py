@@ -29,6 +29,7 @@ from attnkit.block_mask import BlockMask
 from attnkit.masks import (
     MaskMod,
     ScoreMod,
+    causal_keeps_every_key,
     check_mod_sizes,
     keeps_every_key,
     normalize_causal,
@@ -309,6 +310,8 @@ def _make_call(
         # torch's fused kernels return NaN for scale <= 0 with is_causal: fold the scale
         # into the query (the same scores) and hand every backend a positive one.
         query, scale = query * scale, 1.0
+    if window is None and causal_keeps_every_key(query.shape[-2], key.shape[-2], causal_mode):
+        causal_mode = None  # (a decode step's causal=True: nothing to mask)
     lo, hi = reachable_keys(query.shape[-2], key.shape[-2], causal_mode, window)
     if mask is not None or lo > 0 or hi < key.shape[-2]:
         key, value = _drop_removed_keys(mask, lo, hi, key, value)

@@ -159,6 +159,17 @@ def reachable_keys(
     return min(lo, k_len), max(0, min(hi, k_len))
 
 
+def causal_keeps_every_key(q_len: int, k_len: int, causal: CausalAlignment | None) -> bool:
+    """Whether ``causal`` alone removes no key from any query: the first query's aligned
+    position is at or past the last key (``"bottom_right"`` with one query, ``"top_left"``
+    with one key). :func:`attnkit.attention` then drops it (without a window), so that a
+    decode step called with ``causal=True`` takes the unmasked paths."""
+    if causal is None:
+        return True
+    offset = k_len - q_len if causal == "bottom_right" else 0
+    return offset >= k_len - 1
+
+
 def _aligned_positions(
     q_len: int, k_len: int, alignment: CausalAlignment, device: torch.device | str | None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,8 +56,15 @@ def sdpa_attention(call: AttentionCall) -> BackendResult:
         and (call.causal == "top_left" or call.q_len == call.k_len)
     )
     mask = None if is_causal else call.dense_mask()
+    # A row keeps no key only through a mask, a mod, a block mask, a window, or a
+    # bottom-right causal triangle with more queries than keys (its first rows sit before
+    # key 0): a causal triangle alone needs no dead-row pass.
+    no_dead_row = (
+        plain_causal and call.causal is not None
+        and (call.causal == "top_left" or call.q_len <= call.k_len)
+    )  # fmt: skip
     dead = None
-    if mask is not None:
+    if mask is not None and not no_dead_row:
         if mask.dim() == 1:  # a (l_k,) mask broadcasts, but SDPA wants (..., l_q, l_k)
             mask = mask.unsqueeze(0)
         dead = dead_rows(mask)  # (..., t, 1)
