@@ -134,3 +134,14 @@ def test_auto_sends_long_decode_steps_to_the_kernel(monkeypatch):
     attention(q.requires_grad_(), k, v)  # gradients wanted: as before
     attention(*decode_case(4, 8, 2, long_keys))  # 16 rows per kv head: as before
     assert seen == []
+    # a few queries bottom-right causal: SDPA would need a dense mask, the kernel takes
+    # any size (2 x 4 rows per kv head against a short cache)
+    q2, k2, v2 = decode_case(2, 8, 2, 300)
+    out = attention(q2, k2, v2, causal=True)
+    assert seen == [(2, 300)]
+    ref, _ = ref_attention_lse(q2, k2, v2, keep=ref_band_keep(2, 300, "bottom_right", None))
+    torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
+    seen.clear()
+    attention(q2, k2, v2, causal="top_left")  # (keys past the queries removed: SDPA's own)
+    attention(*decode_case(1, 8, 2, 300), causal=True)  # one query: nothing masked, SDPA
+    assert seen == []

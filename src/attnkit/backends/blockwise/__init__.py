@@ -247,9 +247,13 @@ def _decode_step(call: AttentionCall) -> bool:
     q, k = call.query, call.key
     heads, kv_heads = (q.shape[-3], k.shape[-3]) if q.dim() >= 3 else (1, 1)
     batch = math.prod(q.shape[:-3])  # (the leading dims; 1 for none)
+    # (a causal triangle SDPA's is_causal cannot draw: it would take a dense mask)
+    sdpa_masked = call.causal == "bottom_right" and 1 < call.q_len < call.k_len
     return (
         call.q_len * (heads // kv_heads) <= DECODE_MAX_ROWS
-        and native.decode_pays(q.dtype, batch, heads, kv_heads, call.k_len, q.shape[-1])
+        and native.decode_pays(
+            q.dtype, batch, heads, kv_heads, call.k_len, q.shape[-1], sdpa_masked=sdpa_masked
+        )
         and call.query.device.type == "cpu"
         and not call.need_weights
         and not _wants_grad(call)
