@@ -8,6 +8,7 @@
 //
 // Prints one line per case and a closing "N passed, N failed"; exit 0 iff none failed.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -277,6 +278,65 @@ bool cascade(const char *name, int64_t n, int64_t H, int64_t HKV, int64_t t, int
   return within(name, "out", err, plain_err) & within(name, "lse", lse_err, lse_plain);
 }
 
+// A paged decode step (Args.pages): the keys and values of B rows scattered over a pool of
+// shuffled pages, a page's kv heads side by side, (P, HKV, ps, D). Read on 1 and 2 threads
+// (the heads of a row walked together, all or some: attention.cpp's "page walk"), each
+// giving the bits of the same call on the contiguous keys, which meets float64; a page id
+// outside the pool is refused before anything is read.
+bool paged(const char *name, int64_t B, int64_t H, int64_t HKV, int64_t S, int64_t ps,
+           int64_t D, std::mt19937 &rng) {
+  std::normal_distribution<float> normal;
+  auto randn = [&](int64_t count) {
+    std::vector<float> x(count);
+    for (auto &e : x) e = normal(rng);
+    return x;
+  };
+  const int64_t n = (S + ps - 1) / ps, P = B * n + 2;
+  const auto q = randn(B * H * D), k = randn(B * HKV * S * D), v = randn(B * HKV * S * D);
+  std::vector<int64_t> ids(P), table(B * n);
+  for (int64_t i = 0; i < P; ++i) ids[i] = i;
+  std::shuffle(ids.begin(), ids.end(), rng);
+  std::vector<float> kp(P * HKV * ps * D, NAN), vp(kp.size(), NAN);  // unread: NaN
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < S; ++j)
+      for (int64_t hk = 0; hk < HKV; ++hk) {
+        const int64_t page = table[b * n + j / ps] = ids[b * n + j / ps];
+        const int64_t at = ((page * HKV + hk) * ps + j % ps) * D;
+        std::memcpy(&kp[at], &k[((b * HKV + hk) * S + j) * D], D * sizeof(float));
+        std::memcpy(&vp[at], &v[((b * HKV + hk) * S + j) * D], D * sizeof(float));
+      }
+  Args a{};
+  std::vector<float> out(B * H * D), lse(B * H), want(out.size());
+  a.q = q.data(), a.k = k.data(), a.v = v.data(), a.out = want.data(), a.lse = lse.data();
+  a.sq_b = H * D, a.sq_h = D, a.sq_t = D;
+  a.sk_b = a.sv_b = HKV * S * D, a.sk_h = a.sv_h = S * D, a.sk_t = a.sv_t = D;
+  a.so_b = H * D, a.so_h = D, a.so_t = D;
+  a.B = B, a.H = H, a.HKV = HKV, a.T = 1, a.S = S, a.D = a.DV = D;
+  a.scale = 1.0 / std::sqrt(double(D)), a.band_lo = -NONE, a.band_hi = NONE, a.bq = 128;
+  a.threads = 2;
+  bool ok = attnkit_forward(&a) == 0;
+  Args pa = a;
+  pa.k = kp.data(), pa.v = vp.data(), pa.out = out.data();
+  pa.sk_b = pa.sv_b = 0, pa.sk_h = pa.sv_h = ps * D;
+  pa.sk_page = pa.sv_page = HKV * ps * D;
+  pa.pages = table.data(), pa.pages_sb = n, pa.page_size = ps, pa.num_pages = P;
+  for (int64_t threads : {1, 2}) {
+    pa.threads = threads;
+    std::fill(out.begin(), out.end(), NAN);
+    ok &= attnkit_forward(&pa) == 0 && std::memcmp(out.data(), want.data(), out.size() * 4) == 0;
+  }
+  table[B * n - 1] = P;  // a page outside the pool
+  ok &= attnkit_forward(&pa) == BAD_PAGE;
+  std::printf("  %-22s same bits as contiguous on 1 and 2 threads, bad id refused: %s\n",
+              name, ok ? "ok" : "FAILED");
+  const Case c{name, B, H, HKV, 1, S, D, D, -NONE, NONE, false};
+  const std::vector<uint8_t> none;
+  const std::vector<float> dout(B * H * D, 0.0f);
+  const auto ref = plain<double>(c, q, k, v, none, dout, a.scale);
+  const auto f32 = plain<float>(c, q, k, v, none, dout, a.scale);
+  return ok & within(name, "out", max_err(want, ref.out), max_err(f32.out, ref.out));
+}
+
 }  // namespace
 
 int main() {
@@ -307,6 +367,9 @@ int main() {
   // shared-prefix cascades: decode steps (GQA rows folded), and suffix prefill
   (cascade("cascade, decode", 3, 8, 2, 1, 200, 70, 64, rng) ? passed : failed) += 1;
   (cascade("cascade, prefill", 2, 4, 1, 9, 130, 40, 32, rng) ? passed : failed) += 1;
+  // paged decode steps: heads walked together (12 of them), GQA folded, odd page sizes
+  (paged("paged, 12 heads", 2, 12, 12, 700, 16, 64, rng) ? passed : failed) += 1;
+  (paged("paged, GQA, pages of 5", 3, 8, 2, 1300, 5, 32, rng) ? passed : failed) += 1;
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }
