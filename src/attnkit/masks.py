@@ -170,6 +170,13 @@ def causal_keeps_every_key(q_len: int, k_len: int, causal: CausalAlignment | Non
     return offset >= k_len - 1
 
 
+def is_top_left_triangle(q_len: int, k_len: int, causal: CausalAlignment | None) -> bool:
+    """Whether ``causal`` is the triangle ``scaled_dot_product_attention(is_causal=True)``
+    draws: ``"top_left"``, or ``"bottom_right"`` with as many queries as keys (any other
+    causal call takes a dense mask there)."""
+    return causal == "top_left" or (causal == "bottom_right" and q_len == k_len)
+
+
 def _aligned_positions(
     q_len: int, k_len: int, alignment: CausalAlignment, device: torch.device | str | None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.backends.registry import AttentionCall, BackendResult, register_backend
-from attnkit.masks import dead_rows
+from attnkit.masks import dead_rows, is_top_left_triangle
 
 __all__ = ["sdpa_attention"]
 
@@ -50,11 +50,7 @@ def sdpa_attention(call: AttentionCall) -> BackendResult:
         and call.mask_mod is None
         and call.block_mask is None
     )
-    is_causal = (
-        plain_causal
-        and call.causal is not None
-        and (call.causal == "top_left" or call.q_len == call.k_len)
-    )
+    is_causal = plain_causal and is_top_left_triangle(call.q_len, call.k_len, call.causal)
     mask = None if is_causal else call.dense_mask()
     # A row keeps no key only through a mask, a mod, a block mask, a window, or a
     # bottom-right causal triangle with more queries than keys (its first rows sit before

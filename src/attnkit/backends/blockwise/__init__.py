@@ -55,7 +55,7 @@ from attnkit.backends.blockwise.plan import (
 from attnkit.backends.blockwise.segment import SegmentMask, segment_backward, segment_forward
 from attnkit.backends.blockwise.torch_tiles import attention_weights
 from attnkit.backends.registry import AttentionCall, BackendResult, is_sparse, register_backend
-from attnkit.masks import ScoreMod
+from attnkit.masks import ScoreMod, is_top_left_triangle
 from attnkit.mods import grad_leaves
 
 __all__ = [
@@ -247,8 +247,12 @@ def _decode_step(call: AttentionCall) -> bool:
     q, k = call.query, call.key
     heads, kv_heads = (q.shape[-3], k.shape[-3]) if q.dim() >= 3 else (1, 1)
     batch = math.prod(q.shape[:-3])  # (the leading dims; 1 for none)
-    # (a causal triangle SDPA's is_causal cannot draw: it would take a dense mask)
-    sdpa_masked = call.causal == "bottom_right" and 1 < call.q_len < call.k_len
+    # (a few queries under a causal triangle SDPA's is_causal cannot draw: a dense mask)
+    sdpa_masked = (
+        call.causal is not None
+        and 1 < call.q_len < call.k_len
+        and not is_top_left_triangle(call.q_len, call.k_len, call.causal)
+    )
     return (
         call.q_len * (heads // kv_heads) <= DECODE_MAX_ROWS
         and native.decode_pays(

@@ -1394,13 +1394,13 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
 // bits for any grouping.
 // ---------------------------------------------------------------------------------------
 
-// Heads an item walks together (1: none), given the items `units` that one head an item
-// would make: as many as keep the threads as busy as one head an item would (items /
-// (threads x rounds of items)), the most of those, a divisor of H. The bits do not depend
-// on it, so the thread count may decide it.
-int64_t walk_heads(const Args &a, int64_t units) {
+// Heads an item walks together (1: none), given the items `per_head` of each head (key
+// ranges x batch rows x query blocks): as many as keep the threads as busy as one head an
+// item would (items / (threads x rounds of items)), the most of those, a divisor of H.
+// The bits do not depend on it, so the thread count may decide it.
+int64_t walk_heads(const Args &a, int64_t per_head) {
   if (!a.pages || !direct_keys(a) || a.T > a.bq || a.bm_kind || a.H == 1) return 1;
-  const int64_t threads = std::max<int64_t>(1, a.threads), per_head = units / a.H;
+  const int64_t threads = std::max<int64_t>(1, a.threads);
   auto busy = [&](int64_t hg) {
     const int64_t items = per_head * (a.H / hg);
     return double(items) / double(threads * ((items + threads - 1) / threads));
@@ -1737,7 +1737,7 @@ int64_t kv_splits(const Args &a, int64_t work, int64_t chunks) {
 }
 
 Code forward_split(const Args &a, const Operands &ops, int64_t nq, int64_t splits) {
-  const int64_t hg = walk_heads(a, splits * a.B * a.H * nq), groups = a.H / hg;
+  const int64_t hg = walk_heads(a, splits * a.B * nq), groups = a.H / hg;
   const int64_t chunks = ops.chunks(), work = a.B * groups * nq, rows = a.B * a.H * a.T;
   reuse::Buffer<float> po(size_t(splits * rows * a.DV)), pl(size_t(splits * rows));
   std::vector<Args> part(splits, a);  // range r writes its rows to po, pl (B, H, T[, DV])
@@ -1818,7 +1818,7 @@ Code forward_call(const Args &a_, const Bf16InPlace *k16 = nullptr) {
   const int64_t nq = (a.T + a.bq - 1) / a.bq;  // query blocks per (batch, head)
   const int64_t splits = kv_splits(a, a.B * a.H * nq, ops.chunks());
   if (splits > 1) return forward_split(a, ops, nq, splits);
-  const int64_t hg = walk_heads(a, a.B * a.H * nq), groups = a.H / hg;  // (walked: nq 1)
+  const int64_t hg = walk_heads(a, a.B * nq), groups = a.H / hg;  // (walked: nq 1)
   if (hg > 1)
     return parallel<HeadsScratch>(a, a.B * groups, [&](HeadsScratch &w, int64_t it) {
       const int64_t h0 = (it % groups) * hg;
