@@ -207,13 +207,16 @@ def test_calibration_and_row_bounds_are_seen(monkeypatch):
     """A measured speed (not forced) keeps a short dense plan (up to native.few_rows() query
     rows per kv head) on torch's kernel: a new calibration, or a new bound, is a new
     decision."""
-    q = torch.randn(1, 2, 16, 64)  # 16 rows per kv head: more than a decode step's 8
+    rows = native_module.few_rows()  # this build's bound (12 at 16 floats, 48 at 8)
+    assert rows > native_module.DIRECT_ROWS  # more than a decode step's rows
+    q = torch.randn(1, 2, rows, 64)
     k, v = torch.randn(1, 2, 512, 64), torch.randn(1, 2, 512, 64)
     measured = calibrate.Speed(0.5, 0.5, "measured")
     monkeypatch.setattr(calibrate, "speed", lambda dtype=None, keys=None: measured)
     short = explain_dispatch(q, k, v, backend="blockwise")
     assert "forward: flash_cpu" in short.splitlines()[1]
-    monkeypatch.setattr(native_module, "FEW_ROWS", {16: 8, 8: 8, 4: 8})
+    lower = native_module.DIRECT_ROWS
+    monkeypatch.setattr(native_module, "FEW_ROWS", {16: lower, 8: lower, 4: lower})
     assert explain_dispatch(q, k, v, backend="blockwise").splitlines()[1] == "forward: native_cpu"
     # the calibration read through its own cache: a slower measurement added to it
     monkeypatch.undo()
