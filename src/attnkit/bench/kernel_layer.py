@@ -10,8 +10,8 @@ Targets (ratios measured in one run, cases timed round-robin; see :mod:`attnkit.
 * h: 8 packed causal documents of 1024 through a block mask against SDPA dense (>= 4x);
 * i: causal attention with learned sinks against the same without (<= 1.1x);
 * j: attnkit against ``torch.compile(flex_attention)`` on CPU for causal, window, ALiBi and
-  documents, forward (<= 1.0x); FlexAttention has no CPU backward, so attnkit's fwd+bwd is
-  reported alone.
+  documents, forward (<= 0.8x on every build); FlexAttention has no CPU backward, so
+  attnkit's fwd+bwd is reported alone.
 
 Run alone with ``python -m attnkit.bench.kernel_layer [--quick]``.
 """
@@ -242,7 +242,7 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
                 "target": "j",
                 "what": f"attnkit / compiled FlexAttention (CPU), {pattern}, fwd",
                 "ratio": ratio(sec("j", "attnkit", pattern), sec("j", "flex-compiled", pattern)),
-                "goal": "<= 1.0",
+                "goal": "<= 0.8",
             }
         )
     return rows
