@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from attnkit import build_tree, tree_attention
+from attnkit.backends.blockwise import native
 from attnkit.backends.blockwise import plan as blockwise_plan
 from attnkit.tree import DraftTree, pack_tree_mask, tree_from_mask, unpack_tree_mask
 from tests.conftest import TOL
@@ -341,3 +342,67 @@ def test_one_pass_needs_adjacent_keys_and_no_gradient(monkeypatch):
         assert len(calls) == 5 and out.requires_grad
         torch.testing.assert_close(out.detach(), want)
         q = q.detach()
+
+
+@pytest.mark.skipif(not native.available(), reason="no native kernel")
+@settings(max_examples=20, **_SETTINGS)
+@given(
+    parent_arrays(max_nodes=20),
+    st.sampled_from([(1, 1), (2, 1), (4, 2), (8, 2)]),
+    st.sampled_from([1, 33, 100]),
+    st.sampled_from([16, 64]),
+    st.sampled_from([torch.float32, torch.bfloat16]),
+    st.booleans(),
+    st.booleans(),
+    st.integers(0, 2**16),
+)
+def test_one_kernel_call_for_a_batch_of_one(
+    monkeypatch, parents, heads, L, d, dtype, adjacent, sinks, seed
+):
+    """A batch of one row without gradients runs both passes and their merge in ONE native
+    call, as a cascade of one request (the cache its prefix, the tree's keys its suffix
+    under the tree mask), wherever the tree's keys lie: no attention() call, and against
+    float64 at most twice the error of plain attention in the same dtype."""
+    import attnkit.tree as tree_module
+
+    if dtype == torch.bfloat16 and not native.reads_bf16():
+        return
+    calls = []
+    real = tree_module.attention
+    monkeypatch.setattr(
+        tree_module, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    )
+    hq, hkv = heads
+    n = len(parents)
+    gen = torch.Generator().manual_seed(seed)
+    q64 = torch.randn(1, hq, n, d, generator=gen, dtype=torch.float64)
+    keys64, values64 = (
+        torch.randn(1, hkv, L + n, d, generator=gen, dtype=torch.float64) for _ in range(2)
+    )
+    s64 = torch.randn(hq, generator=gen, dtype=torch.float64) if sinks else None
+    tree = build_tree(parents)
+    keep = torch.cat((torch.ones(n, L, dtype=torch.bool), tree.mask), 1)
+
+    def split(keys, values):
+        if adjacent:  # one buffer split in two, as a model's cache hands it out
+            return keys[:, :, :L], values[:, :, :L], keys[:, :, L:], values[:, :, L:]
+        return keys[:, :, :L], values[:, :, :L], keys[:, :, L:].clone(), values[:, :, L:].clone()
+
+    def plain(q, keys, values, s):  # cache ++ tree keys under the dense tree mask
+        g = hq // hkv
+        kk, vv = keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1)
+        sc = (q.float() @ kk.float().transpose(-1, -2) / math.sqrt(d)).masked_fill(~keep, -math.inf)
+        if s is not None:  # a sink: one more logit, no value
+            sc = torch.cat((sc, s.float().view(1, hq, 1, 1).expand(1, hq, n, 1)), -1)
+        w = torch.softmax(sc, -1)[..., : L + n].to(q.dtype)
+        return (w @ vv).double()
+
+    want = _reference(q64, *split(keys64, values64), parents, s64)[0]
+    q, keys, values = (x.to(dtype) for x in (q64, keys64, values64))
+    s = None if s64 is None else s64.to(dtype)
+    with torch.no_grad():
+        got = tree_attention(q, *split(keys, values), tree, sinks=s)
+    assert not calls  # the one kernel call, no dispatch
+    err = (got.double() - want).abs().max().item()
+    allowed = (plain(q, keys, values, s) - want).abs().max().item()
+    assert err <= 2 * allowed + 1e-6, f"{err} > 2 * {allowed}"

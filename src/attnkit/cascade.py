@@ -138,7 +138,9 @@ def cascade_attention(
         scale = 1.0 / math.sqrt(query.shape[-1])
     scale = check_float(scale, "scale")
     mask = _suffix_mask(suffix_lengths, n, t, s, query.device)
-    fused = _native(query, prefix_key, prefix_value, suffix_key, suffix_value, mask, scale, backend)
+    fused = fused_native(
+        query, prefix_key, prefix_value, suffix_key, suffix_value, mask, scale, backend
+    )
     if fused is not None:  # both passes and their merge in one kernel call
         out, lse = fused
         out = out.to(query.dtype)
@@ -231,7 +233,7 @@ def _two_passes(
     return out, lse
 
 
-def _native(
+def fused_native(
     query: torch.Tensor,
     prefix_key: torch.Tensor,
     prefix_value: torch.Tensor,
@@ -242,8 +244,10 @@ def _native(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Both passes and their merge in one call of attnkit's native kernel
-    (:func:`attnkit.backends.blockwise.native.cascade`), or None where it does not run
-    them: another backend, a gradient wanted, another device, no prefix or no suffix, a
+    (:func:`attnkit.backends.blockwise.native.cascade`; a draft tree's two passes too,
+    :func:`attnkit.tree_attention`), for inputs already checked: ``prefix_key`` ``(h_kv,
+    p, d)``, ``mask`` a bool suffix mask ``(n|1, 1|h, t, s)`` or None. None where it does
+    not run them: another backend, a gradient wanted, another device, no prefix or no suffix, a
     scale <= 0, or a pass the kernel refuses (``native.why_not``: dtype, head sizes, the
     speed this machine measured for dense plans). The few-rows bound of a lone dense call
     (torch's kernel for up to 48 float32 rows per kv head on AVX2) does not apply to the

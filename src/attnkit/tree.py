@@ -241,6 +241,53 @@ def _following(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | None
     return first.as_strided(size, first.stride(), first.storage_offset())
 
 
+def _cascade(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    tree_key: torch.Tensor,
+    tree_value: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(out, lse)`` of both passes in ONE call of the native kernel, as a shared-prefix
+    cascade of one request (:func:`attnkit.cascade.fused_native`): the cache is the prefix,
+    every node's rows of a GQA group stacked against it with no mask; the tree's keys are
+    the suffix, under the tree mask; the kernel merges the two. The cache needs no place
+    in memory next to the tree's keys. None where it does not run: a batch of several
+    rows (each has its own cache), an empty cache, inputs whose dtypes, devices or sizes
+    do not fit together (:func:`attnkit.attention` then says what is wrong), and where
+    ``fused_native`` stands aside (a gradient, another backend or device, a dtype the
+    kernel does not read)."""
+    if query.shape[0] != 1 or key.shape[0] != 1 or key.shape[2] == 0 or mask.dim() > 4:
+        return None
+    d, d_v, h_kv = query.shape[3], value.shape[3], key.shape[1]
+    parts = (key, value, tree_key, tree_value)
+    if (
+        any(x.dtype != query.dtype or x.device != query.device for x in parts)
+        or value.dim() != 4
+        or value.shape[:3] != key.shape[:3]
+        or key.shape[3] != d
+        or tree_key.shape[:2] != (1, h_kv)
+        or tree_key.shape[3] != d
+        or tree_value.shape[:3] != tree_key.shape[:3]
+        or tree_value.shape[3] != d_v
+        or mask.device != query.device
+    ):
+        return None
+    from attnkit.cascade import fused_native
+
+    mask4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (1, 1|h_q, n, n)
+    if mask4.shape[0] != 1:
+        return None
+    fused = fused_native(query, key[0], value[0], tree_key, tree_value, mask4, scale, backend)
+    if fused is None:
+        return None
+    out, lse = fused
+    return out.to(query.dtype), lse
+
+
 def _one_pass(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -330,12 +377,16 @@ def tree_attention(
     Equals, for every node, attention over ``cache ++ (its ancestors, itself)``: what
     decoding its branch token by token computes. The cache pass has no mask (each
     GQA group's heads are stacked as rows, so the cache is read once per key/value
-    head); the tree pass applies the tree mask; the two merge by log-sum-exp. Where the
-    tree's keys and values follow the cache's in memory (one cache buffer split in two,
-    as :mod:`attnkit.models.speculative` hands them in), no gradient is wanted and the
-    mask is 2-D, both passes are ONE call over ``cache ++ tree`` with a mask that keeps
-    every cache column (chunks the native kernel then runs unmasked): 11-14% less time
-    for a 32-node tree against 2048 keys (a 2-core Zen 3, fp32 and bf16).
+    head); the tree pass applies the tree mask; the two merge by log-sum-exp. A batch of
+    one row that wants no gradient runs both passes and the merge in ONE native kernel
+    call, as a shared-prefix cascade of one request (the cache its prefix, the tree's keys
+    its suffix; :func:`attnkit.cascade_attention`), wherever the tree's keys lie.
+    Elsewhere, where the tree's keys and values follow the cache's in memory (one cache
+    buffer split in two, as :mod:`attnkit.models.speculative` hands them in), no gradient
+    is wanted and the mask is 2-D, both passes are ONE attention call over ``cache ++
+    tree`` with a mask that keeps every cache column (chunks the native kernel then runs
+    unmasked): 11-14% less time for a 32-node tree against 2048 keys (a 2-core Zen 3, fp32
+    and bf16).
 
     Args:
         query: ``(b, h_q, n, d)``: the nodes' queries (RoPE'd at their tree positions).
@@ -382,8 +433,15 @@ def tree_attention(
     if key.shape[2] > 0 and (h_kv == 0 or h_q % h_kv):
         raise ValueError(f"query heads ({h_q}) must be a multiple of key heads ({h_kv})")
     drafted = tree if isinstance(tree, DraftTree) else None
-    whole = _one_pass(query, key, value, tree_key, tree_value, mask, drafted)
-    if whole is not None:  # cache ++ tree is one view: one call, one mask
+    fused = _cascade(query, key, value, tree_key, tree_value, mask, scale, backend)
+    whole = (
+        None
+        if fused is not None
+        else _one_pass(query, key, value, tree_key, tree_value, mask, drafted)
+    )
+    if fused is not None:  # both passes and their merge in one kernel call
+        out, lse = fused
+    elif whole is not None:  # cache ++ tree is one view: one call, one mask
         k_all, v_all, mask_all = whole
         rows = query.reshape(b, h_kv, -1, d)  # (b, h_kv, g*n, d): a GQA group's rows
         out, lse = attention(
@@ -394,7 +452,7 @@ def tree_attention(
         out, lse = attention(
             query, tree_key, tree_value, mask=mask, scale=scale, return_lse=True, backend=backend
         )  # (b, h_q, n, d_v), (b, h_q, n): ancestors and self (never empty: the diagonal)
-    if whole is None and key.shape[2] > 0:
+    if fused is None and whole is None and key.shape[2] > 0:
         rows = query.reshape(b, h_kv, -1, d)  # (b, h_kv, g*n, d): a GQA group's rows
         out_c, lse_c = attention(rows, key, value, scale=scale, return_lse=True, backend=backend)
         out_c = out_c.reshape(b, h_q, n, -1)  # (b, h_q, n, d_v)
