@@ -400,9 +400,19 @@ def test_one_kernel_call_for_a_batch_of_one(
     want = _reference(q64, *split(keys64, values64), parents, s64)[0]
     q, keys, values = (x.to(dtype) for x in (q64, keys64, values64))
     s = None if s64 is None else s64.to(dtype)
+    # the tree as a DraftTree, or as a plain mask of 2, 3 or 4 dims (per head)
+    as_given = [tree, tree.mask, tree.mask.expand(hq, n, n), tree.mask.expand(1, hq, n, n)]
     with torch.no_grad():
-        got = tree_attention(q, *split(keys, values), tree, sinks=s)
+        got = tree_attention(q, *split(keys, values), as_given[seed % 4], sinks=s)
     assert not calls  # the one kernel call, no dispatch
     err = (got.double() - want).abs().max().item()
     allowed = (plain(q, keys, values, s) - want).abs().max().item()
     assert err <= 2 * allowed + 1e-6, f"{err} > 2 * {allowed}"
+
+
+@pytest.mark.parametrize("scale", [True, "0.1", float("nan")])
+def test_a_bad_scale_is_named(scale):
+    """Checked before any pass runs (the one native call included): bool is not a number."""
+    q, k, tk = torch.randn(1, 2, 3, 64), torch.randn(1, 2, 40, 64), torch.randn(1, 2, 3, 64)
+    with pytest.raises((TypeError, ValueError), match="scale"), torch.no_grad():
+        tree_attention(q, k, k, tk, tk, build_tree([-1, 0, 1]), scale=scale)

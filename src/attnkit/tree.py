@@ -36,7 +36,7 @@ from typing import Any, Literal, overload
 
 import torch
 
-from attnkit._validate import check_bool, check_int, check_parents
+from attnkit._validate import check_bool, check_float, check_int, check_parents
 from attnkit.attention import attention, check_sinks
 from attnkit.backends.blockwise.merge import merge_partials
 
@@ -428,6 +428,7 @@ def tree_attention(
     check_sinks(sinks, query)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
+    scale = check_float(scale, "scale")  # (bool is no number; any sign, as attention's)
     b, h_q, _, d = query.shape
     h_kv = key.shape[1]
     if key.shape[2] > 0 and (h_kv == 0 or h_q % h_kv):
