@@ -1132,10 +1132,6 @@ struct Ahead {
   }
 };
 
-// A decode step's scores: s (nr rows of KC) = the rows q (stride sq_t) . the chunk's keys
-// [c0 + lo, c0 + hi) read where they are; the other columns 0 (the softmax drops them).
-// T: float, or uint16_t for bf16; DIM: the head size when known at compile time (the
-// common ones: the loops over it unrolled), or 0.
 // The scores of a run of n keys (at k0, stride sk_t) for the rows q (stride sq_t): s[r KC
 // + x] for key x; ask(x, u) before keys x .. x + u - 1 are read (prefetches). T, DIM: as
 // direct_scores.
