@@ -73,9 +73,12 @@ KEY_CHUNK = 64
 #: call with few query blocks into ranges chosen from the shapes alone (every thread count
 #: gives the same bits), 1 = never; tests set it to compare the two.
 KV_SPLITS = 0
-#: Below this many multiply-adds a paged call runs on the calling thread alone (continuous
-#: batching makes one call per sequence and layer, most of them short decode steps).
-PAGED_ONE_THREAD = 2**20
+#: Below this many multiply-adds a paged call runs on the calling thread alone (waking
+#: another costs more than it saves). Was 2**20, set when the kernel woke a pool of its
+#: own; on torch's OpenMP threads, a 2-core Zen 4 (session 17, 12 or 4 heads, d=64, fp32
+#: and bf16, pages of 16) ran every paged step from 2**16 multiply-adds faster on 2
+#: threads: 0.94x at 2**16, 0.76-0.87x at 2**17-2**18, 0.60-0.75x at 2**19-2**21.
+PAGED_ONE_THREAD = 2**16
 #: Dense float32 forward plans with few query rows per key/value head go to torch's fused
 #: kernel where it is faster (the kernel packs every key, 8 x 8 transposes, for few
 #: products). Measured on a 2-core AMD EPYC Zen 5 (d=64, 2 heads, 2 threads, with the LSE,
