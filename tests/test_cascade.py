@@ -448,9 +448,10 @@ def test_one_kernel_call_takes_strided_and_expanded_inputs(kernel_cascades, n):
 
 
 def test_a_repeated_cascade_is_planned_once_and_a_changed_one_anew(kernel_cascades, monkeypatch):
-    """Every layer of a decode step makes the same cascade: with no padding mask its two
-    plans are kept (plan_cache); a call of another size, scale or dtype is planned again,
-    a padded one every time, and every answer meets the float64 reference."""
+    """Every layer of a decode step makes the same cascade: its two plans are kept
+    (plan_cache); a call of another size, scale, dtype or padding mask shape is planned
+    again; a padded call of the same shape reuses them with its own lengths; and every
+    answer meets the float64 reference."""
     from attnkit.backends.blockwise import plan as plan_module
     from attnkit.backends.blockwise import plan_cache
 
@@ -466,11 +467,12 @@ def test_a_repeated_cascade_is_planned_once_and_a_changed_one_anew(kernel_cascad
     xs = [x.float() for x in _inputs(3, 4, 2, 1, 100, 9, 16, 16, seed=5)]
     q, pk, pv, sk, sv, _ = xs
     short = (q, pk[:, :70], pv[:, :70], sk, sv)
-    lengths = torch.tensor([9, 4, 0])
+    lengths, other = torch.tensor([9, 4, 0]), torch.tensor([2, 9, 5])
     calls = [  # (inputs, options): the first one three times
         (xs[:5], {}), (xs[:5], {}), (xs[:5], {}), (short, {}), (xs[:5], {"scale": 0.3}),
         ([x.to(torch.bfloat16) for x in xs[:5]], {}), (xs[:5], {"suffix_lengths": lengths}),
-        (xs[:5], {"suffix_lengths": lengths}), (short, {}),
+        (xs[:5], {"suffix_lengths": lengths}), (xs[:5], {"suffix_lengths": other}),
+        (short, {}),
     ]  # fmt: skip
     for inputs, options in calls:
         out = cascade_attention(*inputs, **options)
@@ -482,6 +484,7 @@ def test_a_repeated_cascade_is_planned_once_and_a_changed_one_anew(kernel_cascad
         tol = 1e-5 if inputs[0].dtype == torch.float32 else 2e-2
         assert (out.double() - want).abs().max().item() < tol
     # two plans (prefix, suffix) for each call planned: the first, the short prefix, the
-    # new scale, bf16 and both padded calls; the repeats and the short prefix again kept
-    assert len(planned) == 2 * 6
+    # new scale, bf16 and the first padded call; the repeats (padded ones with other
+    # lengths included) and the short prefix again kept
+    assert len(planned) == 2 * 5
     assert len(kernel_cascades) == len(calls)  # and every call ran in one kernel call

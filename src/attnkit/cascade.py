@@ -283,12 +283,15 @@ def fused_native(
             score_mod=None, block_mask=None, engine=NATIVE_CPU,
         )  # fmt: skip
 
-    # a cascade with no padding mask is a function of its sizes and options: its two
-    # plans, once accepted, are kept (every layer of a decode step makes the same call)
-    key = None if mask is not None or calibrate.measuring() else _cache_key(query, pv, sk, scale)
+    # a cascade's two plans are a function of its sizes and options (and of the suffix
+    # mask's shape and dtype: its values are the call's own): once accepted they are kept
+    # (every layer of a decode step, every verified draft tree makes the same call)
+    key = None if calibrate.measuring() else _cache_key(query, pv, sk, scale, mask)
     pre = None if key is None else plan_cache.get(("prefix", *key), None)
     suf = None if key is None else plan_cache.get(("suffix", *key), None)
-    if pre is None or suf is None:
+    if pre is not None and suf is not None:
+        suf = plan_cache.with_mask(suf, mask, query.shape)
+    else:
         pre = plan(rows, pk, None, None)
         suf = plan(query, sk, "bottom_right" if mask is None and t > 1 else None, mask)
         dtype = query.dtype
@@ -304,16 +307,21 @@ def fused_native(
 
 
 def _cache_key(
-    query: torch.Tensor, prefix_value: torch.Tensor, suffix_key: torch.Tensor, scale: float
+    query: torch.Tensor,
+    prefix_value: torch.Tensor,
+    suffix_key: torch.Tensor,
+    scale: float,
+    mask: torch.Tensor | None,
 ) -> tuple:
-    """The :mod:`~attnkit.backends.blockwise.plan_cache` key of a cascade with no padding
-    mask (the prefix's length and value size in ``prefix_value``'s shape, the suffix's in
-    ``suffix_key``'s; the rest of the shapes :func:`_check` ties to these)."""
+    """The :mod:`~attnkit.backends.blockwise.plan_cache` key of a cascade (the prefix's
+    length and value size in ``prefix_value``'s shape, the suffix's in ``suffix_key``'s; the
+    rest of the shapes :func:`_check` ties to these; the suffix mask's shape and dtype)."""
     from attnkit.backends.blockwise import plan_cache
 
     return (
         "cascade", query.shape, query.dtype, query.device, prefix_value.shape,
-        suffix_key.shape, scale, *plan_cache.process_key(),
+        suffix_key.shape, scale, None if mask is None else (mask.shape, mask.dtype),
+        *plan_cache.process_key(),
     )  # fmt: skip
 
 

@@ -42,7 +42,7 @@ from attnkit.backends.blockwise.native import build, calibrate
 from attnkit.backends.blockwise.plan import TilePlan
 from attnkit.backends.registry import AttentionCall
 
-__all__ = ["MAX_PLANS", "clear", "get", "key", "process_key", "put", "size"]
+__all__ = ["MAX_PLANS", "clear", "get", "key", "process_key", "put", "size", "with_mask"]
 
 #: The most plans kept (each a few hundred bytes: no tensor is kept with one).
 MAX_PLANS = 256
@@ -103,10 +103,16 @@ def get(cache_key: tuple, call: AttentionCall | None) -> TilePlan | None:
             return None
         _plans.move_to_end(cache_key)
     plan = entry[0]
-    if call is None or call.mask is None:
+    return plan if call is None else with_mask(plan, call.mask, call.query.shape)
+
+
+def with_mask(plan: TilePlan, mask: torch.Tensor | None, q_shape: torch.Size) -> TilePlan:
+    """A kept ``plan`` carrying a call's own ``mask`` (kept plans hold none), for a query
+    of ``q_shape``; the plan itself where there is no mask."""
+    if mask is None:
         return plan
     plan = copy.copy(plan)  # (shares the plan's memo: nothing in it reads mask values)
-    plan.mask = plan_module._mask_4d(call.mask, call.query.shape, plan.b)
+    plan.mask = plan_module._mask_4d(mask, q_shape, plan.b)
     return plan
 
 
