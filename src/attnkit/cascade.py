@@ -143,7 +143,6 @@ def cascade_attention(
     )
     if fused is not None:  # both passes and their merge in one kernel call
         out, lse = fused
-        out = out.to(query.dtype)
     else:
         out, lse = _two_passes(
             query, prefix_key, prefix_value, suffix_key, suffix_value, mask, scale, backend
@@ -246,7 +245,8 @@ def fused_native(
     """Both passes and their merge in one call of attnkit's native kernel
     (:func:`attnkit.backends.blockwise.native.cascade`; a draft tree's two passes too,
     :func:`attnkit.tree_attention`), for inputs already checked: ``prefix_key`` ``(h_kv,
-    p, d)``, ``mask`` a bool suffix mask ``(n|1, 1|h, t, s)`` or None. None where it does
+    p, d)``, ``mask`` a bool suffix mask ``(n|1, 1|h, t, s)`` or None. ``(out in the
+    query's dtype, lse float32)``, or None where it does
     not run them: another backend, a gradient wanted, another device, no prefix or no suffix, a
     scale <= 0, or a pass the kernel refuses (``native.why_not``: dtype, head sizes, the
     speed this machine measured for dense plans). The few-rows bound of a lone dense call
@@ -303,7 +303,8 @@ def fused_native(
         if key is not None:
             plan_cache.put(("prefix", *key), pre)
             plan_cache.put(("suffix", *key), suf)
-    return native.cascade(pre, suf, rows, pk, pv, query, sk, sv)
+    out, lse = native.cascade(pre, suf, rows, pk, pv, query, sk, sv)
+    return out.to(query.dtype), lse  # (the kernel's out is float32, its lse stays so)
 
 
 def _cache_key(

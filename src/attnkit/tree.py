@@ -281,11 +281,7 @@ def _cascade(
     mask4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (1, 1|h_q, n, n)
     if mask4.shape[0] != 1:
         return None
-    fused = fused_native(query, key[0], value[0], tree_key, tree_value, mask4, scale, backend)
-    if fused is None:
-        return None
-    out, lse = fused
-    return out.to(query.dtype), lse
+    return fused_native(query, key[0], value[0], tree_key, tree_value, mask4, scale, backend)
 
 
 def _one_pass(

@@ -1414,8 +1414,8 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
 // contiguous cache's stream gets: on a 2-core Zen 4 (session 17, C ABI, 12 heads, fp32,
 // interleaved A/B) paged / contiguous went 1.38 -> 1.03 on 1 thread at L=4096 and 1.18 ->
 // 1.10, 1.26 -> 1.18 on 2 threads at L=4096 and 16384; from cache (L=1024, 1 thread)
-// 1.01 -> 0.99. bf16 steps measured slower walked that way (1.13-1.16 -> 1.15-1.26) and keep
-// a head at a time.
+// 1.01 -> 0.99. bf16 steps measured slower walked that way (1 thread, L=4096: 1.13-1.16 ->
+// 1.24-1.26; 2 threads up to 1.70) and keep a head at a time.
 // ---------------------------------------------------------------------------------------
 
 // Heads an item walks together (1: none), given the items `per_head` of each head (key
