@@ -121,6 +121,22 @@ def test_strided_inputs(causal, calls):
     assert calls
 
 
+@pytest.mark.parametrize(
+    "lq, lk, causal", [(64, 777, None), (128, 200, "bottom_right"), (100, 64, None)]
+)
+def test_keys_packed_by_their_one_reader_give_the_shared_packs_bits(lq, lk, causal, calls):
+    """One query block per kv head (MHA, at most 128 rows): each work item transposes the
+    key chunks it alone reads (feature "pack in item"). The same rows run as half of a GQA
+    call, whose chunks are packed once for two blocks, give the same bits."""
+    q, k, v = _qkv(1, 4, 2, lq, lk, 64, 64, seed=5, strided=True)
+    gqa = attention(q, k, v, causal=causal, backend="blockwise")  # heads 0, 2 read kv 0, 1
+    mha = attention(q[:, ::2], k, v, causal=causal, backend="blockwise")
+    assert len(calls) == 2  # both on the kernel
+    assert torch.equal(mha, gqa[:, ::2])
+    want = ref_attention_lse(q[:, ::2], k, v, keep=ref_band_keep(lq, lk, causal, None))[0]
+    assert (mha.double() - want).abs().max().item() < 1e-5
+
+
 def test_expanded_batch_one_keys(calls):
     q, _, _ = _qkv(3, 2, 2, 70, 90, 16, 16, seed=4)
     _, k, v = _qkv(1, 2, 2, 70, 90, 16, 16, seed=5)
@@ -841,7 +857,8 @@ def test_out_of_memory_inside_the_kernel_is_a_code_not_an_abort():
     x = torch.zeros(64)
     args = abi.Args()
     args.q = args.k = args.v = args.out = args.lse = x.data_ptr()
-    args.B = args.H = args.HKV = 1
+    args.B = args.HKV = 1
+    args.H = 2  # (GQA: two heads read each chunk, so the keys are packed once for both)
     args.T = 9  # more rows than a decode step, whose keys are read in place: keys packed
     args.S, args.D, args.DV = 1 << 40, 16, 16
     args.scale, args.band_lo, args.band_hi, args.bq, args.threads = 1.0, -1, 1, 128, 1

@@ -56,7 +56,7 @@ def test_the_calling_thread_keeps_its_buffers_up_to_a_bound():
     ones before); a buffer over the bound (32 MB) is freed, as before."""
     lib = native.library()
     gen = torch.Generator().manual_seed(1)
-    q = torch.randn(1, 2, 32, 64, generator=gen)
+    q = torch.randn(1, 4, 32, 64, generator=gen)  # (GQA: two blocks read each kv head's keys)
     with torch.no_grad():
         k, v = (torch.randn(1, 2, 4096, 64, generator=gen) for _ in range(2))
         attention(q, k, v, return_lse=True, backend="blockwise")
