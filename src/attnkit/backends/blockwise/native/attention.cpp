@@ -819,6 +819,7 @@ struct Scratch {
   std::vector<float> mx;      // (kfwd) each row's max raw score in the chunk
   std::vector<float> smod;    // a compiled score_mod's rows (the softmax's input), KC a row
   std::vector<float> kt;      // (pack in item) the chunk's keys, transposed (sized on use)
+  std::vector<uint16_t> kp16, vp16;  // ... bf16: its keys and values in pairs (sized on use)
   Scratch(const Args &a) : Scratch(a, a.nseq > 0 ? a.bq : std::min(a.bq, a.T)) {}
   // (rows: the most a block has; a decode step's one row, not bq, is allocated and zeroed
   // per thread and call. m, alpha and mx have W more floats: softmax_plain reads and
@@ -836,7 +837,7 @@ struct Operands {
   Packed<float> kt;
   bool direct = false;  // a decode step: keys read in place (direct_scores)
   bool v16 = false;     // (bf16 read) a float32 forward's values are bf16, read in place
-  bool in_item = false;  // (pack in item) float32 keys packed by the item that reads them
+  bool in_item = false;  // (pack in item) keys (bf16: and values) packed by their one reader
 #if defined(ATTNKIT_BF16)
   Packed<uint16_t> kp, vp;
 #endif
@@ -1379,14 +1380,25 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
 #if defined(ATTNKIT_BF16)
     if (a.dtype == DT_BF16) {
       const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
-      simd::gemm_bf16<false>(s, KC, nr, score_cols(c), q16 + (i0 + c.r0) * a.sq_t, a.sq_t,
-                             ops.kp.chunk(a, b, hk, c.ci), 2 * KC, a.D / 2, nullptr);
+      const uint16_t *kp, *vp;
+      if (ops.in_item) {
+        const auto *k16 = reinterpret_cast<const uint16_t *>(a.k);
+        const auto *v16 = reinterpret_cast<const uint16_t *>(a.v);
+        w.kp16.resize(size_t(a.D * KC)), w.vp16.resize(size_t(a.DV * KC));
+        pack_one(a, k16, a.sk_b, a.sk_h, a.sk_t, a.D, dim_pairs, b, hk, c.ci, w.kp16.data());
+        pack_one(a, v16, a.sv_b, a.sv_h, a.sv_t, a.DV, key_pairs, b, hk, c.ci, w.vp16.data());
+        kp = w.kp16.data(), vp = w.vp16.data();
+      } else {
+        kp = ops.kp.chunk(a, b, hk, c.ci), vp = ops.vp.chunk(a, b, hk, c.ci);
+      }
+      simd::gemm_bf16<false>(s, KC, nr, score_cols(c), q16 + (i0 + c.r0) * a.sq_t, a.sq_t, kp,
+                             2 * KC, a.D / 2, nullptr);
       softmax(a, b, h, i0, c, w);
       // P V over whole pairs of keys: the weights outside [lo, hi) are 0
       const int64_t lo = c.lo & ~int64_t(1), hi = (c.hi + 1) & ~int64_t(1);
       const uint16_t *p16 = w.p16.data() + c.r0 * KC;  // the weights, as softmax left them
       simd::gemm_bf16<true>(w.o_blk.data() + c.r0 * a.DV, a.DV, nr, a.DV, p16 + lo, KC,
-                            ops.vp.chunk(a, b, hk, c.ci) + lo * a.DV, 2 * a.DV, (hi - lo) / 2,
+                            vp + lo * a.DV, 2 * a.DV, (hi - lo) / 2,
                             w.alpha.data() + c.r0);
       if (++seen % SUPER == 0) block_gather(a, rows, w);
       return;
@@ -1797,9 +1809,23 @@ Code pack_forward(const Args &a, Operands &ops, const Bf16InPlace *k16 = nullptr
     ops.kt.chunks = (a.S + KC - 1) / KC;
     return OK;
   }
+  // (feature "pack in item") where one query block per (batch, kv head) reads the keys (a
+  // cascade's or a draft tree's stacked rows against the cache, a short MHA prefill, a
+  // varlen call's short sequences), each chunk is read by one work item alone: that item
+  // packs it into its scratch just before the product, where it stays in L1, instead of a
+  // parallel pass writing every chunk out and the items reading it back (bf16: the keys
+  // and the values). A cascade decode step (8 x 32 rows against 2048 keys, fp32, 2
+  // threads of a Zen 4, C ABI, interleaved A/B) took 0.89-0.97x the time, a 32-node draft
+  // tree's 0.98x; the bits are the same.
+  const bool one_reader = a.H == a.HKV && a.T <= a.bq;
   if (a.dtype == DT_BF16) {
 #if defined(ATTNKIT_BF16)
     if (a.D % 2) return BAD_SHAPE;
+    if (one_reader) {
+      ops.in_item = true;
+      ops.kp.chunks = (a.S + KC - 1) / KC;
+      return OK;
+    }
     if (Code err = pack(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, dim_pairs, ops.kp)) return err;
     return pack(a, a.v, a.sv_b, a.sv_h, a.sv_t, a.DV, key_pairs, ops.vp);
 #else
@@ -1810,15 +1836,7 @@ Code pack_forward(const Args &a, Operands &ops, const Bf16InPlace *k16 = nullptr
     ops.v16 = k16->values;
     return pack_keys16(a, *k16, ops.kt);
   }
-  // (feature "pack in item") where one query block per (batch, kv head) reads the keys (a
-  // cascade's or a draft tree's stacked rows against the cache, a short MHA prefill, a
-  // varlen call's short sequences), each chunk is read by one work item alone: that item
-  // transposes it into its scratch just before the product, where it stays in L1, instead
-  // of a parallel pass writing every chunk out and the items reading it back. A cascade
-  // decode step (8 x 32 rows against 2048 keys, fp32, 2 threads of a Zen 4, C ABI,
-  // interleaved A/B) took 0.89-0.97x the time, a 32-node draft tree's 0.98x; the bits
-  // are the same.
-  if (a.H == a.HKV && a.T <= a.bq) {
+  if (one_reader) {
     ops.in_item = true;
     ops.kt.chunks = (a.S + KC - 1) / KC;
     return OK;
