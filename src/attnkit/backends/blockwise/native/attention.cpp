@@ -856,21 +856,18 @@ struct Operands {
 // reduction multiply) and O's rescale 2^(m_old - m_new); lse = m ln 2 + log l at the end.
 constexpr double LOG2E = 1.4426950408889634, LN2 = 0.6931471805599453;
 
-// The weights of row r (W at a time): into w.p16 rounded to bf16 on bf16 calls, else in
-// place of the scores.
+// The weights of row r (W at a time): into w.p16 rounded to bf16 on bf16 calls (BF16),
+// else in place of the scores.
+template <bool BF16>
 struct Weights {
   float *s;
   uint16_t *p16 = nullptr;
-  Weights(const Args &a, Scratch &w, int64_t r) : s(w.s.data() + r * KC) {
-#if defined(ATTNKIT_BF16)
-    if (a.dtype == DT_BF16) p16 = w.p16.data() + r * KC;
-#else
-    (void)a;
-#endif
+  Weights(Scratch &w, int64_t r) : s(w.s.data() + r * KC) {
+    if constexpr (BF16) p16 = w.p16.data() + r * KC;
   }
   void put(int vv, vf p) const {
 #if defined(ATTNKIT_BF16)
-    if (p16) return simd::store_bf16(p16 + W * vv, p);
+    if constexpr (BF16) return simd::store_bf16(p16 + W * vv, p);
 #endif
     simd::store(s + W * vv, p);
   }
@@ -928,7 +925,7 @@ bool softmax_plain(const Args &a, const Chunk &c, int64_t i0, Scratch &w, const 
     simd::store(alpha + r, simd::exp2(m_old - m_new));  // 2^0 = 1 exactly; 2^-inf = 0
   }
   for (int64_t r = c.r0; r < c.r1; ++r) {
-    const Weights out(a, w, r);
+    const Weights<BF16> out(w, r);
     int64_t lo = 0, hi = KC;
     if (BAND) kept(r, lo, hi);
     const vf mr = simd::splat(m[r]);

@@ -84,7 +84,17 @@ inline vf load(const float *p) {
 }
 inline void store(float *p, vf x) { std::memcpy(p, &x, sizeof x); }
 inline vf select(vi keep, vf a, vf b) { return keep ? a : b; }
-inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+// a > b ? a : b, lane by lane (so b where either is NaN): x86's max instruction is
+// exactly that (GCC writes the ternary as a compare and a blend, two instructions).
+inline vf vmax(vf a, vf b) {
+#if ATTNKIT_W == 16
+  return (vf)_mm512_max_ps((__m512)a, (__m512)b);
+#elif ATTNKIT_W == 8
+  return (vf)_mm256_max_ps((__m256)a, (__m256)b);
+#else
+  return a > b ? a : b;
+#endif
+}
 // Lanes whose byte is nonzero (W bytes at p).
 inline vi nonzero(const uint8_t *p) {
   vb b;
