@@ -11,11 +11,12 @@
 // [i0, i1) of one (batch, head), the kernel walks the chunks of KC keys the block may
 // see (the rows of a chunk that the band leaves nothing in are not computed): scores
 // S = Q K^T, scale, relative bias, masks (a diagonal band keep iff lo <= j - i <= hi, a
-// block mask's stored bool tile, a bool or float mask tensor), online softmax, then O += P V. Every row keeps its running max m and sum l; at
-// the end out = O / l, lse = m + log(l), and a row that kept no key gets out = 0,
-// lse = -inf (a NaN in the inputs stays NaN). Sums over keys are blocked (each chunk's sum
-// is formed on its own, and chunk sums are gathered SUPER chunks at a time before they
-// join the row's total), so rounding grows with log-like depth, not with the row length.
+// block mask's stored bool tile, a bool or float mask tensor), online softmax, then
+// O += P V. Every row keeps its running max m and sum l; at the end out = O / l,
+// lse = m + log(l), and a row that kept no key gets out = 0, lse = -inf (a NaN in the
+// inputs stays NaN). Sums over keys are blocked (each chunk's sum is formed on its own,
+// and chunk sums are gathered SUPER chunks at a time before they join the row's total),
+// so rounding grows with log-like depth, not with the row length.
 //
 // Backward (FlashAttention-2's, in one pass): P = exp(x - lse), dP = dO V^T,
 // dS = scale P (dP - delta) with delta = rowsum(dO O) - dlse; a task owns a (batch, kv
