@@ -106,9 +106,12 @@ def test_native_ab_times_two_sources_on_the_same_call(capsys, monkeypatch):
     here = build.SOURCE.parent
     # (built at -O0: what is tested is the building, loading and timing, not the speed)
     monkeypatch.setattr(build, "FLAGS", tuple("-O0" if f == "-O3" else f for f in build.FLAGS))
-    rows = native_ab.compare([here, here], build.selected_isa(), t=200, threads=1, reps=2)
+    attached: list[object] = []  # every build runs on torch's threads, as the package's
+    monkeypatch.setattr(native_ab.threads, "attach", lambda lib: attached.append(lib))
+    rows = native_ab.compare([here, here], build.selected_isa(), t=200, threads=2, reps=2)
     assert rows[0]["vs_first"] == 1.0 and len(rows) == 2
     assert all(r["same_bits_as_first"] and r["gflops"] > 0 for r in rows)
+    assert len(attached) == 2
     with pytest.raises(SystemExit) as err:
         native_ab.main([str(here), "--t", "0"])
     assert err.value.code == 2 and "--t" in capsys.readouterr().err

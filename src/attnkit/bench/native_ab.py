@@ -6,7 +6,9 @@ module builds the kernel from each source directory given (each holding
 ``attention.cpp`` and ``simd.h``; the default second one is this checkout's), loads them
 side by side, and times the same causal call (B=1, H=4, d=64) on each round-robin,
 straight through the C ABI (no Python planning in the timing). With one thread it times
-the calling thread's CPU time, which other processes on the machine do not inflate.
+the calling thread's CPU time, which other processes on the machine do not inflate; with
+more, every build runs its parallel calls on torch's OpenMP threads, as the package's own
+build does (builds on pools of their own spin against each other).
 Every row also gives the FLOP rate as a share of the build's own FMA probe.
 
 Example (main's kernel against this checkout's, AVX2 build, one thread)::
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from attnkit.backends.blockwise.native import abi, build
+from attnkit.backends.blockwise.native import abi, build, threads
 
 SHAPE = (1, 4, 64)  # (b, h, d)
 
@@ -49,6 +51,10 @@ def load(source_dir: Path, isa: str, out_dir: Path) -> ctypes.CDLL:
     lib, why = build._load(target)
     if lib is None:
         raise ValueError(f"{source_dir}: {why}")
+    # as the package's own build: its parallel calls on torch's OpenMP threads. (Left on
+    # pools of their own, two builds' threads spun against each other on 2 cores and the
+    # second build timed 0.5-0.6x the first at T=128 on 2 threads, the same code either way.)
+    threads.attach(lib)
     return lib
 
 
