@@ -431,29 +431,26 @@ def tree_attention(
         raise ValueError(f"query heads ({h_q}) must be a multiple of key heads ({h_kv})")
     drafted = tree if isinstance(tree, DraftTree) else None
     fused = _cascade(query, key, value, tree_key, tree_value, mask, scale, backend)
-    whole = (
-        None
-        if fused is not None
-        else _one_pass(query, key, value, tree_key, tree_value, mask, drafted)
-    )
     if fused is not None:  # both passes and their merge in one kernel call
         out, lse = fused
-    elif whole is not None:  # cache ++ tree is one view: one call, one mask
-        k_all, v_all, mask_all = whole
+    elif (whole := _one_pass(query, key, value, tree_key, tree_value, mask, drafted)) is not None:
+        k_all, v_all, mask_all = whole  # cache ++ tree is one view: one call, one mask
         rows = query.reshape(b, h_kv, -1, d)  # (b, h_kv, g*n, d): a GQA group's rows
         out, lse = attention(
             rows, k_all, v_all, mask=mask_all, scale=scale, return_lse=True, backend=backend
         )  # (b, h_kv, g*n, d_v), (b, h_kv, g*n)
         out, lse = out.reshape(b, h_q, n, -1), lse.reshape(b, h_q, n)
-    else:
+    else:  # the two passes, merged
         out, lse = attention(
             query, tree_key, tree_value, mask=mask, scale=scale, return_lse=True, backend=backend
         )  # (b, h_q, n, d_v), (b, h_q, n): ancestors and self (never empty: the diagonal)
-    if fused is None and whole is None and key.shape[2] > 0:
-        rows = query.reshape(b, h_kv, -1, d)  # (b, h_kv, g*n, d): a GQA group's rows
-        out_c, lse_c = attention(rows, key, value, scale=scale, return_lse=True, backend=backend)
-        out_c = out_c.reshape(b, h_q, n, -1)  # (b, h_q, n, d_v)
-        out, lse = merge_partials(out_c, lse_c.reshape(b, h_q, n), out, lse)
+        if key.shape[2] > 0:
+            rows = query.reshape(b, h_kv, -1, d)  # (b, h_kv, g*n, d): a GQA group's rows
+            out_c, lse_c = attention(
+                rows, key, value, scale=scale, return_lse=True, backend=backend
+            )
+            out_c = out_c.reshape(b, h_q, n, -1)  # (b, h_q, n, d_v)
+            out, lse = merge_partials(out_c, lse_c.reshape(b, h_q, n), out, lse)
     if sinks is not None:  # a sink is a partial with no value and lse = its logit
         sink_lse = sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse)
         out, lse = merge_partials(out, lse, out.new_zeros(()), sink_lse)
