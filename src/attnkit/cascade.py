@@ -246,14 +246,14 @@ def fused_native(
     (:func:`attnkit.backends.blockwise.native.cascade`; a draft tree's two passes too,
     :func:`attnkit.tree_attention`), for inputs already checked: ``prefix_key`` ``(h_kv,
     p, d)``, ``mask`` a bool suffix mask ``(n|1, 1|h, t, s)`` or None. ``(out in the
-    query's dtype, lse float32)``, or None where it does
-    not run them: another backend, a gradient wanted, another device, no prefix or no suffix, a
-    scale <= 0, or a pass the kernel refuses (``native.why_not``: dtype, head sizes, the
-    speed this machine measured for dense plans). The few-rows bound of a lone dense call
-    (torch's kernel for up to 48 float32 rows per kv head on AVX2) does not apply to the
-    prefix pass here: one call instead of two dispatches and a merge was faster in every case
-    measured, 1 to 32 requests decoding and 4-8 prefilling, fp32 and bf16 (0.56-1.01x of
-    the two passes' time, 2-core Zen 3; docs/serving.md)."""
+    query's dtype, lse float32)``, or None where it does not run them: another backend, a
+    gradient wanted, another device, no prefix or no suffix, a scale <= 0, or a pass the
+    kernel refuses (``native.why_not``: dtype, head sizes, the speed this machine measured
+    for dense plans). The few-rows bound of a lone dense call (torch's kernel for up to 48
+    float32 rows per kv head on AVX2) does not apply to the prefix pass here: one call
+    instead of two dispatches and a merge was faster in every case measured, 1 to 32
+    requests decoding and 4-8 prefilling, fp32 and bf16 (0.56-1.01x of the two passes'
+    time, 2-core Zen 3; docs/serving.md)."""
     from attnkit.backends.blockwise import native, plan_cache
     from attnkit.backends.blockwise.native import calibrate
     from attnkit.backends.blockwise.plan import NATIVE_CPU, build_plan
