@@ -5,6 +5,7 @@ GQA, odd sizes across its 64-key chunks and 128-row blocks, strided inputs, grad
 
 from __future__ import annotations
 
+import ctypes
 import math
 
 import pytest
@@ -47,9 +48,9 @@ def calls(monkeypatch) -> list[tuple]:
     seen: list[tuple] = []
     original = native.forward
 
-    def spy(plan, q, k, v):
+    def spy(plan, q, k, v, **kwargs):
         seen.append((plan.t, plan.s, plan.block_mask is not None, q.dtype))
-        return original(plan, q, k, v)
+        return original(plan, q, k, v, **kwargs)
 
     monkeypatch.setattr(native, "forward", spy)
     return seen
@@ -1012,3 +1013,80 @@ def test_chunks_a_mask_keeps_whole_run_as_unmasked(mask_kind, calls):
         plain = attention(q, k, v, backend="blockwise")
     assert torch.equal(out[:, :, :128], plain[:, :, :128])
     assert calls
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+@pytest.mark.parametrize("layout", ["per head", "broadcast", "strided"])
+@pytest.mark.parametrize("cache", [0, 37, 100, 128])
+def test_a_suffix_mask_covers_the_last_keys_alone(mask_kind, layout, cache):
+    """``native.forward(..., suffix_mask=)``: a mask over the last n keys, every key before
+    them kept (a draft tree's stacked rows over cache ++ tree), equals the same call with
+    the whole mask (ones over the cache) against float64, with the cut inside a chunk
+    (37, 100), on a chunk edge (128) and with no cache (0); a mask read with a column
+    stride (strided) takes the element-wise path."""
+    from attnkit.backends.blockwise.plan import NATIVE_CPU, build_plan
+
+    n, h, t, d = 45, 3, 70, 32  # 70 rows: a block's rows cross the 64-key chunks
+    q, k, v = _qkv(1, h, h, t, cache + n, d, d, seed=cache + n)
+    g = torch.Generator().manual_seed(7)
+    keep = torch.rand(1, h, t, n, generator=g) < 0.6
+    keep[..., -1] = True  # (no row empty: the cache may be)
+    bias = torch.where(keep, torch.randn(1, h, t, n, generator=g), float("-inf"))
+    suffix = keep if mask_kind == "bool" else bias
+    if layout == "broadcast":
+        suffix, keep, bias = suffix[:, :1], keep[:, :1].expand(1, h, t, n), bias[:, :1]
+    if layout == "strided":  # the same values, laid out (1, h, n, t): sm_s = t
+        suffix = suffix.transpose(-1, -2).contiguous().transpose(-1, -2)
+    plan = build_plan(
+        q, k, scale=1 / math.sqrt(d), causal=None, window=None, mask=None, mask_mod=None,
+        score_mod=None, block_mask=None, engine=NATIVE_CPU,
+    )  # fmt: skip
+    out, lse = native.forward(plan, q, k, v, suffix_mask=suffix)
+    whole_keep = torch.cat(
+        (torch.ones(1, h, t, cache, dtype=torch.bool), keep.expand(1, h, t, n)), -1
+    )
+    whole_bias = None
+    if mask_kind == "float":
+        whole_bias = torch.cat((torch.zeros(1, h, t, cache), bias.expand(1, h, t, n)), -1)
+        whole_bias = whole_bias.masked_fill(~whole_keep, 0.0)
+    want, want_lse = ref_attention_lse(q, k, v, keep=whole_keep, bias=whole_bias)
+    plain = plain_attention(q, k, v, whole_keep, whole_bias)
+    err = (out.double() - want).abs().max().item()
+    plain_err = (plain.double() - want).abs().max().item()
+    assert err <= 2 * plain_err + EPS[torch.float32], f"{err:.3g} vs plain math {plain_err:.3g}"
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_a_suffix_mask_is_checked():
+    """A suffix mask wider than the keys, or beside a mask of the plan's own, is refused by
+    name; the kernel refuses a mask column past the keys, or one without a mask, as a code
+    (never a read out of bounds)."""
+    from attnkit.backends.blockwise.native import abi
+    from attnkit.backends.blockwise.plan import NATIVE_CPU, build_plan
+
+    q, k, v = _qkv(1, 2, 2, 8, 10, 16, 16, seed=3)
+
+    def plan(mask=None):
+        return build_plan(
+            q, k, scale=0.25, causal=None, window=None, mask=mask, mask_mod=None,
+            score_mod=None, block_mask=None, engine=NATIVE_CPU,
+        )  # fmt: skip
+
+    with pytest.raises(ValueError, match="suffix_mask"):
+        native.forward(plan(), q, k, v, suffix_mask=torch.ones(1, 1, 8, 11, dtype=torch.bool))
+    with pytest.raises(ValueError, match="suffix_mask"):
+        native.forward(
+            plan(torch.ones(8, 10, dtype=torch.bool)), q, k, v,
+            suffix_mask=torch.ones(1, 1, 8, 4, dtype=torch.bool),
+        )  # fmt: skip
+    out, lse = torch.empty(1, 2, 8, 16), torch.empty(1, 2, 8)
+    args, keep_alive = native._args(plan(), q, k, v, out, lse)
+    forward = native._kernel("attnkit_forward")
+    args.mask_c0 = 3  # and no mask
+    assert forward(ctypes.byref(args)) == abi.BAD_SHAPE
+    mask = torch.ones(1, 1, 8, 4, dtype=torch.bool)
+    native._set_mask(args, mask, 11)  # past the 10 keys
+    assert forward(ctypes.byref(args)) == abi.BAD_SHAPE
+    native._set_mask(args, mask, 6)
+    assert forward(ctypes.byref(args)) == abi.OK
+    del keep_alive

@@ -359,10 +359,12 @@ def test_one_pass_needs_adjacent_keys_and_no_gradient(monkeypatch):
 def test_one_kernel_call_for_a_batch_of_one(
     monkeypatch, parents, heads, L, d, dtype, adjacent, sinks, seed
 ):
-    """A batch of one row without gradients runs both passes and their merge in ONE native
-    call, as a cascade of one request (the cache its prefix, the tree's keys its suffix
-    under the tree mask), wherever the tree's keys lie: no attention() call, and against
-    float64 at most twice the error of plain attention in the same dtype."""
+    """A batch of one row without gradients runs in ONE native call wherever the tree's
+    keys lie: where they follow the cache in memory, one forward over cache ++ tree whose
+    mask covers the tree alone; elsewhere both passes and their merge, as a cascade of one
+    request (the cache its prefix, the tree's keys its suffix under the tree mask). No
+    attention() call, and against float64 at most twice the error of plain attention in
+    the same dtype."""
     import attnkit.tree as tree_module
 
     if dtype == torch.bfloat16 and not native.reads_bf16():
@@ -372,6 +374,13 @@ def test_one_kernel_call_for_a_batch_of_one(
     monkeypatch.setattr(
         tree_module, "attention", lambda *a, **kw: calls.append(1) or real(*a, **kw)
     )
+    kernel_calls = []
+    for name in ("forward", "cascade"):
+        real_call = getattr(native, name)
+        monkeypatch.setattr(
+            native, name,
+            lambda *a, _n=name, _f=real_call, **kw: kernel_calls.append(_n) or _f(*a, **kw),
+        )  # fmt: skip
     hq, hkv = heads
     n = len(parents)
     gen = torch.Generator().manual_seed(seed)
@@ -405,6 +414,7 @@ def test_one_kernel_call_for_a_batch_of_one(
     with torch.no_grad():
         got = tree_attention(q, *split(keys, values), as_given[seed % 4], sinks=s)
     assert not calls  # the one kernel call, no dispatch
+    assert kernel_calls == ["forward" if adjacent else "cascade"]
     err = (got.double() - want).abs().max().item()
     allowed = (plain(q, keys, values, s) - want).abs().max().item()
     assert err <= 2 * allowed + 1e-6, f"{err} > 2 * {allowed}"

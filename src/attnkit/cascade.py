@@ -157,6 +157,8 @@ def _stacked_rows(query: torch.Tensor, h_kv: int) -> torch.Tensor:
     """Every request's query rows (and each GQA group's heads) stacked per kv head, as the
     prefix pass sees them: (n, h_kv, g, t, d) -> (h_kv, n, g, t, d) -> (1, h_kv, n*g*t, d)."""
     n, h_q, t, d = query.shape
+    if n == 1:  # (one request: its heads are already in that order)
+        return query.reshape(1, h_kv, -1, d)
     return query.reshape(n, h_kv, h_q // h_kv, t, d).permute(1, 0, 2, 3, 4).reshape(1, h_kv, -1, d)
 
 
@@ -283,10 +285,23 @@ def fused_native(
             score_mod=None, block_mask=None, engine=NATIVE_CPU,
         )  # fmt: skip
 
-    # a cascade's two plans are a function of its sizes and options (and of the suffix
-    # mask's shape and dtype: its values are the call's own): once accepted they are kept
-    # (every layer of a decode step, every verified draft tree makes the same call)
+    # a cascade's plans are a function of its sizes and options (and of the suffix mask's
+    # shape and dtype: its values are the call's own): once accepted they are kept (every
+    # layer of a decode step, every verified draft tree makes the same call)
     key = None if calibrate.measuring() else _cache_key(query, pv, sk, scale, mask)
+    whole = _one_pass(query, rows, pk, pv, sk, sv, mask)
+    if whole is not None:  # one request, its suffix after the prefix in memory: ONE pass
+        k_all, v_all, suffix_mask = whole
+        one = None if key is None else plan_cache.get(("one pass", *key), None)
+        if one is None:
+            one = plan(rows, k_all, None, None)
+            if native.why_not(one, query.dtype, d, d_v, one_of_two=True) is not None:
+                return None
+            if key is not None:
+                plan_cache.put(("one pass", *key), one)
+        out, lse = native.forward(one, rows, k_all, v_all, suffix_mask=suffix_mask)
+        n, h_q = query.shape[:2]  # (1, h_kv, g*t) rows are (1, h_q, t): the same memory
+        return out.view(n, h_q, t, d_v).to(query.dtype), lse.view(n, h_q, t)
     pre = None if key is None else plan_cache.get(("prefix", *key), None)
     suf = None if key is None else plan_cache.get(("suffix", *key), None)
     if pre is not None and suf is not None:
@@ -305,6 +320,58 @@ def fused_native(
             plan_cache.put(("suffix", *key), suf)
     out, lse = native.cascade(pre, suf, rows, pk, pv, query, sk, sv)
     return out.to(query.dtype), lse  # (the kernel's out is float32, its lse stays so)
+
+
+def _one_pass(
+    query: torch.Tensor,
+    rows: torch.Tensor,
+    prefix_key: torch.Tensor,
+    prefix_value: torch.Tensor,
+    suffix_key: torch.Tensor,
+    suffix_value: torch.Tensor,
+    mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """``(keys, values, suffix mask)`` of ONE pass over ``prefix ++ suffix`` for the
+    stacked ``rows`` of one request whose suffix keys and values follow the prefix's in
+    memory (a model's cache buffer split in two: a draft tree's nodes after the cache,
+    :func:`attnkit.tree_attention`): the mask ``(1, 1|h_kv, g*t, s)`` covers the suffix
+    alone, every prefix key kept (:func:`~attnkit.backends.blockwise.native.forward`'s
+    ``suffix_mask``), None for a decode step's one query and no mask. None where the two
+    passes run: several requests, a suffix elsewhere in memory, or a causal suffix of
+    several queries (its band differs row by row once a GQA group's heads are stacked)."""
+    n, h_q, t, _ = query.shape
+    if n != 1 or (mask is None and t > 1):
+        return None
+    k_all, v_all = joined_view(prefix_key, suffix_key), joined_view(prefix_value, suffix_value)
+    if k_all is None or v_all is None:
+        return None
+    if mask is None:
+        return k_all, v_all, None
+    h_kv, s = suffix_key.shape[1], suffix_key.shape[2]
+    g = h_q // h_kv
+    mask = mask.expand(1, h_q, t, s) if mask.shape[1] == h_q else mask.expand(1, g, t, s)
+    return k_all, v_all, mask.reshape(1, -1, g * t, s)  # (1, h_kv|1, g*t, s)
+
+
+def joined_view(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | None:
+    """``first ++ second`` along dim 2 of two 4-D tensors as one view where ``second``'s
+    rows follow ``first``'s in memory (a cache buffer's first ``L + n`` rows split in two,
+    as a model's cache hands them out); else None."""
+    stride = first.stride()
+    if second.stride() != stride or second.dtype != first.dtype or second.device != first.device:
+        return None
+    (b, h, length, d), (b2, h2, _, d2) = first.shape, second.shape
+    if (b2, h2, d2) != (b, h, d):
+        return None
+    if second.data_ptr() != first.data_ptr() + length * stride[2] * first.element_size():
+        return None
+    # (the next address is not enough: it must be the same buffer's, to be viewed from it;
+    # two views of one buffer share their base, else their storage is compared)
+    if (first._base is None or first._base is not second._base) and (
+        second.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+    ):
+        return None
+    return first.as_strided((b, h, length + second.shape[2], d), stride)
 
 
 def _cache_key(

@@ -25,6 +25,7 @@ struct Case {
   int64_t lo, hi;  // keep key j for query i iff lo <= j - i <= hi
   bool bool_mask;  // also a random bool mask tensor (B, H, T, S)
   int64_t coin_from = 0;  // the mask keeps every key before this one (chunks kept whole)
+  bool suffix = false;  // the kernel's mask holds keys coin_from.. alone (Args.mask_c0)
 };
 
 constexpr int64_t NONE = int64_t(1) << 40;
@@ -178,9 +179,14 @@ bool run(const Case &c, std::mt19937 &rng) {
   a.so_b = c.H * c.T * c.DV, a.so_h = c.T * c.DV, a.so_t = c.DV;
   a.B = c.B, a.H = c.H, a.HKV = c.HKV, a.T = c.T, a.S = c.S, a.D = c.D, a.DV = c.DV;
   a.scale = scale, a.band_lo = c.lo, a.band_hi = c.hi, a.bq = 128;
+  const int64_t m0 = c.suffix ? c.coin_from : 0, width = c.S - m0;  // the mask's columns
+  std::vector<uint8_t> tail(c.bool_mask ? c.B * c.H * c.T * width : 0);  // rows' keys m0..
+  for (int64_t row = 0; row * width < int64_t(tail.size()); ++row)
+    std::copy(mask.begin() + row * c.S + m0, mask.begin() + (row + 1) * c.S,
+              tail.begin() + row * width);
   if (c.bool_mask) {
-    a.mask = mask.data(), a.mask_kind = MASK_BOOL;
-    a.sm_b = c.H * c.T * c.S, a.sm_h = c.T * c.S, a.sm_t = c.S, a.sm_s = 1;
+    a.mask = tail.data(), a.mask_kind = MASK_BOOL, a.mask_c0 = m0;
+    a.sm_b = c.H * c.T * width, a.sm_h = c.T * width, a.sm_t = width, a.sm_s = 1;
   }
   a.threads = 2;
   if (attnkit_forward(&a) != 0) {
@@ -360,6 +366,8 @@ int main() {
       // a mask keeping keys 0-249 for every row: its first chunks run unmasked
       {"mask kept whole to 250", 1, 2, 2, 140, 300, 32, 32, -NONE, NONE, true, 250},
       {"... and causal, GQA", 1, 4, 2, 300, 300, 32, 32, -NONE, 0, true, 250},
+      // the mask tensor over keys 100.. alone (a draft tree after its cache): mask_c0
+      {"suffix mask from 100, GQA", 1, 4, 2, 70, 145, 32, 32, -NONE, NONE, true, 100, true},
   };
   std::mt19937 rng(1234);
   int passed = 0, failed = 0;

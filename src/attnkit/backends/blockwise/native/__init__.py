@@ -441,16 +441,7 @@ def _args(plan: TilePlan, q, k, v, out, lse) -> tuple[abi.Args, list[object]]:
         args.rel, args.rel_lo = rel.data_ptr(), -(t - 1)
         args.rel_sh = 0 if rel.shape[0] == 1 else rel.stride(0)
     if plan.mask is not None:  # (b|1, h|1, t|1, s|1), bool = keep, float = added
-        mask = plan.mask
-        if mask.dtype == torch.bool:
-            mask, args.mask_kind = mask.view(torch.uint8), _MASK_BOOL
-        else:
-            mask, args.mask_kind = mask.to(torch.float32), _MASK_FLOAT
-        keep_alive.append(mask)
-        args.mask = mask.data_ptr()
-        args.sm_b, args.sm_h, args.sm_t, args.sm_s = (
-            0 if n == 1 else st for n, st in zip(mask.shape, mask.stride(), strict=True)
-        )
+        keep_alive.append(_set_mask(args, plan.mask, 0))
     program = _program_of(plan)
     if program is not None:  # a compiled score_mod: its row functions and their context
         call = codegen.ModCall(program, s - 1, plan.q_base, plan.k_base)
@@ -463,12 +454,41 @@ def _args(plan: TilePlan, q, k, v, out, lse) -> tuple[abi.Args, list[object]]:
     return args, keep_alive
 
 
-def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
+def _set_mask(args: abi.Args, mask: torch.Tensor, column0: int) -> torch.Tensor:
+    """Point ``args`` at ``mask`` ``(b|1, h|1, t|1, n|1)`` (bool = keep, float = added)
+    over the keys from ``column0`` on (every key before it kept); the tensor the kernel
+    reads (keep it alive through the call)."""
+    if mask.dtype == torch.bool:
+        mask, args.mask_kind = mask.view(torch.uint8), _MASK_BOOL
+    else:
+        mask, args.mask_kind = mask.to(torch.float32), _MASK_FLOAT
+    args.mask, args.mask_c0 = mask.data_ptr(), column0
+    args.sm_b, args.sm_h, args.sm_t, args.sm_s = (
+        0 if n == 1 else st for n, st in zip(mask.shape, mask.stride(), strict=True)
+    )
+    return mask
+
+
+def forward(
+    plan: TilePlan, q, k, v, *, suffix_mask: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (b, h, t, d_v) float32, lse (b, h, t))`` of a plan :func:`why_not` accepts,
-    ``q``, ``k``, ``v`` the engine's ``(b, heads, len, d)`` views."""
+    ``q``, ``k``, ``v`` the engine's ``(b, heads, len, d)`` views.
+
+    ``suffix_mask``: a mask ``(b|1, h|1, t, n)`` over the last ``n`` keys, every key
+    before them kept, for a plan of no mask of its own: a draft tree's stacked rows over
+    ``cache ++ tree`` (:func:`attnkit.tree_attention`), the cache's chunks run unmasked,
+    without a mask as wide as the cache."""
     out = torch.empty(plan.b, plan.h, plan.t, v.shape[-1], dtype=torch.float32)
     lse = torch.empty(plan.b, plan.h, plan.t, dtype=torch.float32)
     args, keep_alive = _args(plan, q, k, v, out, lse)
+    if suffix_mask is not None:
+        if plan.mask is not None or not 0 < suffix_mask.shape[-1] <= plan.s:
+            raise ValueError(
+                f"suffix_mask must cover 1..{plan.s} keys of a plan without a mask, got "
+                f"{tuple(suffix_mask.shape)}"
+            )
+        keep_alive.append(_set_mask(args, suffix_mask, plan.s - suffix_mask.shape[-1]))
     _check_code(_kernel("attnkit_forward")(ctypes.byref(args)))
     del keep_alive
     return out, lse

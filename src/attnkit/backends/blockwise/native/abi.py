@@ -14,15 +14,16 @@ import ctypes
 __all__ = ["ABI_VERSION", "CODES", "DT_BF16", "DT_F32", "Args", "Grads", "check", "typed"]
 
 #: ``ABI_VERSION`` of attention.cpp: bumped whenever ``Args``, ``Grads`` or the exported
-#: functions change (9: ``attnkit_cascade``; 10: ``num_pages``, page ids checked).
-ABI_VERSION = 10
+#: functions change (9: ``attnkit_cascade``; 10: ``num_pages``, page ids checked; 11:
+#: ``mask_c0``).
+ABI_VERSION = 11
 
 #: attention.cpp's return codes (``enum Code``) that the binding treats apart.
-OK, NO_MEMORY, BAD_PAGE = 0, 4, 9
+OK, BAD_SHAPE, NO_MEMORY, BAD_PAGE = 0, 1, 4, 9
 
 #: attention.cpp's return codes (``enum Code``), described.
 CODES = {
-    1: "head sizes, heads or block rows the kernel cannot take",
+    1: "head sizes, heads, block rows or a mask column the kernel cannot take",
     2: "a block mask whose rows differ from the kernel's blocks",
     3: "query heads not a multiple of 16 wide (backward)",
     4: "out of memory",
@@ -60,6 +61,7 @@ class Args(ctypes.Structure):
         ("mask", _P),
         ("mask_kind", _I),
         *((f"sm_{x}", _I) for x in "bhts"),
+        ("mask_c0", _I),  # the key the mask's column 0 is (keys before it all kept)
         ("threads", _I),
         ("dtype", _I),
         # compiled score_mods (native/codegen.py): row functions and their context

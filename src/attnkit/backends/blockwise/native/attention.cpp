@@ -72,7 +72,7 @@ constexpr int8_t EMPTY = 0, PARTIAL = 1, FULL = 2;  // attnkit.block_mask's kind
 
 // Bumped whenever Args, Grads or the exported functions change; native/__init__.py checks
 // it and the sizes at load.
-constexpr int64_t ABI_VERSION = 10;
+constexpr int64_t ABI_VERSION = 11;
 
 enum Code : int {
   OK = 0,
@@ -107,6 +107,7 @@ struct Args {
   const void *mask;          // a mask tensor (b, h, t, s strides below), or null
   int64_t mask_kind;         // MASK_BOOL (keep where nonzero) or MASK_FLOAT (added)
   int64_t sm_b, sm_h, sm_t, sm_s;
+  int64_t mask_c0;           // the key the mask's column 0 is: keys before it are all kept
   int64_t threads;
   int64_t dtype;             // DT_F32, or DT_BF16 (q, k, v and Grads.dout are then bf16)
   // -- compiled score_mods (native/codegen.py) --------------------------------------------
@@ -710,14 +711,18 @@ struct Masker {
   template <class T>
   const T *mask_row(int64_t i, T *buf) const {
     const T *row = static_cast<const T *>(a.mask) + b * a.sm_b + h * a.sm_h + i * a.sm_t;
-    if (a.sm_s == 1 && c.c0 + KC <= a.S) return row + c.c0;
-    if (a.sm_s == 1) {  // the last chunk of a contiguous row: its columns [lo, hi), 0 past
+    const int64_t m0 = c.c0 - a.mask_c0;  // the chunk's first key as a mask column
+    const T kept = std::is_same_v<T, uint8_t> ? T(1) : T(0);  // a key before mask_c0
+    if (a.sm_s == 1 && m0 >= 0 && c.c0 + KC <= a.S) return row + m0;
+    if (a.sm_s == 1) {  // the last chunk, or one mask_c0 cuts: [lo, hi) filled, 0 past
+      const int64_t from = std::clamp<int64_t>(-m0, c.lo, c.hi);  // the first masked column
       std::memset(buf, 0, sizeof(T) * KC);
-      if (c.hi > c.lo) std::memcpy(buf + c.lo, row + c.c0 + c.lo, sizeof(T) * (c.hi - c.lo));
+      std::fill(buf + c.lo, buf + from, kept);
+      if (c.hi > from) std::memcpy(buf + from, row + m0 + from, sizeof(T) * (c.hi - from));
       return buf;
     }
     for (int64_t j = 0; j < KC; ++j)
-      buf[j] = (j >= c.lo && j < c.hi) ? row[(c.c0 + j) * a.sm_s] : T(0);
+      buf[j] = (j < c.lo || j >= c.hi) ? T(0) : m0 + j < 0 ? kept : row[(m0 + j) * a.sm_s];
     return buf;
   }
 
@@ -725,21 +730,24 @@ struct Masker {
   // chunk for each of its rows (bool: all nonzero; float: all exactly 0): such a chunk's
   // softmax is the unmasked one (a padding mask's kept keys, a draft tree's cache).
   bool mask_keeps_all(int64_t i0) const {
-    if (!a.mask || a.sm_s != 1) return false;
+    if (!a.mask) return false;
+    const int64_t lo = std::max<int64_t>(c.lo, a.mask_c0 - c.c0);  // the masked columns
+    if (lo >= c.hi) return true;  // every column before mask_c0: kept, the mask not read
+    if (a.sm_s != 1) return false;
     const int64_t r1 = a.sm_t == 0 ? c.r0 + 1 : c.r1;  // a broadcast row: checked once
-    const int64_t base = b * a.sm_b + h * a.sm_h + c.c0;
+    const int64_t base = b * a.sm_b + h * a.sm_h + c.c0 - a.mask_c0;
     for (int64_t r = c.r0; r < r1; ++r) {
       const int64_t at = base + (i0 + r) * a.sm_t;
       // (branch-free reductions the compiler vectorises: one test a row, not a column)
       if (a.mask_kind == MASK_BOOL) {  // a bool mask's bytes are 0 or 1: their AND
         const uint8_t *row = static_cast<const uint8_t *>(a.mask) + at;
         uint8_t all = 1;
-        for (int64_t j = c.lo; j < c.hi; ++j) all &= row[j];
+        for (int64_t j = lo; j < c.hi; ++j) all &= row[j];
         if (!all) return false;
       } else {  // 0.0 and -0.0 alike: every bit but the sign clear
         const float *row = static_cast<const float *>(a.mask) + at;
         uint32_t any = 0;
-        for (int64_t j = c.lo; j < c.hi; ++j) {
+        for (int64_t j = lo; j < c.hi; ++j) {
           uint32_t bits;
           std::memcpy(&bits, row + j, sizeof bits);
           any |= bits << 1;
@@ -1734,6 +1742,7 @@ Code check(const Args &a) {
   if (a.bm_kind && a.bq != a.bm_qb) return BAD_BLOCK_ROWS;
   if (a.dtype != DT_F32 && a.dtype != DT_BF16) return BAD_DTYPE;
   if (a.key_lens && (!a.pages || !direct_keys(a))) return BAD_SHAPE;
+  if (a.mask_c0 < 0 || a.mask_c0 > a.S || (a.mask_c0 && !a.mask)) return BAD_SHAPE;
   if (!a.pages) return OK;
   if (a.page_size <= 0 || a.num_pages <= 0) return BAD_SHAPE;
   for (int64_t b = 0; b < a.B; ++b) {  // the pages row b reads: ids of the pool
