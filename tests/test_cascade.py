@@ -488,3 +488,55 @@ def test_a_repeated_cascade_is_planned_once_and_a_changed_one_anew(kernel_cascad
     # lengths included) and the short prefix again kept
     assert len(planned) == 2 * 5
     assert len(kernel_cascades) == len(calls)  # and every call ran in one kernel call
+
+
+@pytest.mark.parametrize(
+    ("t", "ragged", "route"),
+    [(1, False, "forward"), (5, True, "forward"), (1, True, "forward"), (5, False, "cascade")],
+)
+def test_one_request_whose_suffix_follows_the_prefix_is_one_pass(
+    isa, monkeypatch, t, ragged, route
+):
+    """One request whose suffix keys and values follow the prefix's in memory (one buffer
+    split in two) runs ONE native forward over prefix ++ suffix, its mask (a padded
+    suffix's, stacked for a GQA group's heads) over the suffix alone; a causal suffix of
+    several queries and no mask keeps the cascade's two passes (its band differs row by
+    row once the heads are stacked). Both within the flash-attn rule of float64."""
+    from attnkit.backends.blockwise import native
+
+    seen: list[str] = []
+    for name in ("forward", "cascade"):
+        real = getattr(native, name)
+        monkeypatch.setattr(
+            native, name,
+            lambda *a, _n=name, _f=real, **kw: seen.append(_n) or _f(*a, **kw),
+        )  # fmt: skip
+    hq, hkv, p, s, d = 6, 2, 70, 37, 32
+    q64, *_ = _inputs(1, hq, hkv, t, p, s, d, d, seed=t)
+    g = torch.Generator().manual_seed(3)
+    keys64, values64 = (
+        torch.randn(1, hkv, p + s, d, generator=g, dtype=torch.float64) for _ in "kv"
+    )
+    lengths = torch.tensor([s - 4 if ragged else s])
+    parts64 = (keys64[0, :, :p], values64[0, :, :p], keys64[:, :, p:], values64[:, :, p:])
+    want, _ = _reference(q64, *parts64, lengths, None)
+    q, keys, values = (x.float() for x in (q64, keys64, values64))
+    parts = (keys[0, :, :p], values[0, :, :p], keys[:, :, p:], values[:, :, p:])
+    with torch.no_grad():
+        got = cascade_attention(q, *parts, suffix_lengths=lengths if ragged else None)
+    assert seen == [route]
+    # the yardstick: plain attention in float32 over prefix ++ suffix (cast back)
+    plain = attention(
+        q, keys, values, mask=_keep(t, p, int(lengths[0]), s), scale=1 / math.sqrt(d),
+        backend="reference",
+    )  # fmt: skip
+    plain_err = (plain.double() - want).abs().max().item()
+    assert (got.double() - want).abs().max().item() <= 2 * plain_err + 1e-6
+
+
+def _keep(t: int, p: int, length: int, s: int) -> torch.Tensor:
+    """``(t, p + s)`` bool: the prefix whole, the suffix's first ``length`` keys causally
+    (queries at the suffix's last ``t`` positions of ``length``)."""
+    j = torch.arange(p + s).view(1, -1) - p  # suffix position of each key (< 0: prefix)
+    i = torch.arange(t).view(-1, 1) + length - t
+    return (j < 0) | ((j <= i) & (j < length))
