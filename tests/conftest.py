@@ -68,6 +68,21 @@ def isa(request):
             os.environ["ATTNKIT_NATIVE_ISA"] = before
 
 
+@pytest.fixture
+def native_routes(monkeypatch) -> list[str]:
+    """The native entry points a call ran, in order: "forward" (one pass, a draft tree's
+    included) or "cascade" (a cascade's two passes and their merge). Clear it between
+    hypothesis examples."""
+    seen: list[str] = []
+    for name in ("forward", "cascade"):
+        real = getattr(native, name)
+        monkeypatch.setattr(
+            native, name,
+            lambda *a, _n=name, _f=real, **kw: seen.append(_n) or _f(*a, **kw),
+        )  # fmt: skip
+    return seen
+
+
 # The modules that take longest (seconds on a 2-core Zen 3, session 13), longest first.
 # `make test` runs pytest-xdist with --dist loadfile --no-loadscope-reorder: each worker
 # takes the next whole module when it runs low, in collection order, so the long ones go

@@ -495,22 +495,13 @@ def test_a_repeated_cascade_is_planned_once_and_a_changed_one_anew(kernel_cascad
     [(1, False, "forward"), (5, True, "forward"), (1, True, "forward"), (5, False, "cascade")],
 )
 def test_one_request_whose_suffix_follows_the_prefix_is_one_pass(
-    isa, monkeypatch, t, ragged, route
+    isa, native_routes, t, ragged, route
 ):
     """One request whose suffix keys and values follow the prefix's in memory (one buffer
     split in two) runs ONE native forward over prefix ++ suffix, its mask (a padded
     suffix's, stacked for a GQA group's heads) over the suffix alone; a causal suffix of
     several queries and no mask keeps the cascade's two passes (its band differs row by
     row once the heads are stacked). Both within the flash-attn rule of float64."""
-    from attnkit.backends.blockwise import native
-
-    seen: list[str] = []
-    for name in ("forward", "cascade"):
-        real = getattr(native, name)
-        monkeypatch.setattr(
-            native, name,
-            lambda *a, _n=name, _f=real, **kw: seen.append(_n) or _f(*a, **kw),
-        )  # fmt: skip
     hq, hkv, p, s, d = 6, 2, 70, 37, 32
     q64, *_ = _inputs(1, hq, hkv, t, p, s, d, d, seed=t)
     g = torch.Generator().manual_seed(3)
@@ -524,7 +515,7 @@ def test_one_request_whose_suffix_follows_the_prefix_is_one_pass(
     parts = (keys[0, :, :p], values[0, :, :p], keys[:, :, p:], values[:, :, p:])
     with torch.no_grad():
         got = cascade_attention(q, *parts, suffix_lengths=lengths if ragged else None)
-    assert seen == [route]
+    assert native_routes == [route]
     # the yardstick: plain attention in float32 over prefix ++ suffix (cast back)
     plain = attention(
         q, keys, values, mask=_keep(t, p, int(lengths[0]), s), scale=1 / math.sqrt(d),
