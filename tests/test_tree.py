@@ -246,7 +246,8 @@ def test_tree_attention_flash_attn_error_rule(dtype):
         keys = torch.cat((k, tk), 2).repeat_interleave(hq // hkv, 1)
         values = torch.cat((v, tv), 2).repeat_interleave(hq // hkv, 1)
         sc = (q @ keys.transpose(-1, -2) / math.sqrt(d)).masked_fill(~keep, -math.inf)
-        return torch.softmax(sc.float(), -1).to(q.dtype) @ values
+        wide = torch.promote_types(sc.dtype, torch.float32)  # (float64 stays float64)
+        return torch.softmax(sc.to(wide), -1).to(q.dtype) @ values
 
     def run(fn, inputs):
         ins = [x.detach().clone().requires_grad_(True) for x in inputs]
@@ -255,7 +256,9 @@ def test_tree_attention_flash_attn_error_rule(dtype):
         return [out.double(), *(x.double() for x in grads)]
 
     xs = [x.to(dtype) for x in xs64]
-    ref, base = run(plain, xs64), run(plain, xs)
+    # float64 of the inputs as both read them (rounded to the dtype): the rule weighs
+    # each one's arithmetic, not the rounding of its inputs
+    ref, base = run(plain, [x.double() for x in xs]), run(plain, xs)
     ours = run(lambda *a: tree_attention(*a, tree), xs)
     for name, o, bb, r in zip(
         ["out", "dq", "dk", "dv", "dtk", "dtv"], ours, base, ref, strict=True
@@ -400,9 +403,14 @@ def test_one_kernel_call_for_a_batch_of_one(
         w = torch.softmax(sc, -1)[..., : L + n].to(q.dtype)
         return (w @ vv).double()
 
-    want = _reference(q64, *split(keys64, values64), parents, s64)[0]
     q, keys, values = (x.to(dtype) for x in (q64, keys64, values64))
     s = None if s64 is None else s64.to(dtype)
+    # float64 of the inputs as the kernel and plain math both read them (rounded to the
+    # dtype): the rule weighs each one's arithmetic, not the rounding of its inputs
+    rounded = [x.double() for x in (q, keys, values)]
+    want = _reference(rounded[0], *split(*rounded[1:]), parents, None if s is None else s.double())[
+        0
+    ]
     # the tree as a DraftTree, or as a plain mask of 2, 3 or 4 dims (per head)
     as_given = [tree, tree.mask, tree.mask.expand(hq, n, n), tree.mask.expand(1, hq, n, n)]
     with torch.no_grad():
