@@ -70,16 +70,23 @@ def isa(request):
 
 @pytest.fixture
 def native_routes(monkeypatch) -> list[str]:
-    """The native entry points a call ran, in order: "forward" (one pass, a draft tree's
-    included) or "cascade" (a cascade's two passes and their merge). Clear it between
-    hypothesis examples."""
+    """The native entry points a call ran, in order: "forward" (one pass), "suffix mask"
+    (one pass whose mask covers the last keys alone: a draft tree over cache ++ tree) or
+    "cascade" (a cascade's two passes and their merge). Clear it between hypothesis
+    examples."""
     seen: list[str] = []
-    for name in ("forward", "cascade"):
-        real = getattr(native, name)
-        monkeypatch.setattr(
-            native, name,
-            lambda *a, _n=name, _f=real, **kw: seen.append(_n) or _f(*a, **kw),
-        )  # fmt: skip
+    forward, cascade = native.forward, native.cascade
+
+    def spy_forward(*args, **kwargs):
+        seen.append("forward" if kwargs.get("suffix_mask") is None else "suffix mask")
+        return forward(*args, **kwargs)
+
+    def spy_cascade(*args, **kwargs):
+        seen.append("cascade")
+        return cascade(*args, **kwargs)
+
+    monkeypatch.setattr(native, "forward", spy_forward)
+    monkeypatch.setattr(native, "cascade", spy_cascade)
     return seen
 
 

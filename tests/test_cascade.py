@@ -492,7 +492,12 @@ def test_a_repeated_cascade_is_planned_once_and_a_changed_one_anew(kernel_cascad
 
 @pytest.mark.parametrize(
     ("t", "ragged", "route"),
-    [(1, False, "forward"), (5, True, "forward"), (1, True, "forward"), (5, False, "cascade")],
+    [
+        (1, False, "forward"),
+        (5, True, "suffix mask"),
+        (1, True, "suffix mask"),
+        (5, False, "cascade"),
+    ],
 )
 def test_one_request_whose_suffix_follows_the_prefix_is_one_pass(
     isa, native_routes, t, ragged, route

@@ -182,3 +182,28 @@ def test_windowed_models_are_refused():
         model.verify_tree(torch.zeros(1, 2, dtype=torch.long), [-1, 0], 3)
     with pytest.raises(ValueError, match="path"):
         model.accept_tree_path([-1, 0, 0], 3, [0, 2, 1])
+
+
+def test_a_float32_verification_of_one_row_is_one_native_pass_a_layer(isa, native_routes):
+    """A float32 GPT verifying one row's draft tree hands each layer's cache and tree to
+    the native kernel as one buffer: one pass a layer over cache ++ tree, the mask over
+    the tree's keys alone; every node's logits equal decoding its branch token by token
+    (float32 tolerances)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig.preset("tiny", context_length=96, rope=True, n_kv_heads=2)).eval()
+    parents, start = [-1, 0, 0, 1, 1, 2, 3, 3], 70  # (70 cached keys: two chunks and a cut)
+    gen = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 256, (1, start), generator=gen)
+    tokens = torch.randint(0, 256, (1, len(parents)), generator=gen)
+    with torch.no_grad():
+        model.setup_cache(1, 90)
+        model(prompt, input_pos=torch.arange(start))
+        native_routes.clear()
+        logits = model.verify_tree(tokens, parents, start)
+        assert native_routes == ["suffix mask"] * model.cfg.n_layers
+        for branch in build_tree(parents).branches():
+            model.setup_cache(1, 90)
+            model(prompt, input_pos=torch.arange(start))
+            for i, node in enumerate(branch):
+                step = model(tokens[:, node : node + 1], input_pos=torch.tensor([start + i]))
+                torch.testing.assert_close(step[:, 0], logits[:, node], atol=2e-5, rtol=2e-5)

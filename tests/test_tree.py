@@ -416,7 +416,7 @@ def test_one_kernel_call_for_a_batch_of_one(
     with torch.no_grad():
         got = tree_attention(q, *split(keys, values), as_given[seed % 4], sinks=s)
     assert not calls  # the one kernel call, no dispatch
-    assert native_routes == ["forward" if adjacent else "cascade"]
+    assert native_routes == ["suffix mask" if adjacent else "cascade"]
     err = (got.double() - want).abs().max().item()
     allowed = (plain(q, keys, values, s) - want).abs().max().item()
     assert err <= 2 * allowed + 1e-6, f"{err} > 2 * {allowed}"
