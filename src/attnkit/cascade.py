@@ -157,8 +157,6 @@ def _stacked_rows(query: torch.Tensor, h_kv: int) -> torch.Tensor:
     """Every request's query rows (and each GQA group's heads) stacked per kv head, as the
     prefix pass sees them: (n, h_kv, g, t, d) -> (h_kv, n, g, t, d) -> (1, h_kv, n*g*t, d)."""
     n, h_q, t, d = query.shape
-    if n == 1:  # (one request: its heads are already in that order)
-        return query.reshape(1, h_kv, -1, d)
     return query.reshape(n, h_kv, h_q // h_kv, t, d).permute(1, 0, 2, 3, 4).reshape(1, h_kv, -1, d)
 
 
