@@ -1022,15 +1022,17 @@ def test_a_suffix_mask_covers_the_last_keys_alone(mask_kind, layout, cache):
     """``native.forward(..., suffix_mask=)``: a mask over the last n keys, every key before
     them kept (a draft tree's stacked rows over cache ++ tree), equals the same call with
     the whole mask (ones over the cache) against float64, with the cut inside a chunk
-    (37, 100), on a chunk edge (128) and with no cache (0); a mask read with a column
-    stride (strided) takes the element-wise path."""
+    (37, 100), on a chunk edge (128) and with no cache (0, where one row keeps no key); a
+    mask read with a column stride (strided) takes the element-wise path."""
     from attnkit.backends.blockwise.plan import NATIVE_CPU, build_plan
 
     n, h, t, d = 45, 3, 70, 32  # 70 rows: a block's rows cross the 64-key chunks
     q, k, v = _qkv(1, h, h, t, cache + n, d, d, seed=cache + n)
     g = torch.Generator().manual_seed(7)
     keep = torch.rand(1, h, t, n, generator=g) < 0.6
-    keep[..., -1] = True  # (no row empty: the cache may be)
+    keep[..., -1] = True
+    if cache == 0:
+        keep[:, :, 5] = False  # a row with no key at all: out 0, lse -inf
     bias = torch.where(keep, torch.randn(1, h, t, n, generator=g), float("-inf"))
     suffix = keep if mask_kind == "bool" else bias
     if layout == "broadcast":
