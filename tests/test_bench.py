@@ -28,8 +28,16 @@ def test_quick_bench_writes_json_markdown(tmp_path, capsys):
     ]
     assert flex_bwd[0]["note"].startswith("unsupported")  # reported, not silently dropped
     assert result["machine"]["torch"] == torch.__version__
+    # a time ratio is the median of its rounds' ratios, its quartiles around it (--reps 1:
+    # all three the one round's), the ratio of the medians beside it
+    timed = [r for r in result["targets"] if r.get("quartiles")]
+    assert {r["target"] for r in timed} >= {"a", "b", "f", "cascade", "tree", "varlen"}
+    for r in timed:
+        q1, q3 = r["quartiles"]
+        assert q1 <= r["ratio"] <= q3 and r["ratio of medians"] > 0
     md = (tmp_path / "results.md").read_text()
     assert "| target | ratio | goal | met |" in md
+    assert f"{timed[0]['ratio']:.3f} [" in md
     out = capsys.readouterr().out
     assert "Targets" in out
     # bench --quick says it is a smoke run (no toy-size "NO" grades), writes the promised

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 
@@ -78,3 +79,44 @@ def test_spread_is_median_and_quartiles():
 
     assert spread([3.0]) == (3.0, 3.0, 3.0)
     assert spread([1.0, 2.0, 3.0, 4.0, 100.0]) == (3.0, 2.0, 4.0)
+
+
+def test_paired_ratio_is_the_median_of_the_rounds_ratios():
+    """The machine slows down 3x in the middle of round 3 (between its two calls): every
+    round but that one reads 0.5, and so does the median of the rounds' ratios, while the
+    ratio of the two medians takes one side's from before and the other's from after the
+    change (1/6)."""
+    from attnkit.bench.timing import paired_ratio
+
+    num, den = [1.0, 1.0, 1.0, 3.0, 3.0], [2.0, 2.0, 6.0, 6.0, 6.0]
+    assert paired_ratio(num, den) == (0.5, 0.5, 0.5)
+    assert statistics.median(num) / statistics.median(den) == pytest.approx(1 / 6)
+    assert paired_ratio([3.0, 1.0], [1.0, 1.0]) == (2.0, 1.5, 2.5)
+
+
+@pytest.mark.parametrize(
+    ("num", "den", "match"),
+    [([1.0], [1.0, 2.0], "equal, non-empty"), ([], [], "equal, non-empty"),
+     ([1.0], [0.0], "positive"), ([-1.0], [1.0], "positive")],
+)  # fmt: skip
+def test_paired_ratio_rejects_unpaired_or_non_positive_times(num, den, match):
+    from attnkit.bench.timing import paired_ratio
+
+    with pytest.raises(ValueError, match=match):
+        paired_ratio(num, den)
+
+
+def test_case_ratio_reads_two_cases_timed_round_robin():
+    """The target row of two cases: the paired median, its quartiles and the ratio of
+    medians beside it; all None where a case did not run; as text with its quartiles."""
+    from attnkit.bench.timing import case_ratio, ratio_text
+
+    a, b = _case("a"), _case("b")
+    a.times, b.times = [1.0, 3.0, 3.0, 8.0], [2.0, 2.0, 6.0, 4.0]  # ratios 0.5 1.5 0.5 2
+    row = case_ratio(a, b)
+    assert row["ratio"] == 1.0 and row["quartiles"] == [0.5, 1.625]
+    assert row["ratio of medians"] == pytest.approx(3.0 / 3.0)
+    assert ratio_text(row) == "1.000 [0.500-1.625]"
+    empty = {"ratio": None, "quartiles": None, "ratio of medians": None}
+    assert case_ratio(a, None) == empty and case_ratio(a, _case("c")) == empty
+    assert ratio_text(empty) == "-"

@@ -159,6 +159,8 @@ def test_the_serving_bench_runs_its_decode_step():
 
     row = bench.paged_decode(length=100, page_size=16, reps=2)
     assert row["max_abs_diff"] < 1e-5 and row["ratio"] > 0
+    q1, q3 = row["quartiles"]  # the median of the per-round ratios, with its quartiles
+    assert q1 <= row["ratio"] <= q3 and row["ratio of medians"] > 0
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from attnkit import attention, create_block_mask, explain_dispatch
 from attnkit import masks as M
-from attnkit.bench.timing import DTYPES, interleaved, spread
+from attnkit.bench.timing import DTYPES, interleaved, paired_ratio, spread
 
 __all__ = ["BACKENDS", "PATTERNS", "grid", "inputs", "markdown_rows", "step"]
 
@@ -177,7 +177,7 @@ def _row(
 ) -> dict:
     med = {n: spread(ts)[0] for n, ts in times.items()}
     fastest = min((s, n) for n, s in med.items() if n != "auto")[1]
-    ratio = spread([a / f for a, f in zip(times["auto"], times[fastest], strict=True)])
+    ratio = paired_ratio(times["auto"], times[fastest])
     b, h, d = SHAPE
     flops = 4 * b * h * pairs * d * (3.5 if backward else 1.0)
     share = 100 * flops / med["blockwise"] / 1e9 / peak_gflops if dtype == "fp32" else None

@@ -25,7 +25,7 @@ import torch
 
 from attnkit import attention, build_tree, cascade_attention, tree_attention
 from attnkit.bench.peers import Runner
-from attnkit.bench.timing import DTYPES, Case, time_cases
+from attnkit.bench.timing import DTYPES, Case, case_ratio, ratio_text, time_cases
 
 SHAPE = {"h": 8, "h_kv": 2, "d": 64}
 #: Seconds a timed sample lasts at least (a decode call, ~0.1-1 ms, repeated).
@@ -106,20 +106,18 @@ def target_cases(quick: bool) -> dict[str, list[Case]]:
 
 
 def ratios(cases: dict[str, list[Case]]) -> list[dict]:
-    """The targets as ratios of cases measured in this run."""
+    """The targets as ratios of cases measured in this run (:func:`.timing.case_ratio`:
+    the median of the per-round ratios, with quartiles and the ratio of medians)."""
 
-    def sec(group: str, impl: str, pattern: str, dtype: str) -> float | None:
+    def case(group: str, impl: str, pattern: str, dtype: str) -> Case | None:
         return next(
             (
-                c.seconds
+                c
                 for c in cases[group]
                 if c.impl == impl and c.pattern == pattern and c.dtype == dtype
             ),
             None,
         )
-
-    def ratio(x: float | None, y: float | None) -> float | None:
-        return None if x is None or not y else x / y
 
     rows = []
     for dtype in ("fp32", "bf16"):
@@ -131,9 +129,9 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
                     "target": "cascade",
                     "what": f"cascade / {n} independent calls, {n} x ({p} shared + {own} own), "
                     f"decode, {dtype}, fwd",
-                    "ratio": ratio(
-                        sec("cascade", "cascade", "decode", dtype),
-                        sec("cascade", "independent", "decode", dtype),
+                    **case_ratio(
+                        case("cascade", "cascade", "decode", dtype),
+                        case("cascade", "independent", "decode", dtype),
                     ),
                     "goal": "<= 0.35",
                 }
@@ -146,8 +144,9 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
                     "target": "tree",
                     "what": f"{nodes}-node tree verification / {nodes} sequential decode "
                     f"steps, L={tr.t}, {dtype}, fwd",
-                    "ratio": ratio(
-                        sec("tree", "tree", "tree", dtype), sec("tree", "sequential", "tree", dtype)
+                    **case_ratio(
+                        case("tree", "tree", "tree", dtype),
+                        case("tree", "sequential", "tree", dtype),
                     ),
                     "goal": "<= 0.25",
                 }
@@ -167,7 +166,9 @@ def time_targets(cases: dict[str, list[Case]], reps: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m attnkit.bench.cascade_tree")
     parser.add_argument("--quick", action="store_true", help="toy sizes (not graded)")
-    parser.add_argument("--reps", type=int, default=10, help="timed runs per case (median)")
+    parser.add_argument(
+        "--reps", type=int, default=10, help="timed rounds (the ratio: their median)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.threads is not None:
@@ -183,8 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{secs} {c.note}"
             )
     for row in rows:
-        r = "-" if row["ratio"] is None else f"{row['ratio']:.3f}"
-        print(f"{row['target']}: {row['what']}: {r} (goal {row['goal']})")
+        print(f"{row['target']}: {row['what']}: {ratio_text(row)} (goal {row['goal']})")
     return 0
 
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from attnkit import attention, create_block_mask
 from attnkit import masks as M
 from attnkit.bench.peers import Runner, _with_backward
-from attnkit.bench.timing import DTYPES, Case, Unsupported, time_cases
+from attnkit.bench.timing import DTYPES, Case, Unsupported, case_ratio, ratio_text, time_cases
 
 WINDOW = 256
 DOC_LEN = 1024
@@ -174,9 +174,10 @@ def target_cases(quick: bool, flex: bool | None = None) -> dict[str, list[Case]]
 
 
 def ratios(cases: dict[str, list[Case]]) -> list[dict]:
-    """Targets f-j as ratios of cases measured in this run."""
+    """Targets f-j as ratios of cases measured in this run (:func:`.timing.case_ratio`:
+    the median of the per-round ratios, with quartiles and the ratio of medians)."""
 
-    def sec(group, impl, pattern=None, t=None, bw=False):
+    def sec(group, impl, pattern=None, t=None, bw=False) -> Case | None:
         for c in cases[group]:
             if (
                 c.impl == impl
@@ -184,11 +185,10 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
                 and pattern in (None, c.pattern)
                 and t in (None, c.t)
             ):
-                return c.seconds
+                return c
         return None
 
-    def ratio(x, y):
-        return None if x is None or not y else x / y
+    ratio = case_ratio
 
     rows = []
     for t in sorted({c.t for c in cases["f"]}):
@@ -197,7 +197,7 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
             {
                 "target": "f",
                 "what": f"SDPA dense / attnkit mask_mod window block mask, T={t}, fwd",
-                "ratio": ratio(sec("f", "sdpa-dense", t=t), ours),
+                **ratio(sec("f", "sdpa-dense", t=t), ours),
                 "goal": ">= 8",
             }
         )
@@ -205,7 +205,7 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
             {
                 "target": "f",
                 "what": f"attnkit block mask / attnkit window=256, T={t}, fwd",
-                "ratio": ratio(ours, sec("f", "attnkit-window", t=t)),
+                **ratio(ours, sec("f", "attnkit-window", t=t)),
                 "goal": "<= 1.25",
             }
         )
@@ -213,7 +213,7 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
         {
             "target": "g",
             "what": "SDPA dense / attnkit repeated plain mask_mod (window), fwd",
-            "ratio": ratio(sec("g", "sdpa-dense"), sec("g", "attnkit-mask_mod")),
+            **ratio(sec("g", "sdpa-dense"), sec("g", "attnkit-mask_mod")),
             "goal": ">= 6",
         }
     )
@@ -221,7 +221,7 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
         {
             "target": "h",
             "what": "SDPA dense / attnkit 8 causal documents (block mask), fwd",
-            "ratio": ratio(sec("h", "sdpa-dense"), sec("h", "attnkit-block_mask")),
+            **ratio(sec("h", "sdpa-dense"), sec("h", "attnkit-block_mask")),
             "goal": ">= 4",
         }
     )
@@ -230,9 +230,7 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
             {
                 "target": "i",
                 "what": f"blockwise causal with sinks / without, {'fwd+bwd' if bw else 'fwd'}",
-                "ratio": ratio(
-                    sec("i", "attnkit-causal+sinks", bw=bw), sec("i", "attnkit-causal", bw=bw)
-                ),
+                **ratio(sec("i", "attnkit-causal+sinks", bw=bw), sec("i", "attnkit-causal", bw=bw)),
                 "goal": "<= 1.1",
             }
         )
@@ -241,7 +239,7 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
             {
                 "target": "j",
                 "what": f"attnkit / compiled FlexAttention (CPU), {pattern}, fwd",
-                "ratio": ratio(sec("j", "attnkit", pattern), sec("j", "flex-compiled", pattern)),
+                **ratio(sec("j", "attnkit", pattern), sec("j", "flex-compiled", pattern)),
                 "goal": "<= 0.8",
             }
         )
@@ -278,8 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"  {c.shape['group']} {c.impl:22s} {c.pattern:10s} T={c.t} {bw:8s} {secs} {c.note}"
             )
     for row in rows:
-        r = "-" if row["ratio"] is None else f"{row['ratio']:.2f}"
-        print(f"{row['target']}: {row['what']}: {r} (goal {row['goal']})")
+        print(f"{row['target']}: {row['what']}: {ratio_text(row)} (goal {row['goal']})")
     return 0
 
 

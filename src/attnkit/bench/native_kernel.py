@@ -17,7 +17,8 @@ kernels runs in a child process with torch held to its instruction set, see
   own calibration deciding what ``auto`` runs, and what each backend ran.
 
 Timings are interleaved in shuffled rounds, each sample repeated to last at least
-:data:`MIN_SAMPLE` seconds (:func:`attnkit.bench.timing.interleaved`), and every row names
+:data:`MIN_SAMPLE` seconds (:func:`attnkit.bench.timing.interleaved`); a ratio is the median
+of the per-round ratios (:func:`attnkit.bench.timing.paired_ratio`), and every row names
 its build and CPU. Run with ``python -m attnkit.bench.native_kernel``
 (``--quick``: toy sizes, seconds, not graded); ``attnkit bench --kernel`` runs the same.
 """
@@ -39,7 +40,7 @@ from attnkit.backends.blockwise import native
 from attnkit.backends.blockwise.native import build
 from attnkit.bench.auto_grid import SHAPE, env, grid, inputs, markdown_rows, step
 from attnkit.bench.isa_env import CHILD, held_env, in_held_child, torch_capability
-from attnkit.bench.timing import interleaved, spread
+from attnkit.bench.timing import interleaved, paired_ratio, spread
 
 #: Set in a held child's environment.
 #: Seconds each timed sample lasts at least (a call is repeated until it does); --quick: 0.
@@ -86,25 +87,27 @@ def _timed(fn: Callable[[], object]) -> float:
 
 
 def causal_rows(t: int, reps: int, peak_all: float, min_sample: float = 0.0) -> dict[str, float]:
-    """Native causal fwd and fwd+bwd against SDPA, % of peak, backward/forward FLOP rate."""
+    """Native causal fwd and fwd+bwd against SDPA, % of peak, backward/forward FLOP rate.
+    A ratio is the median of the per-round ratios (:func:`.timing.paired_ratio`); a FLOP
+    rate comes from the median time."""
     out: dict[str, float] = {}
     fwd_flops = 4 * SHAPE[0] * SHAPE[1] * t * t * SHAPE[2] / 2  # QK^T and PV, half (causal)
     seconds: dict[str, float] = {}
     for backward in (False, True):
         fns = _causal_fns(*inputs(t, backward), backward)
         with env(ATTNKIT_NATIVE_SPEED="fast"):  # the kernel itself, whatever calibration says
-            med = _best(fns, reps, min_sample)
+            times = interleaved(fns, reps, min_sample)
         key = "fwd+bwd" if backward else "fwd"
-        out[f"native/sdpa {key}"] = med["native"] / med["sdpa"]
-        seconds[key] = med["native"]
+        out[f"native/sdpa {key}"] = paired_ratio(times["native"], times["sdpa"])[0]
+        seconds[key] = spread(times["native"])[0]
     for backward in (False, True) if native.bf16() else ():  # bf16 products against fp32
         q, k, v = inputs(t, backward)
         qb, kb, vb = (x.detach().to(torch.bfloat16).requires_grad_(backward) for x in (q, k, v))
         fns = {"fp32": _native(q, k, v, backward), "bf16": _native(qb, kb, vb, backward)}
         with env(ATTNKIT_NATIVE_SPEED="fast"):
-            med = _best(fns, reps, min_sample)
+            times = interleaved(fns, reps, min_sample)
         key = "fwd+bwd" if backward else "fwd"
-        out[f"bf16 {key} / fp32 {key}"] = med["bf16"] / med["fp32"]
+        out[f"bf16 {key} / fp32 {key}"] = paired_ratio(times["bf16"], times["fp32"])[0]
     fwd_rate = fwd_flops / seconds["fwd"]
     bwd_rate = 2.5 * fwd_flops / max(seconds["fwd+bwd"] - seconds["fwd"], 1e-9)
     out["fwd GFLOP/s"] = fwd_rate / 1e9

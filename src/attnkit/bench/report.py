@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from attnkit.bench.timing import ratio_text
+
 
 def _fmt(x: float | None, digits: int = 3) -> str:
     return "—" if x is None else f"{x:.{digits}g}"
@@ -47,7 +49,8 @@ def markdown(result: dict) -> str:
     for row in result["targets"]:
         r, goal = row["ratio"], row["goal"]
         met = "—" if r is None else ("smoke run" if quick else ("yes" if _meets(r, goal) else "NO"))
-        lines.append(f"| {row['target']}: {row['what']} | {_fmt(r)} | {goal} | {met} |")
+        shown = ratio_text(row) if row.get("quartiles") else _fmt(r)
+        lines.append(f"| {row['target']}: {row['what']} | {shown} | {goal} | {met} |")
     lines += [
         "",
         "## Cases",

@@ -15,7 +15,9 @@
 
 Run: ``python -m attnkit.bench.serving [--quick] [--threads N] [--out results.json]``. The
 two sides of each ratio are measured in one run, interleaved (best of ``--repeats`` for the
-serving race, medians for the decode step), with the same torch thread count (recorded).
+serving race; for the decode step, shuffled rounds of one call each and the median of the
+per-round ratios, :func:`attnkit.bench.timing.paired_ratio`), with the same torch thread
+count (recorded).
 """
 
 from __future__ import annotations
@@ -24,30 +26,17 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any, cast
 
 import torch
 
 from attnkit.attention import attention
+from attnkit.bench.timing import interleaved, paired_ratio, ratio_text
 from attnkit.kv_cache import KVCache
 from attnkit.paged_attention import paged_attention
 from attnkit.paged_kv_cache import PagedKVCache
 
 __all__ = ["continuous_batching", "paged_decode", "run"]
-
-
-def _interleaved(fns: dict[str, Callable[[], Any]], reps: int) -> dict[str, float]:
-    """Median seconds of each function, run round-robin after one warm-up each."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def paged_decode(
@@ -80,20 +69,24 @@ def paged_decode(
         ref = attention(q, k, v)
         out = paged_attention(q, k_pages, v_pages, table, length, causal=False)
         err = (out.float() - ref.float()).abs().max().item()  # type: ignore[union-attr]
-        sec = _interleaved(
+        times = interleaved(
             {
                 "contiguous": lambda: attention(q, k, v),
                 "paged": lambda: paged_attention(q, k_pages, v_pages, table, length, causal=False),
             },
             reps,
         )
+    sec = {name: statistics.median(ts) for name, ts in times.items()}
+    ratio, q1, q3 = paired_ratio(times["paged"], times["contiguous"])
     return {
         "length": length,
         "page_size": page_size,
         "dtype": str(dtype).removeprefix("torch."),
         "contiguous_us": sec["contiguous"] * 1e6,
         "paged_us": sec["paged"] * 1e6,
-        "ratio": sec["paged"] / sec["contiguous"],
+        "ratio": ratio,
+        "quartiles": [q1, q3],
+        "ratio of medians": sec["paged"] / sec["contiguous"],
         "max_abs_diff": err,
     }
 
@@ -209,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"paged decode step L={row['length']} page {row['page_size']} {row['dtype']}: "
             f"{row['paged_us']:.0f} us vs contiguous {row['contiguous_us']:.0f} us "
-            f"= {row['ratio']:.2f}x (goal <= 1.1)"
+            f"= {ratio_text(row)} (goal <= 1.1)"
         )
     cb = result["continuous_batching"]
     print(

@@ -12,6 +12,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -133,6 +134,49 @@ def interleaved(
             run()
             times[name].append((time.perf_counter() - start) / n)
     return times
+
+
+def paired_ratio(num: list[float], den: list[float]) -> tuple[float, float, float]:
+    """``(median, lower quartile, upper quartile)`` of the per-round ratios ``num[i] /
+    den[i]``: how every target ratio of the benches is read.
+
+    Rounds come from :func:`interleaved` or :func:`time_cases`, so round ``i`` of the two
+    sides ran back to back. On a shared machine whose speed drifts between rounds (the
+    same call 0.85 ms in one round and 1.3 ms a few seconds later), a drift falls on both
+    sides of a pair alike and divides out of its ratio; the ratio of the two medians
+    instead mixes rounds of different speeds (its two medians may come from different
+    rounds).
+
+    Raises:
+        ValueError: if the two lists differ in length or are empty, or a time is not
+            positive.
+    """
+    if len(num) != len(den) or not num:
+        raise ValueError(f"paired_ratio needs two equal, non-empty lists: {len(num)}, {len(den)}")
+    if min(den) <= 0 or min(num) <= 0:
+        raise ValueError("paired_ratio needs positive times")
+    return spread([a / b for a, b in zip(num, den, strict=True)])
+
+
+def case_ratio(num: Case | None, den: Case | None) -> dict[str, Any]:
+    """A target row's numbers for ``num`` over ``den``, two cases timed round-robin
+    (:func:`time_cases`): ``ratio`` (the median of the per-round ratios, the target's
+    reading, :func:`paired_ratio`), its ``quartiles``, and ``ratio of medians`` beside it;
+    every value None where a case did not run."""
+    if num is None or den is None or not num.times or not den.times:
+        return {"ratio": None, "quartiles": None, "ratio of medians": None}
+    mid, q1, q3 = paired_ratio(num.times, den.times)
+    medians = statistics.median(num.times) / statistics.median(den.times)
+    return {"ratio": mid, "quartiles": [q1, q3], "ratio of medians": medians}
+
+
+def ratio_text(row: dict[str, Any]) -> str:
+    """A :func:`case_ratio` row as text: ``0.93 [0.91-0.95]`` (median of the per-round
+    ratios [quartiles]), ``-`` where a case did not run."""
+    if row.get("ratio") is None:
+        return "-"
+    q1, q3 = row.get("quartiles") or (row["ratio"], row["ratio"])
+    return f"{row['ratio']:.3f} [{q1:.3f}-{q3:.3f}]"
 
 
 def spread(values: list[float]) -> tuple[float, float, float]:

@@ -9,7 +9,8 @@ one run (issue 20 items 1 and 3, issue 21 item 4).
 * ``doc-mask``: :func:`attnkit.document_block_mask` at T=65,536 with 64 documents, in ms
   (goal <= 5), equal and random lengths, causal.
 
-Cases of one ratio are timed round-robin (:func:`attnkit.bench.timing.time_cases`). Run
+Cases of one ratio are timed round-robin (:func:`attnkit.bench.timing.time_cases`), and a
+ratio is the median of the per-round ratios (:func:`attnkit.bench.timing.case_ratio`). Run
 ``python -m attnkit.bench.varlen [--quick] [--reps N]``; ``attnkit bench`` runs it too.
 """
 
@@ -25,7 +26,7 @@ import torch
 
 from attnkit.attention import attention
 from attnkit.backends.blockwise import native
-from attnkit.bench.timing import DTYPES, Case, Unsupported, time_cases
+from attnkit.bench.timing import DTYPES, Case, Unsupported, case_ratio, ratio_text, time_cases
 from attnkit.document_mask import document_block_mask
 
 __all__ = ["doc_mask_ms", "main", "target_cases", "time_targets"]
@@ -139,15 +140,13 @@ def time_targets(cases: dict[str, list[Case]], reps: int, quick: bool = False) -
             if group == "split-kv":  # a sample is STEPS decode steps
                 for c in pair:
                     c.seconds = None if c.seconds is None else c.seconds / STEPS
-            a, b = (c.seconds for c in pair)
-            ratio = None if a is None or not b else a / b
             if group == "varlen":
                 what = f"packed varlen / document block mask, {pair[0].t} tokens, fwd+bwd, {dtype}"
-                goal = "<= 1.1"
+                ratio, goal = case_ratio(pair[0], pair[1]), "<= 1.1"
             else:
                 what = f"split-KV decode L={pair[0].t}: 2 threads / 1 thread, {dtype}"
-                ratio, goal = (None if a is None or not b else b / a), "<= 0.6"
-            rows.append({"target": group, "what": what, "ratio": ratio, "goal": goal})
+                ratio, goal = case_ratio(pair[1], pair[0]), "<= 0.6"
+            rows.append({"target": group, "what": what, **ratio, "goal": goal})
     total, docs = (8192, 8) if quick else (65536, 64)
     for equal in (True, False):
         ms = doc_mask_ms(total, docs, equal=equal, causal=True, reps=reps)
@@ -164,7 +163,12 @@ def time_targets(cases: dict[str, list[Case]], reps: int, quick: bool = False) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m attnkit.bench.varlen")
     parser.add_argument("--quick", action="store_true", help="toy sizes (a smoke run)")
-    parser.add_argument("--reps", type=int, default=5, help="timed runs per case (median)")
+    parser.add_argument(
+        "--reps",
+        type=int,
+        default=5,
+        help="timed rounds (a ratio: the median of its rounds' ratios)",
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     cases = target_cases(args.quick)
     rows = time_targets(cases, args.reps, args.quick)
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             secs = "-" if c.seconds is None else f"{c.seconds * 1e3:.2f} ms"
             print(f"  {c.group:8s} {c.impl:10s} {c.dtype} T={c.t} {secs} {c.note}")
     for row in rows:
-        r = "-" if row["ratio"] is None else f"{row['ratio']:.3g}"
+        r = ratio_text(row) if "quartiles" in row else f"{row['ratio']:.3g}"
         print(f"{row['target']}: {row['what']}: {r} (goal {row['goal']})")
     return 0
 
