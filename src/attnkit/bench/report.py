@@ -117,7 +117,12 @@ def _targets_plot(plt, result: dict, path: Path) -> Path:
     rows = [r for r in result["targets"] if r["ratio"] is not None]
     fig, ax = plt.subplots(figsize=(9, 0.5 * len(rows) + 1.5), layout="constrained")
     labels = [f"{r['target']}: {r['what']}"[:60] for r in rows]
-    ax.barh(range(len(rows)), [r["ratio"] for r in rows], color="#3b528b")
+    ratios = [r["ratio"] for r in rows]
+    # the quartiles of the per-round ratios where the row has them (a time ratio)
+    quart = [r.get("quartiles") or [r["ratio"], r["ratio"]] for r in rows]
+    spans = [[max(0.0, x - q[0]) for x, q in zip(ratios, quart, strict=True)],
+             [max(0.0, q[1] - x) for x, q in zip(ratios, quart, strict=True)]]  # fmt: skip
+    ax.barh(range(len(rows)), ratios, xerr=spans, color="#3b528b", ecolor="#222222", capsize=2)
     for i, r in enumerate(rows):
         goal = float(r["goal"].split()[1])
         ax.plot([goal, goal], [i - 0.4, i + 0.4], color="#e4572e", lw=2)
@@ -125,7 +130,8 @@ def _targets_plot(plt, result: dict, path: Path) -> Path:
     ax.invert_yaxis()
     ax.set_xscale("log")
     smoke = "\nsmoke run (--quick): toy sizes, not graded" if result.get("quick") else ""
-    ax.set(xlabel="ratio (red: the goal)", title=f"benchmark targets{smoke}")
+    label = "ratio: median of the per-round ratios, whiskers its quartiles (red: the goal)"
+    ax.set(xlabel=label, title=f"benchmark targets{smoke}")
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path
