@@ -177,7 +177,7 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
     """Targets f-j as ratios of cases measured in this run (:func:`.timing.case_ratio`:
     the median of the per-round ratios, with quartiles and the ratio of medians)."""
 
-    def sec(group, impl, pattern=None, t=None, bw=False) -> Case | None:
+    def found(group, impl, pattern=None, t=None, bw=False) -> Case | None:
         for c in cases[group]:
             if (
                 c.impl == impl
@@ -192,12 +192,12 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
 
     rows = []
     for t in sorted({c.t for c in cases["f"]}):
-        ours = sec("f", "attnkit-block_mask", t=t)
+        ours = found("f", "attnkit-block_mask", t=t)
         rows.append(
             {
                 "target": "f",
                 "what": f"SDPA dense / attnkit mask_mod window block mask, T={t}, fwd",
-                **ratio(sec("f", "sdpa-dense", t=t), ours),
+                **ratio(found("f", "sdpa-dense", t=t), ours),
                 "goal": ">= 8",
             }
         )
@@ -205,7 +205,7 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
             {
                 "target": "f",
                 "what": f"attnkit block mask / attnkit window=256, T={t}, fwd",
-                **ratio(ours, sec("f", "attnkit-window", t=t)),
+                **ratio(ours, found("f", "attnkit-window", t=t)),
                 "goal": "<= 1.25",
             }
         )
@@ -213,7 +213,7 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
         {
             "target": "g",
             "what": "SDPA dense / attnkit repeated plain mask_mod (window), fwd",
-            **ratio(sec("g", "sdpa-dense"), sec("g", "attnkit-mask_mod")),
+            **ratio(found("g", "sdpa-dense"), found("g", "attnkit-mask_mod")),
             "goal": ">= 6",
         }
     )
@@ -221,7 +221,7 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
         {
             "target": "h",
             "what": "SDPA dense / attnkit 8 causal documents (block mask), fwd",
-            **ratio(sec("h", "sdpa-dense"), sec("h", "attnkit-block_mask")),
+            **ratio(found("h", "sdpa-dense"), found("h", "attnkit-block_mask")),
             "goal": ">= 4",
         }
     )
@@ -230,7 +230,9 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
             {
                 "target": "i",
                 "what": f"blockwise causal with sinks / without, {'fwd+bwd' if bw else 'fwd'}",
-                **ratio(sec("i", "attnkit-causal+sinks", bw=bw), sec("i", "attnkit-causal", bw=bw)),
+                **ratio(
+                    found("i", "attnkit-causal+sinks", bw=bw), found("i", "attnkit-causal", bw=bw)
+                ),
                 "goal": "<= 1.1",
             }
         )
@@ -239,7 +241,7 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
             {
                 "target": "j",
                 "what": f"attnkit / compiled FlexAttention (CPU), {pattern}, fwd",
-                **ratio(sec("j", "attnkit", pattern), sec("j", "flex-compiled", pattern)),
+                **ratio(found("j", "attnkit", pattern), found("j", "flex-compiled", pattern)),
                 "goal": "<= 0.8",
             }
         )

@@ -133,7 +133,7 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
     per-round ratios (:func:`.timing.case_ratio`, with quartiles and the ratio of medians);
     of peak memory (d), the plain ratio."""
 
-    def sec(group, impl, bw) -> Case | None:
+    def found(group, impl, bw) -> Case | None:
         return next((c for c in cases[group] if c.impl == impl and c.backward == bw), None)
 
     ratio = case_ratio
@@ -141,12 +141,12 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
     rows = []
     for bw in (False, True):
         direction = "fwd+bwd" if bw else "fwd"
-        ours = sec("a", "attnkit-mha", bw)
+        ours = found("a", "attnkit-mha", bw)
         rows.append(
             {
                 "target": "a",
                 "what": f"attnkit MHA / nn.MHA(nw=False), {direction}",
-                **ratio(ours, sec("a", "nn.MHA(need_weights=False)", bw)),
+                **ratio(ours, found("a", "nn.MHA(need_weights=False)", bw)),
                 "goal": "<= 1.0",
             }
         )
@@ -154,7 +154,7 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
             {
                 "target": "a",
                 "what": f"attnkit MHA / SDPA-MHA, {direction}",
-                **ratio(ours, sec("a", "sdpa-mha", bw)),
+                **ratio(ours, found("a", "sdpa-mha", bw)),
                 "goal": "<= 1.05",
             }
         )
@@ -162,7 +162,7 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
             {
                 "target": "b",
                 "what": f"blockwise causal / SDPA, {direction}",
-                **ratio(sec("b", "attnkit-blockwise", bw), sec("b", "sdpa", bw)),
+                **ratio(found("b", "attnkit-blockwise", bw), found("b", "sdpa", bw)),
                 "goal": "<= 1.5" if not bw else "<= 2.0",
             }
         )
@@ -170,7 +170,7 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
             {
                 "target": "c",
                 "what": f"SDPA dense mask / attnkit window, {direction}",
-                **ratio(sec("c", "sdpa", bw), sec("c", "attnkit-auto", bw)),
+                **ratio(found("c", "sdpa", bw), found("c", "attnkit-auto", bw)),
                 "goal": ">= 8",
             }
         )
@@ -178,7 +178,7 @@ def ratios(cases: dict[str, list[Case]]) -> list[dict]:
             {
                 "target": "e",
                 "what": f"reference+bias / attnkit ALiBi, {direction}",
-                **ratio(sec("e", "attnkit-reference", bw), sec("e", "attnkit-auto", bw)),
+                **ratio(found("e", "attnkit-reference", bw), found("e", "attnkit-auto", bw)),
                 "goal": ">= 3",
             }
         )
