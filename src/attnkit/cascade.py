@@ -150,6 +150,7 @@ def cascade_attention(
     if sinks is not None:  # a sink is a partial with no value and lse = its logit
         sink_lse = sinks.to(lse.dtype).view(1, h_q, 1).expand_as(lse)
         out, lse = merge_partials(out, lse, out.new_zeros(()), sink_lse)
+    out = out.to(query.dtype)  # (the kernel's float32 out rounded once, after the sink)
     return (out, lse) if return_lse else out
 
 
@@ -245,8 +246,10 @@ def fused_native(
     """Both passes and their merge in one call of attnkit's native kernel
     (:func:`attnkit.backends.blockwise.native.cascade`; a draft tree's two passes too,
     :func:`attnkit.tree_attention`), for inputs already checked: ``prefix_key`` ``(h_kv,
-    p, d)``, ``mask`` a bool suffix mask ``(n|1, 1|h, t, s)`` or None. ``(out in the
-    query's dtype, lse float32)``, or None where it does not run them: another backend, a
+    p, d)``, ``mask`` a bool suffix mask ``(n|1, 1|h, t, s)`` or None. ``(out, lse)``,
+    both float32 (the caller rounds ``out`` to the query's dtype once, after any sink is
+    merged: two roundings of a bf16 output cost up to twice the error of one), or None
+    where it does not run them: another backend, a
     gradient wanted, another device, no prefix or no suffix, a scale <= 0, or a pass the
     kernel refuses (``native.why_not``: dtype, head sizes, the speed this machine measured
     for dense plans). The few-rows bound of a lone dense call (torch's kernel for up to 48
@@ -299,7 +302,7 @@ def fused_native(
                 plan_cache.put(("one pass", *key), one)
         out, lse = native.forward(one, rows, k_all, v_all, suffix_mask=suffix_mask)
         n, h_q = query.shape[:2]  # (1, h_kv, g*t) rows are (1, h_q, t): the same memory
-        return out.view(n, h_q, t, d_v).to(query.dtype), lse.view(n, h_q, t)
+        return out.view(n, h_q, t, d_v), lse.view(n, h_q, t)
     pre = None if key is None else plan_cache.get(("prefix", *key), None)
     suf = None if key is None else plan_cache.get(("suffix", *key), None)
     if pre is not None and suf is not None:
@@ -317,7 +320,7 @@ def fused_native(
             plan_cache.put(("prefix", *key), pre)
             plan_cache.put(("suffix", *key), suf)
     out, lse = native.cascade(pre, suf, rows, pk, pv, query, sk, sv)
-    return out.to(query.dtype), lse  # (the kernel's out is float32, its lse stays so)
+    return out, lse
 
 
 def _one_pass(

@@ -234,7 +234,7 @@ def _cascade(
     scale: float,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(out, lse)`` of both passes in ONE call of the native kernel, as a shared-prefix
+    """``(out, lse)`` (float32) of both passes in ONE call of the native kernel, as a shared-prefix
     cascade of one request (:func:`attnkit.cascade.fused_native`): the cache is the prefix,
     every node's rows of a GQA group stacked against it with no mask; the tree's keys are
     the suffix, under the tree mask. Where the tree's keys and values follow the cache's
@@ -441,4 +441,5 @@ def tree_attention(
     if sinks is not None:  # a sink is a partial with no value and lse = its logit
         sink_lse = sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse)
         out, lse = merge_partials(out, lse, out.new_zeros(()), sink_lse)
+    out = out.to(query.dtype)  # (the kernel's float32 out rounded once, after the sink)
     return (out, lse) if return_lse else out
