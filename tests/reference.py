@@ -41,9 +41,11 @@ def ref_band_keep(lq: int, lk: int, causal: str | None, window: int | None) -> t
     return keep
 
 
-def plain_attention(q, k, v, keep: torch.Tensor, bias: torch.Tensor | None = None):
+def plain_attention(
+    q, k, v, keep: torch.Tensor, bias: torch.Tensor | None = None, sinks: torch.Tensor | None = None
+):
     """Softmax attention in the inputs' dtype, ``(b, h, t, d)`` (GQA expanded): the error
-    flash-attn's rule allows twice of."""
+    flash-attn's rule allows twice of. ``sinks`` ``(h,)``: one more logit a row, no value."""
     if k.shape[1] != q.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
@@ -51,6 +53,9 @@ def plain_attention(q, k, v, keep: torch.Tensor, bias: torch.Tensor | None = Non
     if bias is not None:
         s = s + bias.to(s.dtype)
     s = s.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        return torch.softmax(torch.cat((s, sink), -1), -1)[..., :-1] @ v
     return torch.softmax(s, -1).nan_to_num(0.0) @ v
 
 
