@@ -258,8 +258,13 @@ def test_fuzz_random_mods_compiled_equal_tiles_and_float64(expr):
         namespace["TAB"] = tab
     (ours, ours_g), (tiles, tiles_g), (ref, ref_g) = results.values()
     _two_x(ours, tiles, ref, f"out of {expr}")
+    # (a table entry that every score of a head reads is a shift, which softmax ignores:
+    # its true gradient is 0, and either float32 engine's is the noise of ~5,000 terms
+    # that cancel. For `TAB[h, b % 7] * 2`, 40 seeds: native up to 2.3e-5, the tile engine
+    # up to 2.4e-5, and in one seed 1.9e-6 against native's 1.6e-5, which a wider random
+    # run found; a single plain sample is no yardstick there, hence dTAB's floor)
     for what, a, p, r in zip(["dq", "dk", "dv", "dTAB"], ours_g, tiles_g, ref_g, strict=True):
-        _two_x(a, p, r, f"{what} of {expr}", eps=1e-5 if what == "dTAB" else 2e-6)
+        _two_x(a, p, r, f"{what} of {expr}", eps=5e-5 if what == "dTAB" else 2e-6)
 
 
 # -- determinism ----------------------------------------------------------------------
