@@ -5,12 +5,14 @@
 #               the docs and run the test suite (sets up .venv first if needed)
 #   make docs   build the documentation site into site/ (mkdocs --strict: warnings are errors;
 #               nothing is fetched from the network)
+#   make fuzz   every hypothesis test with FUZZ_EXAMPLES (1000) random examples (under an
+#               hour on 2 cores; not part of `make test`)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test docs lint setup clean
+.PHONY: demo test docs lint setup clean fuzz
 
 # what `attnkit demo` needs: torch, attnkit's dependencies, matplotlib for the pictures
 $(VENV)/.installed: pyproject.toml
@@ -35,6 +37,11 @@ test: $(VENV)/.dev-installed
 	$(PY) -m mypy
 	$(MAKE) --no-print-directory docs
 	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder -q -m "not slow"
+
+FUZZ_EXAMPLES ?= 1000
+fuzz: $(VENV)/.dev-installed
+	ATTNKIT_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -n 2 --dist loadfile -q \
+		-m "hypothesis and not slow"
 
 docs: $(VENV)/.dev-installed
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d site
