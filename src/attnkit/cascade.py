@@ -41,7 +41,7 @@ import torch
 
 from attnkit._validate import check_bool, check_float
 from attnkit.attention import attention, check_sinks
-from attnkit.backends.blockwise.merge import merge_partials
+from attnkit.backends.blockwise.merge import add_sinks, merge_partials
 
 __all__ = ["cascade_attention"]
 
@@ -147,9 +147,8 @@ def cascade_attention(
         out, lse = _two_passes(
             query, prefix_key, prefix_value, suffix_key, suffix_value, mask, scale, backend
         )
-    if sinks is not None:  # a sink is a partial with no value and lse = its logit
-        sink_lse = sinks.to(lse.dtype).view(1, h_q, 1).expand_as(lse)
-        out, lse = merge_partials(out, lse, out.new_zeros(()), sink_lse)
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks, h_q)
     out = out.to(query.dtype)  # (the kernel's float32 out rounded once, after the sink)
     return (out, lse) if return_lse else out
 

@@ -398,7 +398,7 @@ def _native(
     **kwargs,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     from attnkit.backends.blockwise import native
-    from attnkit.backends.blockwise.autograd import add_sinks
+    from attnkit.backends.blockwise.merge import add_sinks
 
     q = query if query.stride(-1) == 1 else query.contiguous()
     out, lse = native.forward_paged(plan, q, k_pages, v_pages, page_table, key_lens)

@@ -38,7 +38,7 @@ import torch
 
 from attnkit._validate import check_bool, check_float, check_int, check_parents
 from attnkit.attention import attention, check_sinks
-from attnkit.backends.blockwise.merge import merge_partials
+from attnkit.backends.blockwise.merge import add_sinks, merge_partials
 from attnkit.cascade import joined_view
 
 __all__ = [
@@ -438,8 +438,7 @@ def tree_attention(
             )
             out_c = out_c.reshape(b, h_q, n, -1)  # (b, h_q, n, d_v)
             out, lse = merge_partials(out_c, lse_c.reshape(b, h_q, n), out, lse)
-    if sinks is not None:  # a sink is a partial with no value and lse = its logit
-        sink_lse = sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse)
-        out, lse = merge_partials(out, lse, out.new_zeros(()), sink_lse)
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks, h_q)
     out = out.to(query.dtype)  # (the kernel's float32 out rounded once, after the sink)
     return (out, lse) if return_lse else out

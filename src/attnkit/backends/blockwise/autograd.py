@@ -4,7 +4,7 @@
 
 * the plan's engine computes ``(out, lse)`` over the keys;
 * learned sinks (``(h,)`` logits, or None) are merged as one more partial result with
-  ``out = 0`` and ``lse = sink`` (:func:`merge_partials`), so ``lse`` includes them;
+  ``out = 0`` and ``lse = sink`` (:func:`.merge.add_sinks`), so ``lse`` includes them;
 * the backward recomputes the weights from the *total* ``lse``: a sink changes nothing
   else in the key gradients, and its own gradient is ``sum p_sink * (dlse - rowsum(dO*O))``.
 
@@ -19,7 +19,7 @@ import dataclasses
 import torch
 
 from attnkit.backends.blockwise import flash_cpu, native, torch_tiles
-from attnkit.backends.blockwise.merge import merge_partials
+from attnkit.backends.blockwise.merge import add_sinks
 from attnkit.backends.blockwise.plan import FLASH_CPU, NATIVE_CPU, TORCH_TILES, TilePlan
 
 
@@ -84,14 +84,6 @@ def _extra_grads(
             read, extra, list(mod_grads.values()), retain_graph=True, allow_unused=True
         )
     return [None if g is None else g.to(x.dtype) for g, x in zip(found, extra, strict=True)]
-
-
-def add_sinks(
-    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, h: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge per-head sink logits ``(h,)`` into ``out (b, h, t, d)``, ``lse (b, h, t)``."""
-    sink_lse = sinks.to(lse.dtype).view(1, h, 1).expand_as(lse)
-    return merge_partials(out, lse, torch.zeros((), dtype=out.dtype, device=out.device), sink_lse)
 
 
 def forward(

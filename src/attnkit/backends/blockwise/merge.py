@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["merge_partials"]
+__all__ = ["add_sinks", "merge_partials"]
 
 
 def merge_partials(
@@ -44,3 +44,13 @@ def merge_partials(
     acc = torch.promote_types(out_a.dtype, lse.dtype)
     out = torch.lerp(out_a.to(acc), out_b.to(acc), share_b.unsqueeze(-1))  # (..., t, d)
     return out.to(out_a.dtype), lse
+
+
+def add_sinks(
+    out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, h: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge per-head sink logits ``(h,)`` into ``out (b, h, t, d)``, ``lse (b, h, t)``: a
+    sink is a partial with no value and ``lse`` = its logit. ``out`` keeps its dtype: merge
+    into the unrounded (float32) output and round once after."""
+    sink_lse = sinks.to(lse.dtype).view(1, h, 1).expand_as(lse)
+    return merge_partials(out, lse, torch.zeros((), dtype=out.dtype, device=out.device), sink_lse)
