@@ -16,7 +16,7 @@
 Run: ``python -m attnkit.bench.serving [--quick] [--threads N] [--out results.json]``. The
 two sides of each ratio are measured in one run, interleaved (best of ``--repeats`` for the
 serving race; for the decode step, shuffled rounds of one call each and the median of the
-per-round ratios, :func:`attnkit.bench.timing.paired_ratio`), with the same torch thread
+per-round ratios, :func:`attnkit.bench.timing.ratio_row`), with the same torch thread
 count (recorded).
 """
 
@@ -31,7 +31,7 @@ from typing import Any, cast
 import torch
 
 from attnkit.attention import attention
-from attnkit.bench.timing import interleaved, paired_ratio, ratio_text
+from attnkit.bench.timing import interleaved, ratio_row, ratio_text
 from attnkit.kv_cache import KVCache
 from attnkit.paged_attention import paged_attention
 from attnkit.paged_kv_cache import PagedKVCache
@@ -76,17 +76,13 @@ def paged_decode(
             },
             reps,
         )
-    sec = {name: statistics.median(ts) for name, ts in times.items()}
-    ratio, q1, q3 = paired_ratio(times["paged"], times["contiguous"])
     return {
         "length": length,
         "page_size": page_size,
         "dtype": str(dtype).removeprefix("torch."),
-        "contiguous_us": sec["contiguous"] * 1e6,
-        "paged_us": sec["paged"] * 1e6,
-        "ratio": ratio,
-        "quartiles": [q1, q3],
-        "ratio of medians": sec["paged"] / sec["contiguous"],
+        "contiguous_us": statistics.median(times["contiguous"]) * 1e6,
+        "paged_us": statistics.median(times["paged"]) * 1e6,
+        **ratio_row(times["paged"], times["contiguous"]),
         "max_abs_diff": err,
     }
 

@@ -158,16 +158,21 @@ def paired_ratio(num: list[float], den: list[float]) -> tuple[float, float, floa
     return spread([a / b for a, b in zip(num, den, strict=True)])
 
 
+def ratio_row(num: list[float], den: list[float]) -> dict[str, Any]:
+    """A target row's numbers for the per-round times ``num`` over ``den``: ``ratio`` (the
+    median of the per-round ratios, the target's reading, :func:`paired_ratio`), its
+    ``quartiles``, and ``ratio of medians`` beside it."""
+    mid, q1, q3 = paired_ratio(num, den)
+    medians = statistics.median(num) / statistics.median(den)
+    return {"ratio": mid, "quartiles": [q1, q3], "ratio of medians": medians}
+
+
 def case_ratio(num: Case | None, den: Case | None) -> dict[str, Any]:
-    """A target row's numbers for ``num`` over ``den``, two cases timed round-robin
-    (:func:`time_cases`): ``ratio`` (the median of the per-round ratios, the target's
-    reading, :func:`paired_ratio`), its ``quartiles``, and ``ratio of medians`` beside it;
-    every value None where a case did not run."""
+    """:func:`ratio_row` of two cases timed round-robin (:func:`time_cases`); every value
+    None where a case did not run."""
     if num is None or den is None or not num.times or not den.times:
         return {"ratio": None, "quartiles": None, "ratio of medians": None}
-    mid, q1, q3 = paired_ratio(num.times, den.times)
-    medians = statistics.median(num.times) / statistics.median(den.times)
-    return {"ratio": mid, "quartiles": [q1, q3], "ratio of medians": medians}
+    return ratio_row(num.times, den.times)
 
 
 def ratio_text(row: dict[str, Any]) -> str:
