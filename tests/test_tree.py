@@ -275,6 +275,20 @@ def test_draft_tree_moves_devices_and_accepts_a_plain_mask():
     torch.testing.assert_close(a, tree_attention(q, k, k, tk, tk, tree.mask))
 
 
+def test_the_stacked_mask_is_the_tree_mask_per_group_head_and_kept():
+    """A DraftTree keeps its mask stacked per GQA group (row j n + i: node i of head j),
+    as the one kernel pass reads it: made once per group size, remade for another."""
+    tree = build_tree([-1, 0, 0, 1, 3])
+    n = tree.num_nodes
+    three = tree._stacked_mask(3, torch.device("cpu"))
+    assert three.shape == (1, 1, 3 * n, n) and three.dtype == torch.bool
+    for j in range(3):
+        assert torch.equal(three[0, 0, j * n : (j + 1) * n], tree.mask)
+    assert tree._stacked_mask(3, torch.device("cpu")) is three
+    two = tree._stacked_mask(2, torch.device("cpu"))
+    assert two.shape == (1, 1, 2 * n, n) and torch.equal(two[0, 0, n:], tree.mask)
+
+
 @settings(max_examples=30, **_SETTINGS)
 @given(tree_cases(), st.booleans())
 def test_one_pass_over_a_cache_the_tree_follows_float64(monkeypatch, case, plain_mask):

@@ -139,7 +139,7 @@ def cascade_attention(
     scale = check_float(scale, "scale")
     mask = _suffix_mask(suffix_lengths, n, t, s, query.device)
     fused = fused_native(
-        query, prefix_key, prefix_value, suffix_key, suffix_value, mask, scale, backend
+        query, prefix_key[None], prefix_value[None], suffix_key, suffix_value, mask, scale, backend
     )
     if fused is not None:  # both passes and their merge in one kernel call
         out, lse = fused
@@ -157,6 +157,8 @@ def _stacked_rows(query: torch.Tensor, h_kv: int) -> torch.Tensor:
     """Every request's query rows (and each GQA group's heads) stacked per kv head, as the
     prefix pass sees them: (n, h_kv, g, t, d) -> (h_kv, n, g, t, d) -> (1, h_kv, n*g*t, d)."""
     n, h_q, t, d = query.shape
+    if n == 1:  # (the permute moves a dim of size 1: one reshape, a view where it can be)
+        return query.reshape(1, h_kv, -1, d)
     return query.reshape(n, h_kv, h_q // h_kv, t, d).permute(1, 0, 2, 3, 4).reshape(1, h_kv, -1, d)
 
 
@@ -241,11 +243,16 @@ def fused_native(
     mask: torch.Tensor | None,
     scale: float,
     backend: str,
+    *,
+    stacked_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Both passes and their merge in one call of attnkit's native kernel
     (:func:`attnkit.backends.blockwise.native.cascade`; a draft tree's two passes too,
-    :func:`attnkit.tree_attention`), for inputs already checked: ``prefix_key`` ``(h_kv,
-    p, d)``, ``mask`` a bool suffix mask ``(n|1, 1|h, t, s)`` or None. ``(out, lse)``,
+    :func:`attnkit.tree_attention`), for inputs already checked: ``prefix_key`` ``(1,
+    h_kv, p, d)``, ``mask`` a bool suffix mask ``(n|1, 1|h, t, s)`` or None;
+    ``stacked_mask`` the same mask as the one pass reads it (:func:`_one_pass`), where
+    the caller keeps it made (a :class:`~attnkit.tree.DraftTree` does), else None.
+    ``(out, lse)``,
     both float32 (the caller rounds ``out`` to the query's dtype once, after any sink is
     merged: two roundings of a bf16 output cost up to twice the error of one), or None
     where it does not run them: another backend, a
@@ -266,17 +273,16 @@ def fused_native(
         x.requires_grad for x in (query, prefix_key, prefix_value, suffix_key, suffix_value)
     ):
         return None
-    if prefix_key.shape[1] == 0 or suffix_key.shape[2] == 0 or torch.compiler.is_compiling():
+    if prefix_key.shape[2] == 0 or suffix_key.shape[2] == 0 or torch.compiler.is_compiling():
         return None
     if scale <= 0.0:  # (attention() folds such a scale into the query: the two passes)
         return None
     t, d, d_v = query.shape[2], query.shape[3], prefix_value.shape[-1]
-    rows = _stacked_rows(query, prefix_key.shape[0])
-    pk, pv = prefix_key[None], prefix_value[None]  # (1, h_kv, p, d|d_v)
+    rows = _stacked_rows(query, prefix_key.shape[1])
     # (the kernel reads rows of the last dim in place: each must be contiguous)
     rows, pk, pv, query, sk, sv = (
         x if x.stride(-1) == 1 else x.contiguous()
-        for x in (rows, pk, pv, query, suffix_key, suffix_value)
+        for x in (rows, prefix_key, prefix_value, query, suffix_key, suffix_value)
     )
 
     def plan(q: torch.Tensor, k: torch.Tensor, causal: str | None, mask: torch.Tensor | None):
@@ -289,7 +295,7 @@ def fused_native(
     # shape and dtype: its values are the call's own): once accepted they are kept (every
     # layer of a decode step, every verified draft tree makes the same call)
     key = None if calibrate.measuring() else _cache_key(query, pv, sk, scale, mask)
-    whole = _one_pass(query, rows, pk, pv, sk, sv, mask)
+    whole = _one_pass(query, rows, pk, pv, sk, sv, mask, stacked_mask)
     if whole is not None:  # one request, its suffix after the prefix in memory: ONE pass
         k_all, v_all, suffix_mask = whole
         one = None if key is None else plan_cache.get(("one pass", *key), None)
@@ -330,13 +336,15 @@ def _one_pass(
     suffix_key: torch.Tensor,
     suffix_value: torch.Tensor,
     mask: torch.Tensor | None,
+    stacked_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """``(keys, values, suffix mask)`` of ONE pass over ``prefix ++ suffix`` for the
     stacked ``rows`` of one request whose suffix keys and values follow the prefix's in
     memory (a model's cache buffer split in two: a draft tree's nodes after the cache,
     :func:`attnkit.tree_attention`): the mask ``(1, 1|h_kv, g*t, s)`` covers the suffix
     alone, every prefix key kept (:func:`~attnkit.backends.blockwise.native.forward`'s
-    ``suffix_mask``), None for a decode step's one query and no mask. None where the two
+    ``suffix_mask``; ``stacked_mask`` where the caller keeps it made), None for a decode
+    step's one query and no mask. None where the two
     passes run: several requests, a suffix elsewhere in memory, or a causal suffix of
     several queries (its band differs row by row once a GQA group's heads are stacked)."""
     n, h_q, t, _ = query.shape
@@ -345,8 +353,8 @@ def _one_pass(
     k_all, v_all = joined_view(prefix_key, suffix_key), joined_view(prefix_value, suffix_value)
     if k_all is None or v_all is None:
         return None
-    if mask is None:
-        return k_all, v_all, None
+    if mask is None or stacked_mask is not None:
+        return k_all, v_all, stacked_mask
     h_kv, s = suffix_key.shape[1], suffix_key.shape[2]
     g = h_q // h_kv
     mask = mask.expand(1, h_q, t, s) if mask.shape[1] == h_q else mask.expand(1, g, t, s)

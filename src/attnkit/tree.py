@@ -67,6 +67,8 @@ class DraftTree:
     mask: torch.Tensor
     #: the last :meth:`_joined_mask` made, by (cache length, group, device)
     _joined: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: the last :meth:`_stacked_mask` made, by (group, device)
+    _stacked: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_nodes(self) -> int:
@@ -104,6 +106,18 @@ class DraftTree:
             self._joined.clear()
             self._joined[key] = _joined_mask(self.mask.to(device), cache, groups)
         return self._joined[key]
+
+    def _stacked_mask(self, groups: int, device: torch.device) -> torch.Tensor:
+        """``(1, 1, groups * n, n)`` bool: the tree mask for a GQA group's heads stacked
+        as rows (row ``j n + i``: node ``i`` of head ``j``), as the one pass of
+        :func:`attnkit.cascade.fused_native` reads it; the last one made is kept."""
+        key = (groups, device)
+        if key not in self._stacked:
+            self._stacked.clear()
+            n = self.num_nodes
+            stacked = self.mask.to(device).repeat(groups, 1)  # (groups * n, n)
+            self._stacked[key] = stacked.view(1, 1, groups * n, n)
+        return self._stacked[key]
 
     def to(self, device: torch.device | str) -> DraftTree:
         """The same tree with its tensors on ``device``."""
@@ -233,6 +247,7 @@ def _cascade(
     mask: torch.Tensor,
     scale: float,
     backend: str,
+    tree: DraftTree | None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(out, lse)`` (float32) of both passes in ONE call of the native kernel, as a shared-prefix
     cascade of one request (:func:`attnkit.cascade.fused_native`): the cache is the prefix,
@@ -244,7 +259,8 @@ def _cascade(
     rows (each has its own cache), an empty cache, inputs whose dtypes, devices or sizes
     do not fit together (:func:`attnkit.attention` then says what is wrong), and where
     ``fused_native`` stands aside (a gradient, another backend or device, a dtype the
-    kernel does not read)."""
+    kernel does not read). ``tree``: the DraftTree whose ``mask`` this is, if any (it
+    keeps the mask stacked per GQA group)."""
     if query.shape[0] != 1 or key.shape[0] != 1 or key.shape[2] == 0 or mask.dim() > 4:
         return None
     d, d_v, h_kv = query.shape[3], value.shape[3], key.shape[1]
@@ -263,10 +279,16 @@ def _cascade(
         return None
     from attnkit.cascade import fused_native
 
+    if tree is not None:  # (its mask (n, n), stacked per GQA group once and kept)
+        stacked = tree._stacked_mask(query.shape[1] // h_kv, query.device)
+        mask4 = mask.view(1, 1, *mask.shape)  # (1, 1, n, n)
+        return fused_native(
+            query, key, value, tree_key, tree_value, mask4, scale, backend, stacked_mask=stacked
+        )
     mask4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (1, 1|h_q, n, n)
     if mask4.shape[0] != 1:
         return None
-    return fused_native(query, key[0], value[0], tree_key, tree_value, mask4, scale, backend)
+    return fused_native(query, key, value, tree_key, tree_value, mask4, scale, backend)
 
 
 def _one_pass(
@@ -417,7 +439,7 @@ def tree_attention(
     if key.shape[2] > 0 and (h_kv == 0 or h_q % h_kv):
         raise ValueError(f"query heads ({h_q}) must be a multiple of key heads ({h_kv})")
     drafted = tree if isinstance(tree, DraftTree) else None
-    fused = _cascade(query, key, value, tree_key, tree_value, mask, scale, backend)
+    fused = _cascade(query, key, value, tree_key, tree_value, mask, scale, backend, drafted)
     if fused is not None:  # both passes and their merge in one kernel call
         out, lse = fused
     elif (whole := _one_pass(query, key, value, tree_key, tree_value, mask, drafted)) is not None:
