@@ -139,7 +139,7 @@ def cascade_attention(
     scale = check_float(scale, "scale")
     mask = _suffix_mask(suffix_lengths, n, t, s, query.device)
     fused = fused_native(
-        query, prefix_key[None], prefix_value[None], suffix_key, suffix_value, mask, scale, backend
+        query, prefix_key, prefix_value, suffix_key, suffix_value, mask, scale, backend
     )
     if fused is not None:  # both passes and their merge in one kernel call
         out, lse = fused
@@ -149,7 +149,8 @@ def cascade_attention(
         )
     if sinks is not None:
         out, lse = add_sinks(out, lse, sinks, h_q)
-    out = out.to(query.dtype)  # (the kernel's float32 out rounded once, after the sink)
+    if out.dtype != query.dtype:  # (the kernel's float32 out rounded once, after the sink)
+        out = out.to(query.dtype)
     return (out, lse) if return_lse else out
 
 
@@ -175,7 +176,7 @@ def _two_passes(
     """The prefix pass and the suffix pass as :func:`attnkit.attention` calls (any
     backend, differentiable), merged by their log-sum-exps; ``(out, lse)`` without sinks."""
     n, h_q, t, _ = query.shape
-    h_kv, p = prefix_key.shape[0], prefix_key.shape[1]
+    h_kv, p = prefix_key.shape[1], prefix_key.shape[2]
     s = suffix_key.shape[2]
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []
     if p > 0:
@@ -183,8 +184,8 @@ def _two_passes(
         g = h_q // h_kv
         out, lse = attention(
             _stacked_rows(query, h_kv),
-            prefix_key[None],
-            prefix_value[None],
+            prefix_key,
+            prefix_value,
             scale=scale,
             return_lse=True,
             backend=backend,
@@ -434,7 +435,7 @@ def _check(
     suffix_key: torch.Tensor,
     suffix_value: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check the shapes, dtypes and devices; return the prefix as ``(h_kv, p, d)``."""
+    """Check the shapes, dtypes and devices; return the prefix as ``(1, h_kv, p, d)``."""
     named = (
         ("query", query),
         ("prefix_key", prefix_key),
@@ -454,14 +455,14 @@ def _check(
         raise ValueError(f"query must be (n, h_q, t, d), got shape {tuple(query.shape)}")
     prefix = []
     for name, x in (("prefix_key", prefix_key), ("prefix_value", prefix_value)):
-        if x.dim() == 4 and x.shape[0] == 1:
-            x = x[0]
-        if x.dim() != 3:
+        if x.dim() == 3:
+            x = x[None]
+        if x.dim() != 4 or x.shape[0] != 1:
             raise ValueError(
                 f"{name} must be (h_kv, p, d) or (1, h_kv, p, d), got {tuple(x.shape)}"
             )
         prefix.append(x)
-    pk, pv = prefix
+    pk, pv = prefix  # (1, h_kv, p, d|d_v)
     for name, x in (("suffix_key", suffix_key), ("suffix_value", suffix_value)):
         if x.dim() != 4 or x.shape[0] != query.shape[0]:
             raise ValueError(
@@ -472,7 +473,7 @@ def _check(
         raise ValueError(
             f"query needs at least one request and one token, got {tuple(query.shape)}"
         )
-    h_kv = pk.shape[0]
+    h_kv = pk.shape[1]
     if h_kv == 0 or h_q % h_kv:
         raise ValueError(f"query heads ({h_q}) must be a multiple of prefix_key heads ({h_kv})")
     if pk.shape[-1] != d or suffix_key.shape[-1] != d:

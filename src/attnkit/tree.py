@@ -462,5 +462,6 @@ def tree_attention(
             out, lse = merge_partials(out_c, lse_c.reshape(b, h_q, n), out, lse)
     if sinks is not None:
         out, lse = add_sinks(out, lse, sinks, h_q)
-    out = out.to(query.dtype)  # (the kernel's float32 out rounded once, after the sink)
+    if out.dtype != query.dtype:  # (the kernel's float32 out rounded once, after the sink)
+        out = out.to(query.dtype)
     return (out, lse) if return_lse else out
