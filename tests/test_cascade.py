@@ -311,9 +311,9 @@ def kernel_cascades(monkeypatch, isa) -> list[tuple]:
     seen: list[tuple] = []
     original = native.cascade
 
-    def spy(pre, suf, rows, *args):
-        seen.append((tuple(rows.shape), suf.t, suf.s))
-        return original(pre, suf, rows, *args)
+    def spy(pre, suf, prefix_key, *args):  # (the prefix pass's stacked rows: its plan's)
+        seen.append(((pre.b, pre.h, pre.t, prefix_key.shape[-1]), suf.t, suf.s))
+        return original(pre, suf, prefix_key, *args)
 
     def no_dispatch(*args, **kwargs):
         raise AssertionError("the one-call cascade dispatched an attention() pass")

@@ -279,12 +279,12 @@ def fused_native(
     if scale <= 0.0:  # (attention() folds such a scale into the query: the two passes)
         return None
     t, d, d_v = query.shape[2], query.shape[3], prefix_value.shape[-1]
-    rows = _stacked_rows(query, prefix_key.shape[1])
     # (the kernel reads rows of the last dim in place: each must be contiguous)
-    rows, pk, pv, query, sk, sv = (
+    pk, pv, query, sk, sv = (
         x if x.stride(-1) == 1 else x.contiguous()
-        for x in (rows, prefix_key, prefix_value, query, suffix_key, suffix_value)
+        for x in (prefix_key, prefix_value, query, suffix_key, suffix_value)
     )
+    h_kv = pk.shape[1]
 
     def plan(q: torch.Tensor, k: torch.Tensor, causal: str | None, mask: torch.Tensor | None):
         return build_plan(
@@ -296,9 +296,10 @@ def fused_native(
     # shape and dtype: its values are the call's own): once accepted they are kept (every
     # layer of a decode step, every verified draft tree makes the same call)
     key = None if calibrate.measuring() else _cache_key(query, pv, sk, scale, mask)
-    whole = _one_pass(query, rows, pk, pv, sk, sv, mask, stacked_mask)
+    whole = _one_pass(query, pk, pv, sk, sv, mask, stacked_mask)
     if whole is not None:  # one request, its suffix after the prefix in memory: ONE pass
         k_all, v_all, suffix_mask = whole
+        rows = _stacked_rows(query, h_kv)  # (1, h_kv, g*t, d): a view of the query
         one = None if key is None else plan_cache.get(("one pass", *key), None)
         if one is None:
             one = plan(rows, k_all, None, None)
@@ -313,8 +314,8 @@ def fused_native(
     suf = None if key is None else plan_cache.get(("suffix", *key), None)
     if pre is not None and suf is not None:
         suf = plan_cache.with_mask(suf, mask, query.shape)
-    else:
-        pre = plan(rows, pk, None, None)
+    else:  # (the kernel gathers the stacked rows itself: here only their shape counts)
+        pre = plan(_stacked_rows(query, h_kv), pk, None, None)
         suf = plan(query, sk, "bottom_right" if mask is None and t > 1 else None, mask)
         dtype = query.dtype
         if (
@@ -325,13 +326,12 @@ def fused_native(
         if key is not None:
             plan_cache.put(("prefix", *key), pre)
             plan_cache.put(("suffix", *key), suf)
-    out, lse = native.cascade(pre, suf, rows, pk, pv, query, sk, sv)
+    out, lse = native.cascade(pre, suf, pk, pv, query, sk, sv)
     return out, lse
 
 
 def _one_pass(
     query: torch.Tensor,
-    rows: torch.Tensor,
     prefix_key: torch.Tensor,
     prefix_value: torch.Tensor,
     suffix_key: torch.Tensor,
@@ -340,7 +340,7 @@ def _one_pass(
     stacked_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """``(keys, values, suffix mask)`` of ONE pass over ``prefix ++ suffix`` for the
-    stacked ``rows`` of one request whose suffix keys and values follow the prefix's in
+    stacked rows (:func:`_stacked_rows`) of one request whose suffix keys and values follow the prefix's in
     memory (a model's cache buffer split in two: a draft tree's nodes after the cache,
     :func:`attnkit.tree_attention`): the mask ``(1, 1|h_kv, g*t, s)`` covers the suffix
     alone, every prefix key kept (:func:`~attnkit.backends.blockwise.native.forward`'s

@@ -234,16 +234,10 @@ bool cascade(const char *name, int64_t n, int64_t H, int64_t HKV, int64_t t, int
   const int64_t g = H / HKV, rows = n * g * t;
   const auto q = randn(n * H * t * D), pk = randn(HKV * p * D), pv = randn(HKV * p * D),
              sk = randn(n * HKV * s * D), sv = randn(n * HKV * s * D);
-  std::vector<float> stacked(HKV * rows * D);  // (1, HKV, n g t, D): request, head, query
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t i = 0; i < t; ++i)
-        std::memcpy(&stacked[((h / g) * rows + (r * g + h % g) * t + i) * D],
-                    &q[((r * H + h) * t + i) * D], D * sizeof(float));
   const double scale = 1.0 / std::sqrt(double(D));
   Args pre{}, suf{};
-  pre.q = stacked.data(), pre.k = pk.data(), pre.v = pv.data();
-  pre.sq_b = HKV * rows * D, pre.sq_h = rows * D, pre.sq_t = D;
+  // (the prefix pass's rows, (1, HKV, n g t, D), the kernel gathers from suf.q: pre.q unset)
+  pre.k = pk.data(), pre.v = pv.data();
   pre.sk_b = pre.sv_b = HKV * p * D, pre.sk_h = pre.sv_h = p * D, pre.sk_t = pre.sv_t = D;
   pre.B = 1, pre.H = pre.HKV = HKV, pre.T = rows, pre.S = p, pre.D = pre.DV = D;
   pre.band_lo = -NONE, pre.band_hi = NONE;

@@ -497,7 +497,6 @@ def forward(
 def cascade(
     prefix_plan: TilePlan,
     suffix_plan: TilePlan,
-    rows: torch.Tensor,
     prefix_key: torch.Tensor,
     prefix_value: torch.Tensor,
     query: torch.Tensor,
@@ -509,10 +508,10 @@ def cascade(
     :func:`why_not` accepts (the prefix's with ``one_of_two``).
 
     Args:
-        prefix_plan: the prefix pass, ``rows`` against the shared keys (no mask).
+        prefix_plan: the prefix pass: every request's query rows stacked per kv head
+            (request, then group head, then query: ``(1, h_kv, n * g * t, d)``, gathered
+            from ``query`` by the kernel) against the shared keys (no mask).
         suffix_plan: the suffix pass, ``query`` against each request's own keys.
-        rows: ``(1, h_kv, n * g * t, d)``: every request's query rows stacked per kv head
-            (request, then group head, then query), last dim contiguous.
         prefix_key: ``(1, h_kv, p, d)``; prefix_value: ``(1, h_kv, p, d_v)``.
         query: ``(n, h, t, d)``; suffix_key: ``(n, h_kv, s, d)``; suffix_value:
             ``(n, h_kv, s, d_v)`` (all with the last dim contiguous).
@@ -523,9 +522,9 @@ def cascade(
     n, h, t = query.shape[:3]
     out = torch.empty(n, h, t, suffix_value.shape[-1], dtype=torch.float32)
     lse = torch.empty(n, h, t, dtype=torch.float32)
-    # (the prefix pass's out and lse are the kernel's own buffers: _args is handed the
-    # call's lse only to fill the struct, and the kernel sets both pointers)
-    pre, keep_pre = _args(prefix_plan, rows, prefix_key, prefix_value, None, lse)
+    # (the prefix pass's rows, out and lse are the kernel's own buffers: _args is handed
+    # the query and the call's lse only to fill the struct, and the kernel sets all three)
+    pre, keep_pre = _args(prefix_plan, query, prefix_key, prefix_value, None, lse)
     suf, keep_suf = _args(suffix_plan, query, suffix_key, suffix_value, out, lse)
     _check_code(_kernel("attnkit_cascade")(ctypes.byref(pre), ctypes.byref(suf)))
     del keep_pre, keep_suf

@@ -15,8 +15,8 @@ __all__ = ["ABI_VERSION", "CODES", "DT_BF16", "DT_F32", "Args", "Grads", "check"
 
 #: ``ABI_VERSION`` of attention.cpp: bumped whenever ``Args``, ``Grads`` or the exported
 #: functions change (9: ``attnkit_cascade``; 10: ``num_pages``, page ids checked; 11:
-#: ``mask_c0``).
-ABI_VERSION = 11
+#: ``mask_c0``; 12: ``attnkit_cascade`` gathers the prefix pass's rows from the queries).
+ABI_VERSION = 12
 
 #: attention.cpp's return codes (``enum Code``) that the binding treats apart.
 OK, BAD_SHAPE, NO_MEMORY, BAD_PAGE = 0, 1, 4, 9
