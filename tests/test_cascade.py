@@ -427,8 +427,10 @@ def test_a_gradient_or_another_backend_takes_the_two_passes(isa, monkeypatch):
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_one_kernel_call_takes_strided_and_expanded_inputs(kernel_cascades, n):
-    """A query whose last dim is strided (its stacked rows then too), a prefix expanded over
-    its heads (stride 0) and suffixes sliced out of a longer cache: the same answer."""
+    """A query whose last dim is strided (its stacked rows then too), one whose heads and
+    positions are laid out the other way round (the kernel gathers the stacked rows with
+    the query's own strides), a prefix expanded over its heads (stride 0) and suffixes
+    sliced out of a longer cache: the same answer."""
     hq, hkv, t, p, s, d = 4, 2, 2, 90, 33, 32
     q, pk, pv, sk, sv, _ = (x.float() for x in _inputs(n, hq, hkv, t, p, s, d, d, seed=n))
     q_strided = q.transpose(-1, -2).contiguous().transpose(-1, -2)  # last dim stride t
@@ -438,12 +440,16 @@ def test_one_kernel_call_takes_strided_and_expanded_inputs(kernel_cascades, n):
     sk_slice, sv_slice = cache_k[:, :, :s], cache_v[:, :, :s]
     assert q_strided.stride(-1) != 1 and pk_expanded.stride(0) == 0
     out = cascade_attention(q_strided, pk_expanded, pv_expanded, sk_slice, sv_slice)
-    assert len(kernel_cascades) == 1
+    q_swapped = q.transpose(1, 2).contiguous().transpose(1, 2)  # (n, hq, t, d), t outer
+    assert q_swapped.stride(-1) == 1 and q_swapped.stride(1) < q_swapped.stride(2)
+    out_swapped = cascade_attention(q_swapped, pk_expanded, pv_expanded, sk_slice, sv_slice)
+    assert len(kernel_cascades) == 2
     want, _ = _reference(
         q.double(), pk_one.expand(hkv, -1, -1).double(), pv_one.expand(hkv, -1, -1).double(),
         sk.double(), sv.double(), torch.full((n,), s), None,
     )  # fmt: skip
     assert (out.double() - want).abs().max().item() < 1e-5
+    assert (out_swapped.double() - want).abs().max().item() < 1e-5
 
 
 def test_a_repeated_cascade_is_planned_once_and_a_changed_one_anew(kernel_cascades, monkeypatch):
