@@ -31,6 +31,7 @@ Shapes: b batch, h_q / h_kv heads, n tree nodes, L cached keys, d head_dim.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, overload
 
@@ -101,23 +102,20 @@ class DraftTree:
     def _joined_mask(self, cache: int, groups: int, device: torch.device) -> torch.Tensor:
         """:func:`_joined_mask` of this tree's mask; the last one made is kept (every layer
         of one verification step asks for the same)."""
-        key = (cache, groups, device)
-        if key not in self._joined:
-            self._joined.clear()
-            self._joined[key] = _joined_mask(self.mask.to(device), cache, groups)
-        return self._joined[key]
+        return _keep_last(
+            self._joined, (cache, groups, device),
+            lambda: _joined_mask(self.mask.to(device), cache, groups),
+        )  # fmt: skip
 
     def _stacked_mask(self, groups: int, device: torch.device) -> torch.Tensor:
         """``(1, 1, groups * n, n)`` bool: the tree mask for a GQA group's heads stacked
-        as rows (row ``j n + i``: node ``i`` of head ``j``), as the one pass of
+        as rows (:func:`_joined_mask` of no cache), as the one pass of
         :func:`attnkit.cascade.fused_native` reads it; the last one made is kept."""
-        key = (groups, device)
-        if key not in self._stacked:
-            self._stacked.clear()
-            n = self.num_nodes
-            stacked = self.mask.to(device).repeat(groups, 1)  # (groups * n, n)
-            self._stacked[key] = stacked.view(1, 1, groups * n, n)
-        return self._stacked[key]
+        n = self.num_nodes
+        return _keep_last(
+            self._stacked, (groups, device),
+            lambda: _joined_mask(self.mask.to(device), 0, groups).view(1, 1, groups * n, n),
+        )  # fmt: skip
 
     def to(self, device: torch.device | str) -> DraftTree:
         """The same tree with its tensors on ``device``."""
@@ -279,16 +277,14 @@ def _cascade(
         return None
     from attnkit.cascade import fused_native
 
-    if tree is not None:  # (its mask (n, n), stacked per GQA group once and kept)
-        stacked = tree._stacked_mask(query.shape[1] // h_kv, query.device)
-        mask4 = mask.view(1, 1, *mask.shape)  # (1, 1, n, n)
-        return fused_native(
-            query, key, value, tree_key, tree_value, mask4, scale, backend, stacked_mask=stacked
-        )
     mask4 = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))  # (1, 1|h_q, n, n)
     if mask4.shape[0] != 1:
         return None
-    return fused_native(query, key, value, tree_key, tree_value, mask4, scale, backend)
+    # (a DraftTree keeps its mask stacked per GQA group for the one pass)
+    stacked = None if tree is None else tree._stacked_mask(query.shape[1] // h_kv, query.device)
+    return fused_native(
+        query, key, value, tree_key, tree_value, mask4, scale, backend, stacked_mask=stacked
+    )
 
 
 def _one_pass(
@@ -318,6 +314,14 @@ def _one_pass(
     if tree is not None:
         return k_all, v_all, tree._joined_mask(cache, g, query.device)
     return k_all, v_all, _joined_mask(mask, cache, g)
+
+
+def _keep_last(store: dict, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``store[key]``, made by ``make()`` (and every other entry dropped) if missing."""
+    if key not in store:
+        store.clear()
+        store[key] = make()
+    return store[key]
 
 
 def _joined_mask(mask: torch.Tensor, cache: int, groups: int) -> torch.Tensor:
