@@ -123,3 +123,16 @@ def test_the_quick_bench_of_a_held_build_runs_for_real():
     assert rows["torch"].lower() == isa, rows.get("status")
     assert len(rows["grid"]) == len(auto_grid.PATTERNS) * 2 * 2 * 2
     assert f"## {isa}" in native_kernel.markdown(result)
+
+
+def test_the_ratio_comes_from_auto_and_the_fastest_timed_back_to_back():
+    # phase one: blockwise fastest by its median, auto's rounds drifted (2x); phase two:
+    # auto and blockwise alone, 10% apart in every round
+    times = {"sdpa": [3.0] * 4, "blockwise": [1.0] * 4, "blockwise-flash": [2.0] * 4,
+             "auto": [2.0, 2.0, 1.0, 2.0]}  # fmt: skip
+    duel = {"auto": [1.1, 2.2, 1.1], "blockwise": [1.0, 2.0, 1.0]}
+    row = auto_grid._row("causal", 64, "fp32", False, times, duel, 64 * 65 // 2, 100.0)
+    assert row["fastest"] == "blockwise"
+    assert row["auto/fastest"] == pytest.approx(1.1)
+    assert row["auto/fastest quartiles"] == pytest.approx([1.1, 1.1])
+    assert row["seconds"]["blockwise"] == 1.0 and row["seconds"]["auto"] == 2.0

@@ -1,10 +1,16 @@
 """``auto`` against the fastest backend on the grid of issue 19: patterns x sizes x dtypes
 x forward / forward+backward, on the native build this process loaded.
 
-Each case times every backend of :data:`BACKENDS` in shuffled interleaved rounds
-(:func:`attnkit.bench.timing.interleaved`), each sample repeated to last at least
-``min_sample`` seconds, and reports ``auto``'s time over the fastest one's as the median
-of the per-round ratios with its quartiles. It also records what each backend ran
+Each case is timed in two phases, each sample repeated to last at least ``min_sample``
+seconds (:func:`attnkit.bench.timing.interleaved`). First every backend of
+:data:`BACKENDS`, in shuffled interleaved rounds: their median times, and which is the
+fastest. Then ``auto`` and that fastest one alone, :data:`PAIR_ROUNDS` times as many
+rounds, back to back: ``auto``'s time over the fastest one's is the median of these
+per-round ratios, with its quartiles. (In a round of all four, a drift of the machine
+between ``auto`` and the fastest one, a 4096-key window's dense SDPA mask timed between
+them, fell on one side of the pair only: on a 2-core Zen 4, session 21, ``auto`` running
+the very same kernel as ``blockwise`` measured 1.11 [1.00-1.13] in 5 rounds.)
+It also records what each backend ran
 (:func:`attnkit.explain_dispatch`): where ``auto`` ran the fastest backend's own engines,
 its ratio is the noise of timing one thing twice, and the row says ``same``; only rows
 where it ran something else are choices to judge.
@@ -30,6 +36,9 @@ from attnkit.bench.timing import DTYPES, interleaved, paired_ratio, spread
 __all__ = ["BACKENDS", "PATTERNS", "grid", "inputs", "markdown_rows", "step"]
 
 SHAPE = (1, 4, 64)  # (b, h, d)
+#: Rounds of the second phase (``auto`` and the fastest alone, back to back) per round of
+#: the first.
+PAIR_ROUNDS = 3
 WINDOW = 256
 BACKENDS = ("sdpa", "blockwise", "blockwise-flash", "auto")
 PATTERNS = ("causal", "window256", "documents", "alibi")
@@ -159,11 +168,21 @@ def grid(
                         n: step(_call(n, q, k, v, kwargs, sdpa_mask), backward) for n in BACKENDS
                     }
                     times = interleaved(fns, reps, min_sample, seed=t)
-                    rows.append(_row(pattern, t, dtype_name, backward, times, pairs, peak_gflops))
+                    fastest = _fastest(times)
+                    pair = {n: fns[n] for n in ("auto", fastest)}
+                    duel = interleaved(pair, PAIR_ROUNDS * reps, min_sample, seed=t + 1)
+                    rows.append(
+                        _row(pattern, t, dtype_name, backward, times, duel, pairs, peak_gflops)
+                    )
                     what = {n: ran(n, q, k, v, kwargs, backward) for n in BACKENDS}
                     rows[-1]["ran"] = what
                     rows[-1]["same"] = what["auto"] == what[rows[-1]["fastest"]]
     return rows
+
+
+def _fastest(times: dict[str, list[float]]) -> str:
+    """The backend (not ``auto``) of the lowest median time."""
+    return min((spread(ts)[0], n) for n, ts in times.items() if n != "auto")[1]
 
 
 def _row(
@@ -172,12 +191,13 @@ def _row(
     dtype: str,
     backward: bool,
     times: dict[str, list[float]],
+    duel: dict[str, list[float]],
     pairs: int,
     peak_gflops: float,
 ) -> dict:
     med = {n: spread(ts)[0] for n, ts in times.items()}
-    fastest = min((s, n) for n, s in med.items() if n != "auto")[1]
-    ratio = paired_ratio(times["auto"], times[fastest])
+    fastest = _fastest(times)
+    ratio = paired_ratio(duel["auto"], duel[fastest])
     b, h, d = SHAPE
     flops = 4 * b * h * pairs * d * (3.5 if backward else 1.0)
     share = 100 * flops / med["blockwise"] / 1e9 / peak_gflops if dtype == "fp32" else None
