@@ -210,24 +210,38 @@ inline vf exp(vf x) {
   return select(dead, splat(0.0f), p * scale);
 }
 
-// 2^x = 2^n 2^r, the range reduction of exp2() and exp2_bf16(): n = round(x) as 2^n's
-// bits (returned), r = x - n in [-1/2, 1/2] (set); x clamped to >= -127 (2^-127 is +0
-// here, so -inf gives 0), NaN stays NaN.
+// 2^x = 2^n 2^r, the range reduction of exp2() and exp2_bf16(): n = round(x), r = x - n in
+// [-1/2, 1/2] (set), and what exp2_scale() needs to multiply 2^r by 2^n (returned).
+// AVX-512 (feature "kfwd3"): n and r one instruction each (vrndscaleps, vreduceps, which
+// gives r = 0 for +-inf) and 2^n applied by vscalefps (0 for n = -inf or below the
+// subnormals, NaN stays NaN): three instructions where the portable reduction below takes
+// six, of the 16 or so a weight costs (its two products: 128 FMAs).
+// Elsewhere: x clamped to >= -127 (2^-127 is +0 here, so -inf gives 0), n rounded by
+// adding 1.5 * 2^23 + 127, whose low bits then hold n + 127: 2^n's bits, returned.
+#if ATTNKIT_W == 16
+inline vf exp2_reduce(vf x, vf &r) {
+  constexpr int nearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  r = (vf)_mm512_reduce_ps((__m512)x, nearest);
+  return (vf)_mm512_roundscale_ps((__m512)x, nearest);  // n
+}
+inline vf exp2_scale(vf p, vf n) { return (vf)_mm512_scalef_ps((__m512)p, (__m512)n); }
+#else
 inline vf exp2_reduce(vf x, vf &r) {
   typedef uint32_t vu __attribute__((vector_size(4 * W)));
   x = vmax(splat(-127.0f), x);  // (vmax(a, b) is b when b is NaN)
-  // 1.5 * 2^23 + 127: the sum rounds x to an integer n, and its low bits hold n + 127
   const vf shifter = splat(12583039.0f);
   const vf t = x + shifter;
   r = x - (t - shifter);
   return (vf)((vu)t << 23);  // (n + 127) << 23: 2^n (+0 for n = -127)
 }
+inline vf exp2_scale(vf p, vf scale) { return p * scale; }
+#endif
 
-// 2^x for x <= 127, within 1.2 ulp; 0 below -127 (and for -inf); NaN stays NaN. The
-// forward's softmax works in base 2 (its scores pre-multiplied by log2(e)), which saves
-// exp()'s multiply and its two-part reduction: 2^n 2^r (exp2_reduce) and
-// 2^r = 1 + r P(r), P of degree 5 fitted to 2^r's relative error on [-1/2, 1/2] (max
-// 2e-9, below float32 rounding) by attnkit.
+// 2^x for x <= 127, within 1.2 ulp; 0 below -127 (AVX-512: below the subnormals, -149) and
+// for -inf; NaN stays NaN. The forward's softmax works in base 2 (its scores pre-multiplied
+// by log2(e)), which saves exp()'s multiply and its two-part reduction: 2^n 2^r
+// (exp2_reduce) and 2^r = 1 + r P(r), P of degree 5 fitted to 2^r's relative error on
+// [-1/2, 1/2] (max 2e-9, below float32 rounding) by attnkit.
 inline vf exp2(vf x) {
   vf r;
   const vf scale = exp2_reduce(x, r);
@@ -238,7 +252,7 @@ inline vf exp2(vf x) {
   p = p * r + splat(2.4022648e-1f);
   p = p * r + splat(6.9314718e-1f);
   p = p * r + splat(1.0f);
-  return p * scale;
+  return exp2_scale(p, scale);
 }
 
 // (feature "kfwd2") 2^x as exp2() but within 1.1e-4 relative: P of degree 2 (fitted as
@@ -251,7 +265,7 @@ inline vf exp2_bf16(vf x) {
   p = p * r + splat(2.4221097e-1f);
   p = p * r + splat(6.9328290e-1f);
   p = p * r + splat(1.0f);
-  return p * scale;
+  return exp2_scale(p, scale);
 }
 
 // -- register tiles at full width (feature "kfwd") ------------------------------------
