@@ -170,6 +170,21 @@ def test_rows_the_fast_softmax_hands_back(calls):
     assert calls
 
 
+@pytest.mark.parametrize("causal", [None, "top_left"])
+def test_weights_of_minus_inf_and_far_below_the_max_are_zero(causal):
+    """In a chunk the fast softmax takes, a lone -inf score (a key with a -inf coordinate)
+    weighs exactly 0 beside finite ones, and scores so far below their row's max that 2^x
+    falls past float32's subnormals weigh 0 too: the AVX-512 build's 2^x reduces x by
+    vreduceps (0 for -inf, not -inf - -inf = NaN) and scales by vscalefps."""
+    q, k, v = _qkv(1, 2, 2, 300, 300, 64, 64, seed=21)
+    q[..., 0] = q[..., 0].abs() + 0.1
+    k[0, 0, 5] = 0.0
+    k[0, 0, 5, 0] = float("-inf")  # head 0: score -inf for every query at key 5
+    k[0, 1, 7] *= 1e3  # head 1: key 7 sits thousands above or below the other scores
+    out = _check(q, k, v, ref_band_keep(300, 300, causal, None), causal=causal)
+    assert torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("scale", [-10.0, 0.0])
 def test_the_kernel_takes_a_scale_of_any_sign(scale):
     """The kernel's fast softmax takes the max of the raw scores, the max of the scaled
