@@ -826,6 +826,7 @@ struct Scratch {
   std::vector<uint8_t> keep;  // a chunk's assembled block-mask rows
   std::vector<uint16_t> p16;  // bf16 calls: the chunk's weights rounded to bf16
   std::vector<float> mx;      // (kfwd) each row's max raw score in the chunk
+  bool mx_set = false;        // (kfwd3) ... already set by the scores' product
   std::vector<float> smod;    // a compiled score_mod's rows (the softmax's input), KC a row
   std::vector<float> kt;      // (pack in item) the chunk's keys, transposed (sized on use)
   std::vector<uint16_t> kp16, vp16;  // ... bf16: its keys and values in pairs (sized on use)
@@ -894,7 +895,7 @@ struct Weights {
 // simd::exp2_bf16 (its error 1/40 of that rounding's; O's rescale stays simd::exp2).
 template <bool BAND, bool BF16 = false>
 bool softmax_plain(const Args &a, const Chunk &c, int64_t i0, Scratch &w, const float *x_rows,
-                   double sc) {
+                   double sc, bool max_set = false) {
   float *mx = w.mx.data(), *m = w.m.data(), *alpha = w.alpha.data();
   const vf scale2 = simd::splat(float(sc)), ninf = simd::splat(NEG_INF);
   const vi lane = simd::lanes();
@@ -905,7 +906,7 @@ bool softmax_plain(const Args &a, const Chunk &c, int64_t i0, Scratch &w, const 
     lo = std::min<int64_t>(KC, std::max<int64_t>(lo, i + a.band_lo - c.c0));
     hi = std::max<int64_t>(0, std::min<int64_t>(hi, i + a.band_hi - c.c0 + 1));
   };
-  for (int64_t r = c.r0; r < c.r1; ++r) {
+  for (int64_t r = c.r0; r < c.r1 && !(max_set && !BAND); ++r) {
     const float *s = x_rows + r * KC;
     int64_t lo = 0, hi = KC;
     if (BAND) kept(r, lo, hi);
@@ -967,6 +968,8 @@ bool softmax_plain(const Args &a, const Chunk &c, int64_t i0, Scratch &w, const 
 // Scores -> weights in place (bf16 calls: into w.p16, rounded to bf16), the online softmax
 // state updated (alpha: O's rescale; m in base-2 units, see above).
 void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Scratch &w) {
+  const bool max_set = w.mx_set;  // (the raw scores' row max, by their product)
+  w.mx_set = false;
   Masker masker(a, c, b, h);
   // only the band and the keys' range cut the chunk (no mask of any kind, no bias; a
   // mask tensor that keeps every column here counts as none)
@@ -979,7 +982,8 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
       return cut ? softmax_plain<true, true>(a, c, i0, w, x, sc)
                  : softmax_plain<false, true>(a, c, i0, w, x, sc);
 #endif
-    return cut ? softmax_plain<true>(a, c, i0, w, x, sc) : softmax_plain<false>(a, c, i0, w, x, sc);
+    return cut ? softmax_plain<true>(a, c, i0, w, x, sc)
+               : softmax_plain<false>(a, c, i0, w, x, sc, max_set && x == w.s.data());
   };
   if (band_only && a.mod_forward) {  // a compiled score_mod: its rows first (w.s kept)
     float *in = masker.mod_in;
@@ -1418,8 +1422,9 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
     } else {
       kt = ops.kt.chunk(a, b, hk, c.ci);
     }
+    w.mx_set = score_cols(c) == simd::TILE_C * W && KC == simd::TILE_C * W;
     simd::gemm<false>(s, KC, nr, score_cols(c), qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1, kt, KC,
-                      a.D, nullptr);
+                      a.D, nullptr, w.mx_set ? w.mx.data() + c.r0 : nullptr);
     softmax(a, b, h, i0, c, w);
     if (a.pages)
       paged_pv(a, b, hk, c, nr, s, w);

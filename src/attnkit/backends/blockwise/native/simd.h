@@ -297,9 +297,43 @@ inline int tile_rows(int64_t left) {
 inline vf load_b(const float *p) { return load(p); }
 inline vf load_b(const uint16_t *p) { return load_bf16(p); }
 
+// out[r] = hmax(x[r]) for the first nr of R <= 8 rows. AVX-512: the rows' lanes folded
+// together, two rows a shuffle (22 instructions for 6 rows, not 6 x 8), NaN as hmax.
+template <int R>
+inline void hmax_rows(const vf *x, float *out, int nr) {
+#if ATTNKIT_W == 16
+  static_assert(R <= 8, "8 rows at most");
+  auto row = [&](int r) { return (__m512)x[r < R ? r : R - 1]; };
+  // 16 -> 8 lanes a row: rows 2i and 2i + 1 side by side (128-bit blocks 0-1, 2-3)
+  auto fold8 = [](__m512 a, __m512 b) {
+    return _mm512_max_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  };
+  // 8 -> 4: block j holds row j of the four
+  auto fold4 = [](__m512 a, __m512 b) {
+    return _mm512_max_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  };
+  const __m512 y01 = fold8(row(0), row(1)), y23 = fold8(row(2), row(3));
+  const __m512 z0 = fold4(y01, y23);  // rows 0-3
+  __m512 z1 = z0;
+  if constexpr (R > 4) {
+    const __m512 y45 = fold8(row(4), row(5));
+    z1 = fold4(y45, R > 6 ? fold8(row(6), row(7)) : y45);  // rows 4-7
+  }
+  // 4 -> 2 in each block: lanes 0-1 row j, 2-3 row j + 4; then 2 -> 1
+  const __m512 u = _mm512_max_ps(_mm512_shuffle_ps(z0, z1, 0x44), _mm512_shuffle_ps(z0, z1, 0xEE));
+  const __m512 m = _mm512_max_ps(u, _mm512_shuffle_ps(u, u, 0xB1));  // row j: lane 4j (+2)
+  const __m512i at = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  _mm512_mask_storeu_ps(out, __mmask16((1u << nr) - 1), _mm512_permutexvar_ps(at, m));
+#else
+  for (int r = 0; r < R; ++r)
+    if (r < nr) out[r] = hmax(x[r]);
+#endif
+}
+
 template <int R, int NC, bool ACC, class TB = float>
 inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int64_t aks,
-                 const TB *b, int64_t ldb, int64_t kn, const float *alpha) {
+                 const TB *b, int64_t ldb, int64_t kn, const float *alpha,
+                 float *row_max = nullptr) {
   vf acc[R][NC];
   const float *ar[R];
   alpha = ACC ? rescaled(alpha, nr) : nullptr;
@@ -333,6 +367,16 @@ inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int
 #pragma GCC unroll 4
     for (int v = 0; v < NC; ++v)
       if (r < nr) store(c + r * ldc + W * v, acc[r][v]);
+  if (!ACC && row_max) {  // (kfwd3) each row's max, from the registers (gemm: one tile wide)
+    vf x[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      x[r] = acc[r][0];
+#pragma GCC unroll 4
+      for (int v = 1; v < NC; ++v) x[r] = vmax(x[r], acc[r][v]);
+    }
+    hmax_rows<R>(x, row_max, nr);
+  }
 }
 
 // f(std::integral_constant<int, R>{}) with R the height of the register tile that runs
@@ -352,19 +396,23 @@ inline void by_height(int nr, F f) {
 // tile() of nr rows (by_height).
 template <int NC, bool ACC, class TB = float>
 inline void tile_n(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int64_t aks,
-                   const TB *b, int64_t ldb, int64_t kn, const float *alpha) {
+                   const TB *b, int64_t ldb, int64_t kn, const float *alpha,
+                   float *row_max = nullptr) {
   by_height(nr, [&](auto rows) {
-    tile<decltype(rows)::value, NC, ACC, TB>(c, ldc, nr, a, ars, aks, b, ldb, kn, alpha);
+    tile<decltype(rows)::value, NC, ACC, TB>(c, ldc, nr, a, ars, aks, b, ldb, kn, alpha,
+                                             row_max);
   });
 }
 
 // The product above over `rows` rows and `cols` columns (a multiple of W), in register
 // tiles of TILE_R rows x TILE_C vectors (the last ones lower: tile_rows); B float32 or
 // bf16 (TB = uint16_t: widened as loaded).
+// row_max (!ACC, cols == TILE_C * W: one tile wide): each row's max of C, set too.
 template <bool ACC, class TB = float>
 inline void gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float *a,
                  int64_t ars, int64_t aks, const TB *b, int64_t ldb, int64_t kn,
-                 const float *alpha) {
+                 const float *alpha, float *row_max = nullptr) {
+  if (cols != TILE_C * W) row_max = nullptr;
   for (int64_t c0 = 0; c0 < cols; c0 += TILE_C * W) {
     const int64_t nv = (cols - c0) / W < TILE_C ? (cols - c0) / W : TILE_C;
     for (int64_t r0 = 0, nr = 0; r0 < rows; r0 += nr) {
@@ -372,11 +420,12 @@ inline void gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float 
       float *cc = c + r0 * ldc + c0;
       const float *aa = a + r0 * ars;
       const float *al = alpha ? alpha + r0 : nullptr;
+      float *mx = row_max ? row_max + r0 : nullptr;
       switch (nv) {
 #define ATTNKIT_CASE(n)                                                          \
   case n:                                                                        \
     if constexpr (n <= TILE_C)                                                   \
-      tile_n<n, ACC, TB>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al);    \
+      tile_n<n, ACC, TB>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al, mx); \
     break;
         ATTNKIT_CASE(4)
         ATTNKIT_CASE(3)
