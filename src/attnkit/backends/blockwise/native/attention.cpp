@@ -893,9 +893,10 @@ struct Weights {
 // row.
 // (kfwd2) BF16: a bf16 call's weights, rounded to bf16 as they are stored, come from
 // simd::exp2_bf16 (its error 1/40 of that rounding's; O's rescale stays simd::exp2).
-// (kfwd3) max_set: w.mx already holds each row's max raw score (a float32 chunk whose
-// scores' product was one register tile wide, AVX-512: simd::gemm's row_max), so !BAND
-// skips the pass that reads the scores back for it (the forward 0.974-0.987x, session 23).
+// (kfwd3) max_set: w.mx already holds each row's max raw score (a chunk whose scores'
+// product was one register tile wide, AVX-512: simd::gemm's or gemm_bf16's row_max), so
+// !BAND skips the pass that reads the scores back for it (the forward 0.974-0.987x in
+// float32, 0.974-0.976x in bf16, session 23).
 template <bool BAND, bool BF16 = false>
 bool softmax_plain(const Args &a, const Chunk &c, int64_t i0, Scratch &w, const float *x_rows,
                    double sc, bool max_set = false) {
@@ -983,7 +984,7 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
 #if defined(ATTNKIT_BF16)
     if (a.dtype == DT_BF16)
       return cut ? softmax_plain<true, true>(a, c, i0, w, x, sc)
-                 : softmax_plain<false, true>(a, c, i0, w, x, sc);
+                 : softmax_plain<false, true>(a, c, i0, w, x, sc, max_set && x == w.s.data());
 #endif
     return cut ? softmax_plain<true>(a, c, i0, w, x, sc)
                : softmax_plain<false>(a, c, i0, w, x, sc, max_set && x == w.s.data());
@@ -1404,8 +1405,9 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       } else {
         kp = ops.kp.chunk(a, b, hk, c.ci), vp = ops.vp.chunk(a, b, hk, c.ci);
       }
+      w.mx_set = score_cols(c) == simd::TILE_C * W && KC == simd::TILE_C * W;
       simd::gemm_bf16<false>(s, KC, nr, score_cols(c), q16 + (i0 + c.r0) * a.sq_t, a.sq_t, kp,
-                             2 * KC, a.D / 2, nullptr);
+                             2 * KC, a.D / 2, nullptr, w.mx_set ? w.mx.data() + c.r0 : nullptr);
       softmax(a, b, h, i0, c, w);
       // P V over whole pairs of keys: the weights outside [lo, hi) are 0
       const int64_t lo = c.lo & ~int64_t(1), hi = (c.hi + 1) & ~int64_t(1);

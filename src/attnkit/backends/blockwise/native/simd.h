@@ -446,7 +446,8 @@ inline void gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float 
 // vectors of 16 (pair-interleaved) bf16 pairs at b + p * ldb. Rows past `nr` as in tile().
 template <int R, int NC, bool ACC>
 inline void tile_bf16(float *c, int64_t ldc, int nr, const uint16_t *a, int64_t ars,
-                      const uint16_t *b, int64_t ldb, int64_t kp, const float *alpha) {
+                      const uint16_t *b, int64_t ldb, int64_t kp, const float *alpha,
+                      float *row_max = nullptr) {
   __m512 acc[R][NC];
   const uint16_t *ar[R];
   alpha = ACC ? rescaled(alpha, nr) : nullptr;
@@ -481,14 +482,26 @@ inline void tile_bf16(float *c, int64_t ldc, int nr, const uint16_t *a, int64_t 
 #pragma GCC unroll 4
     for (int v = 0; v < NC; ++v)
       if (r < nr) _mm512_storeu_ps(c + r * ldc + W * v, acc[r][v]);
+  if (!ACC && row_max) {  // (kfwd3: as in tile())
+    vf x[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      x[r] = (vf)acc[r][0];
+#pragma GCC unroll 4
+      for (int v = 1; v < NC; ++v) x[r] = vmax(x[r], (vf)acc[r][v]);
+    }
+    hmax_rows<R>(x, row_max, nr);
+  }
 }
 
 // tile_bf16() of nr rows (by_height).
 template <int NC, bool ACC>
 inline void tile_bf16_n(float *c, int64_t ldc, int nr, const uint16_t *a, int64_t ars,
-                        const uint16_t *b, int64_t ldb, int64_t kp, const float *alpha) {
+                        const uint16_t *b, int64_t ldb, int64_t kp, const float *alpha,
+                        float *row_max = nullptr) {
   by_height(nr, [&](auto rows) {
-    tile_bf16<decltype(rows)::value, NC, ACC>(c, ldc, nr, a, ars, b, ldb, kp, alpha);
+    tile_bf16<decltype(rows)::value, NC, ACC>(c, ldc, nr, a, ars, b, ldb, kp, alpha,
+                                              row_max);
   });
 }
 
@@ -497,7 +510,8 @@ inline void tile_bf16_n(float *c, int64_t ldc, int nr, const uint16_t *a, int64_
 template <bool ACC>
 inline void gemm_bf16(float *c, int64_t ldc, int64_t rows, int64_t cols, const uint16_t *a,
                       int64_t ars, const uint16_t *b, int64_t ldb, int64_t kp,
-                      const float *alpha) {
+                      const float *alpha, float *row_max = nullptr) {
+  if (cols != TILE_C * W) row_max = nullptr;  // (as gemm())
   for (int64_t c0 = 0; c0 < cols; c0 += TILE_C * W) {
     const int64_t nv = (cols - c0) / W < TILE_C ? (cols - c0) / W : TILE_C;
     for (int64_t r0 = 0, nr = 0; r0 < rows; r0 += nr) {
@@ -506,11 +520,12 @@ inline void gemm_bf16(float *c, int64_t ldc, int64_t rows, int64_t cols, const u
       const uint16_t *aa = a + r0 * ars, *bb = b + 2 * c0;
       const float *al = alpha ? alpha + r0 : nullptr;
       const int n = int(nr);
+      float *mx = row_max ? row_max + r0 : nullptr;
       switch (nv) {
-        case 4: tile_bf16_n<4, ACC>(cc, ldc, n, aa, ars, bb, ldb, kp, al); break;
-        case 3: tile_bf16_n<3, ACC>(cc, ldc, n, aa, ars, bb, ldb, kp, al); break;
-        case 2: tile_bf16_n<2, ACC>(cc, ldc, n, aa, ars, bb, ldb, kp, al); break;
-        default: tile_bf16_n<1, ACC>(cc, ldc, n, aa, ars, bb, ldb, kp, al);
+        case 4: tile_bf16_n<4, ACC>(cc, ldc, n, aa, ars, bb, ldb, kp, al, mx); break;
+        case 3: tile_bf16_n<3, ACC>(cc, ldc, n, aa, ars, bb, ldb, kp, al, mx); break;
+        case 2: tile_bf16_n<2, ACC>(cc, ldc, n, aa, ars, bb, ldb, kp, al, mx); break;
+        default: tile_bf16_n<1, ACC>(cc, ldc, n, aa, ars, bb, ldb, kp, al, mx);
       }
     }
   }
