@@ -87,7 +87,7 @@ def test_machine_peak_and_the_kernel_report(tmp_path):
             "avx2": {
                 "status": "avx2 build",
                 "peak": {"1 thread": {"fp32_gflops": 50.0, "copy_gbps": 20.0}},
-                "causal": {"native/sdpa fwd": 0.7, "fwd % of peak": 71.0},
+                "causal": {"native/sdpa fwd": 0.7541, "fwd % of peak": 71.04},
                 "grid": [{"pattern": "causal", "t": 1024, "direction": "fwd",
                           "fastest": "blockwise", "auto/fastest": 1.01}],
             },
@@ -96,8 +96,10 @@ def test_machine_peak_and_the_kernel_report(tmp_path):
     }  # fmt: skip
     native_kernel.write(fake, tmp_path)
     text = (tmp_path / "native.md").read_text()
-    for needle in ("## avx2", "| 1 thread | 50.0 | 20.0 |", "| native/sdpa fwd | 0.70 |",
-                   "worst auto / fastest: 1.01", "## neon", "cannot run the neon build"):  # fmt: skip
+    # a ratio to three places (0.754 is no 0.75 beside a goal of <= 0.75), a rate to one
+    for needle in ("## avx2", "| 1 thread | 50.0 | 20.0 |", "| native/sdpa fwd | 0.754 |",
+                   "| fwd % of peak | 71.0 |", "worst auto / fastest: 1.01", "## neon",
+                   "cannot run the neon build"):  # fmt: skip
         assert needle in text, needle
 
 
