@@ -185,6 +185,21 @@ def test_weights_of_minus_inf_and_far_below_the_max_are_zero(causal):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [None, "top_left"])
+def test_each_row_keeps_its_own_max(causal, dtype):
+    """The online softmax gives the same output for any max that neither overflows nor
+    underflows its weights, so rows of like scores cannot tell whose max a row got. Here
+    neighbouring rows' scores are hundreds apart (query rows scaled 1 to 1000 in a cycle
+    of 7 rows, across the register tiles' 6): a row's max taken from another row (the
+    AVX-512 score tile folds six rows' maxima together) overflows 2^x or zeroes a row."""
+    q, k, v = _qkv(1, 2, 2, 200, 200, 64, 64, seed=22)
+    q = q * (10.0 ** (torch.arange(200) % 7 / 2.0))[:, None]  # (t, 1): 1 .. 1000
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    out = _check(q, k, v, ref_band_keep(200, 200, causal, None), causal=causal)
+    assert torch.isfinite(out).all()
+
+
 @pytest.mark.parametrize("scale", [-10.0, 0.0])
 def test_the_kernel_takes_a_scale_of_any_sign(scale):
     """The kernel's fast softmax takes the max of the raw scores, the max of the scaled
