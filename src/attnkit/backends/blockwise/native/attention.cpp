@@ -893,10 +893,11 @@ struct Weights {
 // row.
 // (kfwd2) BF16: a bf16 call's weights, rounded to bf16 as they are stored, come from
 // simd::exp2_bf16 (its error 1/40 of that rounding's; O's rescale stays simd::exp2).
-// (kfwd3) max_set: w.mx already holds each row's max raw score (a chunk whose scores'
-// product was one register tile wide, AVX-512: simd::gemm's or gemm_bf16's row_max), so
-// !BAND skips the pass that reads the scores back for it (the forward 0.974-0.987x in
-// float32, 0.974-0.976x in bf16, session 23).
+// (kfwd3) max_set: w.mx already holds each row's max raw score (a whole chunk of scores,
+// folded from the registers of the product's tiles: simd::gemm's or gemm_bf16's row_max;
+// one tile wide on AVX-512, two on AVX2, four on NEON), so !BAND skips the pass that
+// reads the scores back for it (the forward 0.974-0.987x in float32 on AVX-512,
+// 0.974-0.976x in bf16, 0.98-1.00x on AVX2; session 23).
 template <bool BAND, bool BF16 = false>
 bool softmax_plain(const Args &a, const Chunk &c, int64_t i0, Scratch &w, const float *x_rows,
                    double sc, bool max_set = false) {
@@ -1427,7 +1428,7 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
     } else {
       kt = ops.kt.chunk(a, b, hk, c.ci);
     }
-    w.mx_set = score_cols(c) == simd::TILE_C * W && KC == simd::TILE_C * W;
+    w.mx_set = score_cols(c) == KC && KC % (simd::TILE_C * W) == 0;
     simd::gemm<false>(s, KC, nr, score_cols(c), qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1, kt, KC,
                       a.D, nullptr, w.mx_set ? w.mx.data() + c.r0 : nullptr);
     softmax(a, b, h, i0, c, w);

@@ -297,10 +297,19 @@ inline int tile_rows(int64_t left) {
 inline vf load_b(const float *p) { return load(p); }
 inline vf load_b(const uint16_t *p) { return load_bf16(p); }
 
-// out[r] = hmax(x[r]) for the first nr of R <= 8 rows. AVX-512: the rows' lanes folded
-// together, two rows a shuffle (22 instructions for 6 rows, not 6 x 8), NaN as hmax.
+// out[r] = hmax(x[r]) for the first nr of R <= 8 rows (fold: the max of that and out[r],
+// a row's later columns). AVX-512: the rows' lanes folded together, two rows a shuffle
+// (22 instructions for 6 rows, not 6 x 8), NaN as hmax.
 template <int R>
-inline void hmax_rows(const vf *x, float *out, int nr) {
+inline void hmax_rows(const vf *x, float *out, int nr, bool fold = false) {
+  if (fold) {
+    for (int r = 0; r < R; ++r)
+      if (r < nr) {
+        const float h = hmax(x[r]);
+        out[r] = h > out[r] ? h : out[r];
+      }
+    return;
+  }
 #if ATTNKIT_W == 16
   static_assert(R <= 8, "8 rows at most");
   auto row = [&](int r) { return (__m512)x[r < R ? r : R - 1]; };
@@ -333,7 +342,7 @@ inline void hmax_rows(const vf *x, float *out, int nr) {
 template <int R, int NC, bool ACC, class TB = float>
 inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int64_t aks,
                  const TB *b, int64_t ldb, int64_t kn, const float *alpha,
-                 float *row_max = nullptr) {
+                 float *row_max = nullptr, bool fold = false) {
   vf acc[R][NC];
   const float *ar[R];
   alpha = ACC ? rescaled(alpha, nr) : nullptr;
@@ -367,7 +376,7 @@ inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int
 #pragma GCC unroll 4
     for (int v = 0; v < NC; ++v)
       if (r < nr) store(c + r * ldc + W * v, acc[r][v]);
-  if (!ACC && row_max) {  // (kfwd3) each row's max, from the registers (gemm: one tile wide)
+  if (!ACC && row_max) {  // (kfwd3) each row's max, from the registers (see gemm)
     vf x[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
@@ -375,7 +384,7 @@ inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int
 #pragma GCC unroll 4
       for (int v = 1; v < NC; ++v) x[r] = vmax(x[r], acc[r][v]);
     }
-    hmax_rows<R>(x, row_max, nr);
+    hmax_rows<R>(x, row_max, nr, fold);
   }
 }
 
@@ -397,22 +406,23 @@ inline void by_height(int nr, F f) {
 template <int NC, bool ACC, class TB = float>
 inline void tile_n(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int64_t aks,
                    const TB *b, int64_t ldb, int64_t kn, const float *alpha,
-                   float *row_max = nullptr) {
+                   float *row_max = nullptr, bool fold = false) {
   by_height(nr, [&](auto rows) {
     tile<decltype(rows)::value, NC, ACC, TB>(c, ldc, nr, a, ars, aks, b, ldb, kn, alpha,
-                                             row_max);
+                                             row_max, fold);
   });
 }
 
 // The product above over `rows` rows and `cols` columns (a multiple of W), in register
 // tiles of TILE_R rows x TILE_C vectors (the last ones lower: tile_rows); B float32 or
 // bf16 (TB = uint16_t: widened as loaded).
-// row_max (!ACC, cols == TILE_C * W: one tile wide): each row's max of C, set too.
+// row_max (!ACC, cols a multiple of TILE_C * W: whole tiles): each row's max of C, set too
+// (a row's first tile sets it, the next ones fold theirs in).
 template <bool ACC, class TB = float>
 inline void gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float *a,
                  int64_t ars, int64_t aks, const TB *b, int64_t ldb, int64_t kn,
                  const float *alpha, float *row_max = nullptr) {
-  if (cols != TILE_C * W) row_max = nullptr;
+  if (cols % (TILE_C * W) != 0) row_max = nullptr;
   for (int64_t c0 = 0; c0 < cols; c0 += TILE_C * W) {
     const int64_t nv = (cols - c0) / W < TILE_C ? (cols - c0) / W : TILE_C;
     for (int64_t r0 = 0, nr = 0; r0 < rows; r0 += nr) {
@@ -421,11 +431,12 @@ inline void gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float 
       const float *aa = a + r0 * ars;
       const float *al = alpha ? alpha + r0 : nullptr;
       float *mx = row_max ? row_max + r0 : nullptr;
+      const bool fold = c0 > 0;
       switch (nv) {
-#define ATTNKIT_CASE(n)                                                          \
-  case n:                                                                        \
-    if constexpr (n <= TILE_C)                                                   \
-      tile_n<n, ACC, TB>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al, mx); \
+#define ATTNKIT_CASE(n)                                                                \
+  case n:                                                                              \
+    if constexpr (n <= TILE_C)                                                         \
+      tile_n<n, ACC, TB>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al, mx, fold); \
     break;
         ATTNKIT_CASE(4)
         ATTNKIT_CASE(3)
