@@ -131,7 +131,9 @@ def test_the_ratio_comes_from_auto_and_the_fastest_timed_back_to_back():
     times = {"sdpa": [3.0] * 4, "blockwise": [1.0] * 4, "blockwise-flash": [2.0] * 4,
              "auto": [2.0, 2.0, 1.0, 2.0]}  # fmt: skip
     duel = {"auto": [1.1, 2.2, 1.1], "blockwise": [1.0, 2.0, 1.0]}
-    row = auto_grid._row("causal", 64, "fp32", False, times, duel, 64 * 65 // 2, 100.0)
+    fastest = auto_grid._fastest(times)
+    assert fastest == "blockwise"
+    row = auto_grid._row("causal", 64, "fp32", False, times, fastest, duel, 64 * 65 // 2, 100.0)
     assert row["fastest"] == "blockwise"
     assert row["auto/fastest"] == pytest.approx(1.1)
     assert row["auto/fastest quartiles"] == pytest.approx([1.1, 1.1])

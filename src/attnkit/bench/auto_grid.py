@@ -172,8 +172,9 @@ def grid(
                     pair = {n: fns[n] for n in ("auto", fastest)}
                     duel = interleaved(pair, PAIR_ROUNDS * reps, min_sample, seed=t + 1)
                     rows.append(
-                        _row(pattern, t, dtype_name, backward, times, duel, pairs, peak_gflops)
-                    )
+                        _row(pattern, t, dtype_name, backward, times, fastest, duel, pairs,
+                             peak_gflops)
+                    )  # fmt: skip
                     what = {n: ran(n, q, k, v, kwargs, backward) for n in BACKENDS}
                     rows[-1]["ran"] = what
                     rows[-1]["same"] = what["auto"] == what[rows[-1]["fastest"]]
@@ -191,12 +192,12 @@ def _row(
     dtype: str,
     backward: bool,
     times: dict[str, list[float]],
+    fastest: str,
     duel: dict[str, list[float]],
     pairs: int,
     peak_gflops: float,
 ) -> dict:
     med = {n: spread(ts)[0] for n, ts in times.items()}
-    fastest = _fastest(times)
     ratio = paired_ratio(duel["auto"], duel[fastest])
     b, h, d = SHAPE
     flops = 4 * b * h * pairs * d * (3.5 if backward else 1.0)

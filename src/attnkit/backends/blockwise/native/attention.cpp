@@ -1406,9 +1406,8 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       } else {
         kp = ops.kp.chunk(a, b, hk, c.ci), vp = ops.vp.chunk(a, b, hk, c.ci);
       }
-      w.mx_set = score_cols(c) == simd::TILE_C * W && KC == simd::TILE_C * W;
-      simd::gemm_bf16<false>(s, KC, nr, score_cols(c), q16 + (i0 + c.r0) * a.sq_t, a.sq_t, kp,
-                             2 * KC, a.D / 2, nullptr, w.mx_set ? w.mx.data() + c.r0 : nullptr);
+      w.mx_set = simd::gemm_bf16<false>(s, KC, nr, score_cols(c), q16 + (i0 + c.r0) * a.sq_t,
+                                        a.sq_t, kp, 2 * KC, a.D / 2, nullptr, w.mx.data() + c.r0);
       softmax(a, b, h, i0, c, w);
       // P V over whole pairs of keys: the weights outside [lo, hi) are 0
       const int64_t lo = c.lo & ~int64_t(1), hi = (c.hi + 1) & ~int64_t(1);
@@ -1428,9 +1427,8 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
     } else {
       kt = ops.kt.chunk(a, b, hk, c.ci);
     }
-    w.mx_set = score_cols(c) == KC && KC % (simd::TILE_C * W) == 0;
-    simd::gemm<false>(s, KC, nr, score_cols(c), qh + (i0 + c.r0) * a.sq_t, a.sq_t, 1, kt, KC,
-                      a.D, nullptr, w.mx_set ? w.mx.data() + c.r0 : nullptr);
+    w.mx_set = simd::gemm<false>(s, KC, nr, score_cols(c), qh + (i0 + c.r0) * a.sq_t, a.sq_t,
+                                 1, kt, KC, a.D, nullptr, w.mx.data() + c.r0);
     softmax(a, b, h, i0, c, w);
     if (a.pages)
       paged_pv(a, b, hk, c, nr, s, w);

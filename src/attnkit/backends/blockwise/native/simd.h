@@ -339,6 +339,20 @@ inline void hmax_rows(const vf *x, float *out, int nr, bool fold = false) {
 #endif
 }
 
+// (kfwd3) Each of a register tile's first nr rows' max (its NC accumulators, float32 or
+// __m512) into row_max, folded into what is there when `fold` (a row's later tiles).
+template <int R, int NC, class V>
+inline void tile_row_max(const V (&acc)[R][NC], float *row_max, int nr, bool fold) {
+  vf x[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    x[r] = (vf)acc[r][0];
+#pragma GCC unroll 4
+    for (int v = 1; v < NC; ++v) x[r] = vmax(x[r], (vf)acc[r][v]);
+  }
+  hmax_rows<R>(x, row_max, nr, fold);
+}
+
 template <int R, int NC, bool ACC, class TB = float>
 inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int64_t aks,
                  const TB *b, int64_t ldb, int64_t kn, const float *alpha,
@@ -376,16 +390,7 @@ inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int
 #pragma GCC unroll 4
     for (int v = 0; v < NC; ++v)
       if (r < nr) store(c + r * ldc + W * v, acc[r][v]);
-  if (!ACC && row_max) {  // (kfwd3) each row's max, from the registers (see gemm)
-    vf x[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      x[r] = acc[r][0];
-#pragma GCC unroll 4
-      for (int v = 1; v < NC; ++v) x[r] = vmax(x[r], acc[r][v]);
-    }
-    hmax_rows<R>(x, row_max, nr, fold);
-  }
+  if (!ACC && row_max) tile_row_max(acc, row_max, nr, fold);  // (see gemm)
 }
 
 // f(std::integral_constant<int, R>{}) with R the height of the register tile that runs
@@ -416,13 +421,14 @@ inline void tile_n(float *c, int64_t ldc, int nr, const float *a, int64_t ars, i
 // The product above over `rows` rows and `cols` columns (a multiple of W), in register
 // tiles of TILE_R rows x TILE_C vectors (the last ones lower: tile_rows); B float32 or
 // bf16 (TB = uint16_t: widened as loaded).
-// row_max (!ACC, cols a multiple of TILE_C * W: whole tiles): each row's max of C, set too
-// (a row's first tile sets it, the next ones fold theirs in).
+// row_max (!ACC): each row's max of C, set too where cols is a multiple of TILE_C * W
+// (whole tiles: a row's first tile sets it, the next ones fold theirs in); returns whether
+// it was set.
 template <bool ACC, class TB = float>
-inline void gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float *a,
+inline bool gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float *a,
                  int64_t ars, int64_t aks, const TB *b, int64_t ldb, int64_t kn,
                  const float *alpha, float *row_max = nullptr) {
-  if (cols % (TILE_C * W) != 0) row_max = nullptr;
+  if (ACC || cols % (TILE_C * W) != 0) row_max = nullptr;
   for (int64_t c0 = 0; c0 < cols; c0 += TILE_C * W) {
     const int64_t nv = (cols - c0) / W < TILE_C ? (cols - c0) / W : TILE_C;
     for (int64_t r0 = 0, nr = 0; r0 < rows; r0 += nr) {
@@ -447,6 +453,7 @@ inline void gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float 
       }
     }
   }
+  return row_max != nullptr;
 }
 
 #if defined(ATTNKIT_BF16)
@@ -458,7 +465,7 @@ inline void gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float 
 template <int R, int NC, bool ACC>
 inline void tile_bf16(float *c, int64_t ldc, int nr, const uint16_t *a, int64_t ars,
                       const uint16_t *b, int64_t ldb, int64_t kp, const float *alpha,
-                      float *row_max = nullptr) {
+                      float *row_max = nullptr, bool fold = false) {
   __m512 acc[R][NC];
   const uint16_t *ar[R];
   alpha = ACC ? rescaled(alpha, nr) : nullptr;
@@ -493,36 +500,27 @@ inline void tile_bf16(float *c, int64_t ldc, int nr, const uint16_t *a, int64_t 
 #pragma GCC unroll 4
     for (int v = 0; v < NC; ++v)
       if (r < nr) _mm512_storeu_ps(c + r * ldc + W * v, acc[r][v]);
-  if (!ACC && row_max) {  // (kfwd3: as in tile())
-    vf x[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      x[r] = (vf)acc[r][0];
-#pragma GCC unroll 4
-      for (int v = 1; v < NC; ++v) x[r] = vmax(x[r], (vf)acc[r][v]);
-    }
-    hmax_rows<R>(x, row_max, nr);
-  }
+  if (!ACC && row_max) tile_row_max(acc, row_max, nr, fold);  // (see gemm)
 }
 
 // tile_bf16() of nr rows (by_height).
 template <int NC, bool ACC>
 inline void tile_bf16_n(float *c, int64_t ldc, int nr, const uint16_t *a, int64_t ars,
                         const uint16_t *b, int64_t ldb, int64_t kp, const float *alpha,
-                        float *row_max = nullptr) {
+                        float *row_max = nullptr, bool fold = false) {
   by_height(nr, [&](auto rows) {
     tile_bf16<decltype(rows)::value, NC, ACC>(c, ldc, nr, a, ars, b, ldb, kp, alpha,
-                                              row_max);
+                                              row_max, fold);
   });
 }
 
 // tile_bf16 over `rows` rows and `cols` columns (a multiple of W) in register tiles (the
 // last ones lower: tile_rows).
 template <bool ACC>
-inline void gemm_bf16(float *c, int64_t ldc, int64_t rows, int64_t cols, const uint16_t *a,
+inline bool gemm_bf16(float *c, int64_t ldc, int64_t rows, int64_t cols, const uint16_t *a,
                       int64_t ars, const uint16_t *b, int64_t ldb, int64_t kp,
                       const float *alpha, float *row_max = nullptr) {
-  if (cols != TILE_C * W) row_max = nullptr;  // (as gemm())
+  if (ACC || cols % (TILE_C * W) != 0) row_max = nullptr;  // (row_max as gemm())
   for (int64_t c0 = 0; c0 < cols; c0 += TILE_C * W) {
     const int64_t nv = (cols - c0) / W < TILE_C ? (cols - c0) / W : TILE_C;
     for (int64_t r0 = 0, nr = 0; r0 < rows; r0 += nr) {
@@ -532,14 +530,16 @@ inline void gemm_bf16(float *c, int64_t ldc, int64_t rows, int64_t cols, const u
       const float *al = alpha ? alpha + r0 : nullptr;
       const int n = int(nr);
       float *mx = row_max ? row_max + r0 : nullptr;
+      const bool fold = c0 > 0;
       switch (nv) {
-        case 4: tile_bf16_n<4, ACC>(cc, ldc, n, aa, ars, bb, ldb, kp, al, mx); break;
-        case 3: tile_bf16_n<3, ACC>(cc, ldc, n, aa, ars, bb, ldb, kp, al, mx); break;
-        case 2: tile_bf16_n<2, ACC>(cc, ldc, n, aa, ars, bb, ldb, kp, al, mx); break;
-        default: tile_bf16_n<1, ACC>(cc, ldc, n, aa, ars, bb, ldb, kp, al, mx);
+        case 4: tile_bf16_n<4, ACC>(cc, ldc, n, aa, ars, bb, ldb, kp, al, mx, fold); break;
+        case 3: tile_bf16_n<3, ACC>(cc, ldc, n, aa, ars, bb, ldb, kp, al, mx, fold); break;
+        case 2: tile_bf16_n<2, ACC>(cc, ldc, n, aa, ars, bb, ldb, kp, al, mx, fold); break;
+        default: tile_bf16_n<1, ACC>(cc, ldc, n, aa, ars, bb, ldb, kp, al, mx, fold);
       }
     }
   }
+  return row_max != nullptr;
 }
 
 // acc + the products of the 2 W bf16 at a and at b, lane l summing the pair 2l, 2l + 1
