@@ -911,7 +911,7 @@ bool softmax_plain(const Args &a, const Chunk &c, int64_t i0, Scratch &w, const 
     lo = std::min<int64_t>(KC, std::max<int64_t>(lo, i + a.band_lo - c.c0));
     hi = std::max<int64_t>(0, std::min<int64_t>(hi, i + a.band_hi - c.c0 + 1));
   };
-  for (int64_t r = c.r0; r < c.r1 && !(max_set && !BAND); ++r) {
+  for (int64_t r = c.r0; r < c.r1 && (BAND || !max_set); ++r) {
     const float *s = x_rows + r * KC;
     int64_t lo = 0, hi = KC;
     if (BAND) kept(r, lo, hi);
@@ -982,13 +982,14 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
       !c.keep && !c.gen && !masker.rel && (!a.mask || masker.mask_keeps_all(i0));
   const bool cut = c.band || c.lo != 0 || c.hi != KC;
   auto plain = [&](const float *x, double sc) {
+    const bool set = max_set && x == w.s.data();  // (w.mx is the raw scores' max)
 #if defined(ATTNKIT_BF16)
     if (a.dtype == DT_BF16)
       return cut ? softmax_plain<true, true>(a, c, i0, w, x, sc)
-                 : softmax_plain<false, true>(a, c, i0, w, x, sc, max_set && x == w.s.data());
+                 : softmax_plain<false, true>(a, c, i0, w, x, sc, set);
 #endif
     return cut ? softmax_plain<true>(a, c, i0, w, x, sc)
-               : softmax_plain<false>(a, c, i0, w, x, sc, max_set && x == w.s.data());
+               : softmax_plain<false>(a, c, i0, w, x, sc, set);
   };
   if (band_only && a.mod_forward) {  // a compiled score_mod: its rows first (w.s kept)
     float *in = masker.mod_in;

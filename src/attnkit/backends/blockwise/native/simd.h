@@ -424,11 +424,19 @@ inline void tile_n(float *c, int64_t ldc, int nr, const float *a, int64_t ars, i
 // row_max (!ACC): each row's max of C, set too where cols is a multiple of TILE_C * W
 // (whole tiles: a row's first tile sets it, the next ones fold theirs in); returns whether
 // it was set.
+// row_max, or null where a product of `cols` columns cannot give its rows' maxima: an
+// accumulating one (ACC), or one whose columns are not whole register tiles. (gemm and
+// gemm_bf16.)
+template <bool ACC>
+inline float *tiles_row_max(int64_t cols, float *row_max) {
+  return ACC || cols % (TILE_C * W) != 0 ? nullptr : row_max;
+}
+
 template <bool ACC, class TB = float>
 inline bool gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float *a,
                  int64_t ars, int64_t aks, const TB *b, int64_t ldb, int64_t kn,
                  const float *alpha, float *row_max = nullptr) {
-  if (ACC || cols % (TILE_C * W) != 0) row_max = nullptr;
+  row_max = tiles_row_max<ACC>(cols, row_max);
   for (int64_t c0 = 0; c0 < cols; c0 += TILE_C * W) {
     const int64_t nv = (cols - c0) / W < TILE_C ? (cols - c0) / W : TILE_C;
     for (int64_t r0 = 0, nr = 0; r0 < rows; r0 += nr) {
@@ -520,7 +528,7 @@ template <bool ACC>
 inline bool gemm_bf16(float *c, int64_t ldc, int64_t rows, int64_t cols, const uint16_t *a,
                       int64_t ars, const uint16_t *b, int64_t ldb, int64_t kp,
                       const float *alpha, float *row_max = nullptr) {
-  if (ACC || cols % (TILE_C * W) != 0) row_max = nullptr;  // (row_max as gemm())
+  row_max = tiles_row_max<ACC>(cols, row_max);  // (as gemm())
   for (int64_t c0 = 0; c0 < cols; c0 += TILE_C * W) {
     const int64_t nv = (cols - c0) / W < TILE_C ? (cols - c0) / W : TILE_C;
     for (int64_t r0 = 0, nr = 0; r0 < rows; r0 += nr) {
