@@ -869,11 +869,15 @@ struct Operands {
 // alone (no rescale of O, and the branch that decides it goes the usual way), where one
 // a little above the last max rescaled it; a rescale is by an exact power of 2; and the
 // largest weight is in (2^-M_STEP, 1]. The forward with it took 0.988-0.994x the time on
-// AVX-512 in float32 and 0.982-0.988x in bf16; on AVX2, with its exp2 (kfwd4),
-// 0.978-0.986x (native_ab, causal, T=4096 on 1 thread and 8192 on 2; session 25). Steps
-// of 1 and 2 gained less; 8 gained 0.5% more on AVX2 but took the self-test's worst error
-// to 2.9x plain float32's (the near-max weights' x = s - m is rounded at |x| up to 8, not
-// near 0), where 4 leaves it under 2x (1.9x; 2.2x before, in another case).
+// AVX-512; on AVX2, with its exp2 (kfwd4), 0.978-0.986x (native_ab, causal, T=4096 on 1
+// thread and 8192 on 2; session 25). Steps of 1 and 2 gained less; 8 gained 0.5% more on
+// AVX2 but took the self-test's worst error to 2.9x plain float32's (the near-max
+// weights' x = s - m is rounded at |x| up to 8, not near 0), where 4 leaves it under 2x
+// (1.9x; 2.2x before, in another case).
+// Float32 weights only: a bf16 call's P V reads its weights rounded to bf16 while l sums
+// them unrounded, so the largest weight must stay exactly 1 (a row with one key then
+// gives that key's value exactly; at 2^-x it was 2^-9 off, and dq 0.02 where float64's
+// is 0). Its step would have saved 1.2-1.8% of a bf16 forward.
 constexpr double LOG2E = 1.4426950408889634, LN2 = 0.6931471805599453;
 constexpr float M_STEP = 4.0f;
 
@@ -946,7 +950,8 @@ bool softmax_plain(const Args &a, const Chunk &c, int64_t i0, Scratch &w, const 
   }
   for (int64_t r = c.r0; r < c.r1; r += W) {
     const vf m_old = simd::load(m + r);
-    const vf m_new = simd::round_up(simd::vmax(m_old, simd::load(mx + r) * scale2), M_STEP);
+    vf m_new = simd::vmax(m_old, simd::load(mx + r) * scale2);
+    if constexpr (!BF16) m_new = simd::round_up(m_new, M_STEP);
     const vi active = (lane + int32_t(r)) < int32_t(c.r1);
     simd::store(m + r, simd::select(active, m_new, m_old));
     simd::store(alpha + r, simd::exp2(m_old - m_new));  // 2^0 = 1 exactly; 2^-inf = 0
@@ -1054,7 +1059,7 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
       }
       m_new = std::numeric_limits<float>::quiet_NaN();  // a NaN score: the row is NaN
     }
-    m_new = M_STEP * std::ceil(m_new / M_STEP);  // (see above; -inf and NaN stay)
+    if (a.dtype != DT_BF16) m_new = M_STEP * std::ceil(m_new / M_STEP);  // (see above)
     vf sum = simd::splat(0.0f);
     const vf m = simd::splat(m_new);
 #pragma GCC unroll 16
