@@ -1,6 +1,7 @@
 """attnkit's native CPU forward kernel (backends/blockwise/native) against an independent
 float64 reference: causal/window bands, block masks of every shape, relative biases,
-GQA, odd sizes across its 64-key chunks and 128-row blocks, strided inputs, gradients
+GQA, odd sizes across its 64-key chunks and 144-row blocks (128 in the backward),
+strided inputs, gradients
 (through the fused backward), sinks, threads, and how it is built or stands aside."""
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ BANDS = [
     (1, 2, 2, 1, 1, 16, 16, None, None),
     (2, 4, 2, 63, 65, 40, 48, None, None),  # GQA, d_v != d: torch's kernel cannot, tiles run
     (2, 4, 2, 63, 65, 48, 48, None, None),  # GQA
-    (1, 2, 1, 129, 129, 64, 64, "top_left", None),  # one row past a 128-row block
+    (1, 2, 1, 129, 129, 64, 64, "top_left", None),  # one row past a backward block (128)
+    (1, 2, 1, 145, 145, 64, 64, "top_left", None),  # ... and past a forward block (144)
     (1, 2, 2, 130, 257, 80, 80, "bottom_right", None),  # Lq < Lk, keys past 4 chunks
     (1, 2, 2, 257, 130, 16, 16, "bottom_right", None),  # rows before the first key: dead
     (1, 2, 2, 257, 130, 16, 16, "top_left", None),
@@ -127,7 +129,7 @@ def test_strided_inputs(causal, calls):
     "lq, lk, causal", [(64, 777, None), (128, 200, "bottom_right"), (100, 64, None)]
 )
 def test_keys_packed_by_their_one_reader_give_the_shared_packs_bits(lq, lk, causal, dtype, calls):
-    """One query block per kv head (MHA, at most 128 rows): each work item packs the key
+    """One query block per kv head (MHA, one block of rows): each work item packs the key
     (bf16: and value) chunks it alone reads (feature "pack in item"). The same rows run as
     half of a GQA call, whose chunks are packed once for two blocks, give the same bits."""
     q, k, v = _qkv(1, 4, 2, lq, lk, 64, 64, seed=5, dtype=dtype, strided=True)
@@ -781,7 +783,7 @@ def test_short_last_chunks_drop_the_columns_they_do_not_compute(lk, mask_kind, c
     scores (the tail of a short call); the columns past them hold the previous block's
     scores, here a NaN row's, and must reach nothing: the rows of the next block match
     float64, and only the NaN row is NaN."""
-    b, h, lq = 1, 2, 200  # two blocks of 128 rows per head
+    b, h, lq = 1, 2, 200  # two blocks of rows per head (144 + 56)
     q, k, v = _qkv(b, h, h, lq, lk, 32, 32, seed=32)
     g = torch.Generator().manual_seed(33)
     keep = torch.rand(lq, lk, generator=g) < 0.7
@@ -1028,20 +1030,21 @@ def test_chunks_a_mask_keeps_whole_run_as_unmasked(mask_kind, calls):
     float all 0: a padding mask's kept keys, a draft tree's cache) is softmaxed as if
     there were no mask: block 0's rows equal the unmasked call's bit for bit, while
     block 1 (one key dropped for one row, a bias in one chunk) matches float64."""
-    b, h, lq, lk = 1, 2, 200, 300  # two blocks of 128 rows, five chunks of 64 keys
+    b, h, lq, lk = 1, 2, 200, 300  # two blocks of rows, five chunks of 64 keys
+    rows = native.BLOCK_Q  # block 0: rows [0, rows)
     q, k, v = _qkv(b, h, h, lq, lk, 32, 32, seed=41)
     keep = torch.ones(lq, lk, dtype=torch.bool)
-    keep[150, 280] = False  # block 1, the last chunk
+    keep[rows + 22, 280] = False  # block 1, the last chunk
     mask: torch.Tensor = keep
     bias = None
     if mask_kind == "float":
         bias = torch.zeros(lq, lk)
-        bias[130:140, 70:75] = 0.7  # block 1, chunk 1: a bias is not "kept as is"
+        bias[rows + 2 : rows + 12, 70:75] = 0.7  # block 1, chunk 1: not "kept as is"
         mask = bias.masked_fill(~keep, float("-inf"))
     out = _check(q, k, v, keep, bias=bias, mask=mask)
     with torch.no_grad():
         plain = attention(q, k, v, backend="blockwise")
-    assert torch.equal(out[:, :, :128], plain[:, :, :128])
+    assert torch.equal(out[:, :, :rows], plain[:, :, :rows])
     assert calls
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from attnkit.backends.blockwise.native import (
+    BACKWARD_BLOCK_Q,
     BLOCK_Q,
     KEY_CHUNK,
     _check_code,
@@ -121,10 +122,17 @@ def varlen_spec(
 
 
 def _args(
-    spec: VarlenSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out, lse
+    spec: VarlenSpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out,
+    lse,
+    block_q: int = BLOCK_Q,
 ) -> abi.Args:
     """The kernel's arguments: ``q``, ``k``, ``v`` packed ``(total, heads, d)`` with unit
-    last stride, ``out`` ``(total_q, h, d_v)`` float32 (or None), ``lse`` ``(h * total_q,)``."""
+    last stride, ``out`` ``(total_q, h, d_v)`` float32 (or None), ``lse`` ``(h * total_q,)``;
+    ``block_q`` query rows a block (:data:`BACKWARD_BLOCK_Q` for a backward)."""
     o_strides = (0, out.stride(1), out.stride(0)) if out is not None else (0, 0, 0)
     args = abi.Args(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), 0 if out is None else out.data_ptr(),
@@ -132,7 +140,7 @@ def _args(
         0, q.stride(1), q.stride(0), 0, k.stride(1), k.stride(0), 0, v.stride(1), v.stride(0),
         *o_strides,
         1, q.shape[1], k.shape[1], q.shape[0], k.shape[0], q.shape[2], v.shape[2],
-        spec.scale, spec.band_lo, spec.band_hi, BLOCK_Q,
+        spec.scale, spec.band_lo, spec.band_hi, block_q,
     )  # fmt: skip
     if spec.rel is not None:
         args.rel, args.rel_lo = spec.rel.data_ptr(), spec.rel_lo
@@ -195,7 +203,7 @@ def backward(
     dq = torch.empty(tq * h, q.shape[2], dtype=torch.float32)
     dk = torch.empty(k.shape[0] * k.shape[1], k.shape[2], dtype=torch.float32)
     dv = torch.empty(k.shape[0] * k.shape[1], dv_, dtype=torch.float32)
-    args = _args(spec, q, k, v, None, lse_seq)
+    args = _args(spec, q, k, v, None, lse_seq, BACKWARD_BLOCK_Q)
     grads = abi.Grads(*(x.data_ptr() for x in (dout_seq, delta_seq, dq, dk, dv)))
     _check_code(_kernel("attnkit_backward")(ctypes.byref(args), ctypes.byref(grads)))
     return dq[spec.pos_q], dk[spec.pos_k], dv[spec.pos_k]
