@@ -4,14 +4,18 @@ user's, is writable by others, or whose bytes do not match its hash is never loa
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
 from attnkit import attention
+from attnkit.backends.blockwise import native
 from attnkit.backends.blockwise.native import abi, build
 
 needs_host_build = pytest.mark.skipif(not build.host_isas(), reason="this CPU runs no native build")
@@ -248,3 +252,14 @@ def test_a_library_of_another_abi_is_refused(fresh_built):
     foreign.attnkit_abi = lambda sizes: abi.ABI_VERSION + 1
     why = abi.check(foreign)
     assert why is not None and "ABI" in why
+
+
+def test_forward_blocks_end_in_whole_register_tiles():
+    """The forward's query blocks (``native.BLOCK_Q`` rows) are a multiple of every build's
+    register tile height and vector width as simd.h defines them, so that no block ends in
+    a short tile (AVX2: 3 rows of 8 floats; AVX-512: 6 of 16; NEON: 6 of 4)."""
+    text = Path(build.__file__).with_name("simd.h").read_text()
+    targets = re.findall(r"#define ATTNKIT_W (\d+)\n#define ATTNKIT_TILE_R_ (\d+)", text)
+    assert len(targets) == 3, targets  # AVX-512, AVX2, NEON
+    for width, rows in targets:
+        assert native.BLOCK_Q % math.lcm(int(width), int(rows)) == 0, (width, rows)
