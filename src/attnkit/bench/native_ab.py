@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from attnkit.backends.blockwise import native
 from attnkit.backends.blockwise.native import abi, build, threads
 
 SHAPE = (1, 4, 64)  # (b, h, d)
@@ -59,13 +60,14 @@ def load(source_dir: Path, isa: str, out_dir: Path) -> ctypes.CDLL:
 
 
 def _args(q, k, v, out, lse, window: int | None, threads: int) -> abi.Args:
-    """A causal call (``window``: keys at most window - 1 back) over ``(b, h, t, d)``."""
+    """A causal call (``window``: keys at most window - 1 back) over ``(b, h, t, d)``, in
+    blocks of the package's forward rows (``native.BLOCK_Q``)."""
     b, h, t, d = q.shape
     band_lo = -(2 * t + 1) if window is None else -(window - 1)
     args = abi.Args(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        b, h, h, t, t, d, d, d**-0.5, band_lo, 0, 128,
+        b, h, h, t, t, d, d, d**-0.5, band_lo, 0, native.BLOCK_Q,
     )  # fmt: skip
     args.threads = threads
     args.dtype = abi.DT_BF16 if q.dtype == torch.bfloat16 else abi.DT_F32
