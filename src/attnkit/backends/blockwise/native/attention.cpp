@@ -1025,7 +1025,7 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
   for (int64_t r = c.r0; r < c.r1; ++r) {
     float *s = w.s.data() + r * KC;
 #if defined(ATTNKIT_BF16)
-    uint16_t *p16 = a.dtype == DT_BF16 ? w.p16.data() + r * KC : nullptr;
+    uint16_t *p16 = a.dtype == DT_BF16 ? w.p16.data() + r * KC : nullptr;  // bf16 weights
     auto put = [&](int vv, vf p) {
       if (p16)
         simd::store_bf16(p16 + W * vv, p);
@@ -1033,6 +1033,7 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
         simd::store(s + W * vv, p);
     };
 #else
+    constexpr uint16_t *p16 = nullptr;
     auto put = [&](int vv, vf p) { simd::store(s + W * vv, p); };
 #endif
     vf x[NV];
@@ -1059,7 +1060,7 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
       }
       m_new = std::numeric_limits<float>::quiet_NaN();  // a NaN score: the row is NaN
     }
-    if (a.dtype != DT_BF16) m_new = M_STEP * std::ceil(m_new / M_STEP);  // (see above)
+    if (!p16) m_new = M_STEP * std::ceil(m_new / M_STEP);  // float32 weights (see above)
     vf sum = simd::splat(0.0f);
     const vf m = simd::splat(m_new);
 #pragma GCC unroll 16
