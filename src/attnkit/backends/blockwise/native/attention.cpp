@@ -876,8 +876,8 @@ struct Operands {
 // (1.9x; 2.2x before, in another case).
 // Float32 weights only: a bf16 call's P V reads its weights rounded to bf16 while l sums
 // them unrounded, so the largest weight must stay exactly 1 (a row with one key then
-// gives that key's value exactly; at 2^-x it was 2^-9 off, and dq 0.02 where float64's
-// is 0). Its step would have saved 1.2-1.8% of a bf16 forward.
+// gives that key's value exactly; with the step it came out up to 2^-9 off, and its dq
+// 0.02 where float64's is 0). The step would have saved 1.2-1.8% of a bf16 forward.
 constexpr double LOG2E = 1.4426950408889634, LN2 = 0.6931471805599453;
 constexpr float M_STEP = 4.0f;
 
@@ -1468,8 +1468,8 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       w.mx_set = simd::gemm<false>(s, KC, nr, score_cols(c), q0 + c.r0 * a.sq_t, a.sq_t, 1, kt,
                                    KC, a.D, nullptr, w.mx.data() + c.r0);
     } else {  // (a band chunk: its softmax takes no max from the product)
-      simd::gemm<false>(s, KC, split - c.r0, TILE_COLS, q0 + c.r0 * a.sq_t, a.sq_t, 1, kt, KC,
-                        a.D, nullptr, nullptr);
+      simd::gemm<false>(s, KC, split - c.r0, std::min<int64_t>(TILE_COLS, score_cols(c)),
+                        q0 + c.r0 * a.sq_t, a.sq_t, 1, kt, KC, a.D, nullptr, nullptr);
       if (split < c.r1)
         simd::gemm<false>(w.s.data() + split * KC, KC, c.r1 - split, score_cols(c),
                           q0 + split * a.sq_t, a.sq_t, 1, kt, KC, a.D, nullptr, nullptr);
