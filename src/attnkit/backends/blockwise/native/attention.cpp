@@ -1391,19 +1391,20 @@ void decode_step_chunk(const Args &a, const Args &f32, int64_t b, int64_t h, int
     decode_chunk<float>(a, a, b, h, hk, i0, c, w);
 }
 
-// (feature "diag") Columns a register tile spans: 32 on AVX2, 16 on NEON, the whole chunk
-// on AVX-512.
-constexpr int64_t TILE_COLS = simd::TILE_C * W;
+// (feature "diag") The columns of a chunk's short rows (below): one register tile's (32
+// on AVX2, 16 on NEON), or half the chunk where a tile spans all of it (AVX-512: tiles of
+// 2 vectors instead of 4).
+constexpr int64_t SHORT_COLS = simd::TILE_C * W < KC ? simd::TILE_C * W : KC / 2;
 
-// Under the band's upper edge (causal), the chunk's rows [c.r0, end) keep no column at or
-// past TILE_COLS: the end, c.r0 where there are none (or no short product: AVX-512, a
-// paged chunk). Both float32 products skip those columns for those rows (the scores the
-// softmax drops, the weights that are 0: the same bits). The AVX2 forward: causal
-// 0.991-0.998x the time (T=4096 on 1 thread, 8192 on 2), window 256 0.977x (T=8192;
-// native_ab, session 25).
+// Under the band's upper edge (causal, a window), the chunk's rows [c.r0, end) keep no
+// column at or past SHORT_COLS: the end (c.r0 where there are none, and for a paged
+// chunk). Both products skip those columns for those rows (the scores the softmax
+// drops, the weights that are 0: the same bits). The forward on AVX2: causal 0.991-0.998x
+// the time (T=4096 on 1 thread, 8192 on 2), window 256 0.977x (T=8192); on AVX-512:
+// 0.996-1.000x and 0.972-0.986x, in bf16 0.992x and 0.986x (native_ab, session 25).
 inline int64_t short_rows_end(const Args &a, const Chunk &c, int64_t i0) {
-  if (TILE_COLS >= KC || !c.band || c.lo >= TILE_COLS || a.pages) return c.r0;
-  return std::clamp<int64_t>(c.c0 - i0 - a.band_hi + TILE_COLS, c.r0, c.r1);
+  if (!c.band || c.lo >= SHORT_COLS || a.pages) return c.r0;
+  return std::clamp<int64_t>(c.c0 - i0 - a.band_hi + SHORT_COLS, c.r0, c.r1);
 }
 
 // One block of query rows [i0, i1) of batch b, head h.
@@ -1441,15 +1442,30 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       } else {
         kp = ops.kp.chunk(a, b, hk, c.ci), vp = ops.vp.chunk(a, b, hk, c.ci);
       }
-      w.mx_set = simd::gemm_bf16<false>(s, KC, nr, score_cols(c), q16 + (i0 + c.r0) * a.sq_t,
-                                        a.sq_t, kp, 2 * KC, a.D / 2, nullptr, w.mx.data() + c.r0);
+      const uint16_t *q0 = q16 + i0 * a.sq_t;
+      const int64_t split = short_rows_end(a, c, i0);  // (as the float32 products below)
+      if (split == c.r0) {
+        w.mx_set = simd::gemm_bf16<false>(s, KC, nr, score_cols(c), q0 + c.r0 * a.sq_t, a.sq_t,
+                                          kp, 2 * KC, a.D / 2, nullptr, w.mx.data() + c.r0);
+      } else {
+        simd::gemm_bf16<false>(s, KC, split - c.r0, std::min<int64_t>(SHORT_COLS, score_cols(c)),
+                               q0 + c.r0 * a.sq_t, a.sq_t, kp, 2 * KC, a.D / 2, nullptr);
+        if (split < c.r1)
+          simd::gemm_bf16<false>(w.s.data() + split * KC, KC, c.r1 - split, score_cols(c),
+                                 q0 + split * a.sq_t, a.sq_t, kp, 2 * KC, a.D / 2, nullptr);
+        w.mx_set = false;
+      }
       softmax(a, b, h, i0, c, w);
       // P V over whole pairs of keys: the weights outside [lo, hi) are 0
-      const int64_t lo = c.lo & ~int64_t(1), hi = (c.hi + 1) & ~int64_t(1);
-      const uint16_t *p16 = w.p16.data() + c.r0 * KC;  // the weights, as softmax left them
-      simd::gemm_bf16<true>(w.o_blk.data() + c.r0 * a.DV, a.DV, nr, a.DV, p16 + lo, KC,
-                            vp + lo * a.DV, 2 * a.DV, (hi - lo) / 2,
-                            w.alpha.data() + c.r0);
+      auto pv = [&](int64_t r0, int64_t r1, int64_t hi) {
+        const int64_t lo = c.lo & ~int64_t(1);
+        hi = (hi + 1) & ~int64_t(1);
+        const uint16_t *p16 = w.p16.data() + r0 * KC;  // the weights, as softmax left them
+        simd::gemm_bf16<true>(w.o_blk.data() + r0 * a.DV, a.DV, r1 - r0, a.DV, p16 + lo, KC,
+                              vp + lo * a.DV, 2 * a.DV, (hi - lo) / 2, w.alpha.data() + r0);
+      };
+      if (split > c.r0) pv(c.r0, split, std::min<int64_t>(c.hi, SHORT_COLS));
+      if (split < c.r1) pv(split, c.r1, c.hi);
       if (++seen % SUPER == 0) block_gather(a, rows, w);
       return;
     }
@@ -1468,7 +1484,7 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       w.mx_set = simd::gemm<false>(s, KC, nr, score_cols(c), q0 + c.r0 * a.sq_t, a.sq_t, 1, kt,
                                    KC, a.D, nullptr, w.mx.data() + c.r0);
     } else {  // (a band chunk: its softmax takes no max from the product)
-      simd::gemm<false>(s, KC, split - c.r0, std::min<int64_t>(TILE_COLS, score_cols(c)),
+      simd::gemm<false>(s, KC, split - c.r0, std::min<int64_t>(SHORT_COLS, score_cols(c)),
                         q0 + c.r0 * a.sq_t, a.sq_t, 1, kt, KC, a.D, nullptr, nullptr);
       if (split < c.r1)
         simd::gemm<false>(w.s.data() + split * KC, KC, c.r1 - split, score_cols(c),
@@ -1489,7 +1505,7 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
     if (a.pages) {
       paged_pv(a, b, hk, c, nr, s, w);
     } else {
-      if (split > c.r0) pv(c.r0, split, std::min<int64_t>(c.hi, TILE_COLS));
+      if (split > c.r0) pv(c.r0, split, std::min<int64_t>(c.hi, SHORT_COLS));
       if (split < c.r1) pv(split, c.r1, c.hi);
     }
     if (++seen % SUPER == 0) block_gather(a, rows, w);
