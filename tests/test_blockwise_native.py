@@ -1,8 +1,8 @@
 """attnkit's native CPU forward kernel (backends/blockwise/native) against an independent
 float64 reference: causal/window bands, block masks of every shape, relative biases,
 GQA, odd sizes across its 64-key chunks and 144-row blocks (128 in the backward),
-strided inputs, gradients
-(through the fused backward), sinks, threads, and how it is built or stands aside."""
+strided inputs, gradients (through the fused backward), sinks, threads, and how it is
+built or stands aside."""
 
 from __future__ import annotations
 
