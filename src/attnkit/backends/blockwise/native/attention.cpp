@@ -1060,7 +1060,7 @@ void softmax(const Args &a, int64_t b, int64_t h, int64_t i0, const Chunk &c, Sc
       }
       m_new = std::numeric_limits<float>::quiet_NaN();  // a NaN score: the row is NaN
     }
-    if (!p16) m_new = M_STEP * std::ceil(m_new / M_STEP);  // float32 weights (see above)
+    if (!p16) m_new = simd::round_up(simd::splat(m_new), M_STEP)[0];  // float32 weights
     vf sum = simd::splat(0.0f);
     const vf m = simd::splat(m_new);
 #pragma GCC unroll 16
@@ -1407,6 +1407,32 @@ inline int64_t short_rows_end(const Args &a, const Chunk &c, int64_t i0) {
   return std::clamp<int64_t>(c.c0 - i0 - a.band_hi + SHORT_COLS, c.r0, c.r1);
 }
 
+// The chunk's scores by product(r0, r1, cols, row_max): a product over the chunk's rows
+// [r0, r1) and `cols` columns, returning whether it set row_max. The short rows take
+// SHORT_COLS columns; w.mx_set says whether w.mx holds every row's max (never where there
+// are short rows: a band chunk, whose softmax takes no max from the product). Returns
+// their end, for chunk_pv.
+template <class F>
+int64_t chunk_scores(const Args &a, const Chunk &c, int64_t i0, Scratch &w, F product) {
+  const int64_t split = short_rows_end(a, c, i0);
+  if (split == c.r0) {
+    w.mx_set = product(c.r0, c.r1, score_cols(c), w.mx.data() + c.r0);
+    return split;
+  }
+  product(c.r0, split, std::min<int64_t>(SHORT_COLS, score_cols(c)), nullptr);
+  if (split < c.r1) product(split, c.r1, score_cols(c), nullptr);
+  w.mx_set = false;
+  return split;
+}
+
+// The chunk's P V by pv(r0, r1, hi) over its columns [c.lo, hi): the short rows (those
+// before `split`, chunk_scores) up to SHORT_COLS only.
+template <class F>
+void chunk_pv(const Chunk &c, int64_t split, F pv) {
+  if (split > c.r0) pv(c.r0, split, std::min<int64_t>(c.hi, SHORT_COLS));
+  if (split < c.r1) pv(split, c.r1, c.hi);
+}
+
 // One block of query rows [i0, i1) of batch b, head h.
 // (Split-KV: only the key chunks [cmin, cmax], normalised over them.)
 void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int64_t i0,
@@ -1426,8 +1452,6 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       if (++seen % SUPER == 0) block_gather(a, rows, w);
       return;
     }
-    const int64_t nr = c.r1 - c.r0;
-    float *s = w.s.data() + c.r0 * KC;
 #if defined(ATTNKIT_BF16)
     if (a.dtype == DT_BF16) {
       const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
@@ -1442,30 +1466,21 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       } else {
         kp = ops.kp.chunk(a, b, hk, c.ci), vp = ops.vp.chunk(a, b, hk, c.ci);
       }
-      const uint16_t *q0 = q16 + i0 * a.sq_t;
-      const int64_t split = short_rows_end(a, c, i0);  // (as the float32 products below)
-      if (split == c.r0) {
-        w.mx_set = simd::gemm_bf16<false>(s, KC, nr, score_cols(c), q0 + c.r0 * a.sq_t, a.sq_t,
-                                          kp, 2 * KC, a.D / 2, nullptr, w.mx.data() + c.r0);
-      } else {
-        simd::gemm_bf16<false>(s, KC, split - c.r0, std::min<int64_t>(SHORT_COLS, score_cols(c)),
-                               q0 + c.r0 * a.sq_t, a.sq_t, kp, 2 * KC, a.D / 2, nullptr);
-        if (split < c.r1)
-          simd::gemm_bf16<false>(w.s.data() + split * KC, KC, c.r1 - split, score_cols(c),
-                                 q0 + split * a.sq_t, a.sq_t, kp, 2 * KC, a.D / 2, nullptr);
-        w.mx_set = false;
-      }
+      const int64_t split = chunk_scores(a, c, i0, w, [&](int64_t r0, int64_t r1, int64_t cols,
+                                                          float *row_max) {
+        return simd::gemm_bf16<false>(w.s.data() + r0 * KC, KC, r1 - r0, cols,
+                                      q16 + (i0 + r0) * a.sq_t, a.sq_t, kp, 2 * KC, a.D / 2,
+                                      nullptr, row_max);
+      });
       softmax(a, b, h, i0, c, w);
       // P V over whole pairs of keys: the weights outside [lo, hi) are 0
-      auto pv = [&](int64_t r0, int64_t r1, int64_t hi) {
+      chunk_pv(c, split, [&](int64_t r0, int64_t r1, int64_t hi) {
         const int64_t lo = c.lo & ~int64_t(1);
         hi = (hi + 1) & ~int64_t(1);
         const uint16_t *p16 = w.p16.data() + r0 * KC;  // the weights, as softmax left them
         simd::gemm_bf16<true>(w.o_blk.data() + r0 * a.DV, a.DV, r1 - r0, a.DV, p16 + lo, KC,
                               vp + lo * a.DV, 2 * a.DV, (hi - lo) / 2, w.alpha.data() + r0);
-      };
-      if (split > c.r0) pv(c.r0, split, std::min<int64_t>(c.hi, SHORT_COLS));
-      if (split < c.r1) pv(split, c.r1, c.hi);
+      });
       if (++seen % SUPER == 0) block_gather(a, rows, w);
       return;
     }
@@ -1478,36 +1493,25 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
     } else {
       kt = ops.kt.chunk(a, b, hk, c.ci);
     }
-    const float *q0 = qh + i0 * a.sq_t;
-    const int64_t split = short_rows_end(a, c, i0);
-    if (split == c.r0) {
-      w.mx_set = simd::gemm<false>(s, KC, nr, score_cols(c), q0 + c.r0 * a.sq_t, a.sq_t, 1, kt,
-                                   KC, a.D, nullptr, w.mx.data() + c.r0);
-    } else {  // (a band chunk: its softmax takes no max from the product)
-      simd::gemm<false>(s, KC, split - c.r0, std::min<int64_t>(SHORT_COLS, score_cols(c)),
-                        q0 + c.r0 * a.sq_t, a.sq_t, 1, kt, KC, a.D, nullptr, nullptr);
-      if (split < c.r1)
-        simd::gemm<false>(w.s.data() + split * KC, KC, c.r1 - split, score_cols(c),
-                          q0 + split * a.sq_t, a.sq_t, 1, kt, KC, a.D, nullptr, nullptr);
-      w.mx_set = false;
-    }
+    const int64_t split = chunk_scores(a, c, i0, w, [&](int64_t r0, int64_t r1, int64_t cols,
+                                                        float *row_max) {
+      return simd::gemm<false>(w.s.data() + r0 * KC, KC, r1 - r0, cols, qh + (i0 + r0) * a.sq_t,
+                               a.sq_t, 1, kt, KC, a.D, nullptr, row_max);
+    });
     softmax(a, b, h, i0, c, w);
-    auto pv = [&](int64_t r0, int64_t r1, int64_t hi) {  // rows [r0, r1), columns [lo, hi)
-      float *o = w.o_blk.data() + r0 * a.DV, *alpha = w.alpha.data() + r0;
-      const float *p = w.s.data() + r0 * KC + c.lo;
-      if (ops.v16)
-        simd::gemm<true>(o, a.DV, r1 - r0, a.DV, p, KC, 1, vh16 + (c.c0 + c.lo) * a.sv_t,
-                         a.sv_t, hi - c.lo, alpha);
-      else
-        simd::gemm<true>(o, a.DV, r1 - r0, a.DV, p, KC, 1, vh + (c.c0 + c.lo) * a.sv_t, a.sv_t,
-                         hi - c.lo, alpha);
-    };
-    if (a.pages) {
-      paged_pv(a, b, hk, c, nr, s, w);
-    } else {
-      if (split > c.r0) pv(c.r0, split, std::min<int64_t>(c.hi, SHORT_COLS));
-      if (split < c.r1) pv(split, c.r1, c.hi);
-    }
+    if (a.pages)
+      paged_pv(a, b, hk, c, c.r1 - c.r0, w.s.data() + c.r0 * KC, w);
+    else
+      chunk_pv(c, split, [&](int64_t r0, int64_t r1, int64_t hi) {
+        float *o = w.o_blk.data() + r0 * a.DV, *alpha = w.alpha.data() + r0;
+        const float *p = w.s.data() + r0 * KC + c.lo;
+        if (ops.v16)
+          simd::gemm<true>(o, a.DV, r1 - r0, a.DV, p, KC, 1, vh16 + (c.c0 + c.lo) * a.sv_t,
+                           a.sv_t, hi - c.lo, alpha);
+        else
+          simd::gemm<true>(o, a.DV, r1 - r0, a.DV, p, KC, 1, vh + (c.c0 + c.lo) * a.sv_t,
+                           a.sv_t, hi - c.lo, alpha);
+      });
     if (++seen % SUPER == 0) block_gather(a, rows, w);
   });
   block_end(a, b, h, i0, rows, w);
