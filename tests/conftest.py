@@ -43,7 +43,7 @@ def one_thread():
 def kernel_isas() -> list[str]:
     """One build of each vector width this CPU can execute, best first: an AVX-512 machine
     runs this whole module on its AVX-512 build and again on its AVX2 build."""
-    widths = {"avx512-bf16": 16, "avx512": 16, "avx2": 8, "neon": 4}
+    widths = {"avx512-amx": 16, "avx512-bf16": 16, "avx512": 16, "avx2": 8, "neon": 4}
     chosen: dict[int, str] = {}
     for name in build.host_isas():
         chosen.setdefault(widths[name], name)

@@ -377,6 +377,82 @@ bool exp2_accuracy() {
   return ok;
 }
 
+#if defined(ATTNKIT_BF16)
+// Every bf16 product (gemm_bf16: AMX tiles on an avx512-amx build, vdpbf16ps on
+// avx512-bf16) against float64 of the same bf16 operands: C = alpha C + A B and C = A B,
+// over sizes that leave rows and pairs past the last whole tile (16 rows, 16 pairs) and
+// strided A and B. Products of two bf16 are exact in float32, so the error is the float32
+// sums' alone: within 2^-20 of sum |a b| (plus the rescaled C's own rounding).
+bool bf16_products(std::mt19937 &rng) {
+  std::uniform_real_distribution<float> u(-2.0f, 2.0f);
+  const int64_t sizes[][3] = {{16, 16, 16}, {48, 64, 32}, {37, 32, 21}, {5, 16, 40},
+                              {144, 64, 32}, {33, 48, 17}, {16, 16, 7}, {130, 128, 64}};
+  double worst = 0.0;
+  bool ok = true;
+  for (const auto &sz : sizes) {
+    const int64_t rows = sz[0], cols = sz[1], kp = sz[2];
+    const int64_t ars = 2 * kp + 6, ldb = 2 * cols + 32, ldc = cols + 16;  // (strided)
+    std::vector<uint16_t> a(rows * ars), b(kp * ldb);
+    for (auto &x : a) x = to_bf16(u(rng));
+    for (auto &x : b) x = to_bf16(u(rng));
+    std::vector<float> c0(rows * ldc), alpha(rows);
+    for (auto &x : c0) x = u(rng);
+    for (int64_t r = 0; r < rows; ++r) alpha[r] = r % 3 ? 1.0f : 0.25f * float(r % 5);
+    for (int acc = 0; acc < 2; ++acc) {
+      std::vector<float> c = c0;
+      if (acc)
+        gemm_bf16<true>(c.data(), ldc, rows, cols, a.data(), ars, b.data(), ldb, kp,
+                        alpha.data());
+      else
+        gemm_bf16<false>(c.data(), ldc, rows, cols, a.data(), ars, b.data(), ldb, kp, nullptr);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < cols; ++j) {
+          double want = acc ? double(alpha[r]) * c0[r * ldc + j] : 0.0;
+          double mag = std::fabs(want);
+          for (int64_t p = 0; p < 2 * kp; ++p) {
+            const double x = double(as_f32(a[r * ars + p])) * as_f32(b[(p / 2) * ldb + 2 * j + p % 2]);
+            want += x, mag += std::fabs(x);
+          }
+          const double err = std::fabs(c[r * ldc + j] - want) / (mag + 1e-30);
+          worst = std::max(worst, err);
+        }
+      for (int64_t r = 0; r < rows; ++r)  // the padding between rows is left alone
+        for (int64_t j = cols; j < ldc; ++j) ok &= c[r * ldc + j] == c0[r * ldc + j];
+    }
+  }
+  ok &= worst <= std::ldexp(1.0, -20);
+  const char *tiles = "";
+#if defined(ATTNKIT_AMX)
+  // The tiles' state as the products found it: another tile configuration loaded before
+  // them is loaded again after their Scope, and where none was, none is.
+  tiles = ", no tile state changed";
+  if (amx::usable()) {
+    std::vector<uint16_t> a(64 * 64, to_bf16(1.0f)), b(64 * 64, to_bf16(0.5f));
+    std::vector<float> c(64 * 64);
+    amx::Config theirs, after;
+    theirs.palette = 1, theirs.rows[0] = 3, theirs.colsb[0] = 12;
+    _tile_loadconfig(&theirs);
+    {
+      const TileScope scope;
+      gemm_bf16<false>(c.data(), 64, 64, 64, a.data(), 64, b.data(), 128, 32, nullptr);
+    }
+    _tile_storeconfig(&after);
+    ok &= std::memcmp(&after, &theirs, sizeof after) == 0 && c[0] == 32.0f;
+    _tile_release();
+    {
+      const TileScope scope;
+      gemm_bf16<false>(c.data(), 64, 64, 64, a.data(), 64, b.data(), 128, 32, nullptr);
+    }
+    _tile_storeconfig(&after);
+    ok &= after.palette == 0;
+  }
+#endif
+  std::printf("  %-22s worst %.3g of sum |a b| (<= 2^-20), padding untouched%s: %s\n",
+              "bf16 products", worst, tiles, ok ? "ok" : "FAILED");
+  return ok;
+}
+#endif
+
 }  // namespace
 
 int main() {
@@ -413,6 +489,9 @@ int main() {
   (paged("paged, 12 heads", 2, 12, 12, 700, 16, 64, rng) ? passed : failed) += 1;
   (paged("paged, GQA, pages of 5", 3, 8, 2, 1300, 5, 32, rng) ? passed : failed) += 1;
   (exp2_accuracy() ? passed : failed) += 1;
+#if defined(ATTNKIT_BF16)
+  (bf16_products(rng) ? passed : failed) += 1;
+#endif
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
 }

@@ -2,7 +2,7 @@
 
 For every instruction-set build of the native kernel this CPU runs (:func:`attnkit.backends
 .blockwise.native.build.host_isas`), causal attention (T=4096, B=1, H=4, d=64, fp32 and,
-on avx512-bf16 builds, bf16) with three score_mods the kernel runs compiled
+on builds with bf16 products, bf16) with three score_mods the kernel runs compiled
 (:mod:`attnkit.backends.blockwise.native.codegen`), forward and forward+backward, each
 over plain causal attention on the same build:
 
@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from attnkit import attention, explain_dispatch
+from attnkit.backends.blockwise import native
 from attnkit.backends.blockwise.native import build
 from attnkit.bench.auto_grid import env
 from attnkit.bench.isa_env import CHILD, held_env, in_held_child, torch_capability
@@ -131,7 +132,7 @@ def run(quick: bool, reps: int, flex: bool = False, isas: list[str] | None = Non
                 "torch": torch_capability(),  # the vector code of torch's kernels (and Flex)
                 "fp32": rows(t, torch.float32, reps, flex),
             }
-            if isa == "avx512-bf16":
+            if native.bf16():  # (bf16 products: avx512-bf16 and avx512-amx builds)
                 entry["bf16"] = rows(t, torch.bfloat16, reps)
             result["builds"][isa] = entry
     return result

@@ -11,7 +11,8 @@ kernels runs in a child process with torch held to its instruction set, see
 * the kernel: causal forward and forward+backward against SDPA (T=8192, B=1, H=4, d=64,
   fp32), the forward's FLOP rate as a share of the measured peak, the backward's FLOP
   rate over the forward's (flash-attn's convention: the backward does 2.5x the forward's
-  FLOPs), and on avx512-bf16 builds the bf16 forward over the float32 one;
+  FLOPs), and on builds with bf16 products (avx512-bf16, avx512-amx) the bf16 forward
+  over the float32 one;
 * ``auto`` against the fastest backend on a grid (causal, window 256, 8 documents, ALiBi
   x T x fp32 / bf16 x fwd / fwd+bwd, :mod:`attnkit.bench.auto_grid`), with the build's
   own calibration deciding what ``auto`` runs, and what each backend ran.

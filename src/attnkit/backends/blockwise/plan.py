@@ -70,7 +70,7 @@ class Engines:
         backward: the engine of the backward (torch's fused backward takes no gradient
             through the log-sum-exp: such a backward, known only then, runs on the tiles).
         bf16: where the native kernel runs a direction, it reads bf16 inputs as they are
-            (bf16 products: an avx512-bf16 build).
+            (bf16 products: an avx512-bf16 or avx512-amx build).
         passed_over: ``(direction, engine, why)`` for every engine ahead of the chosen
             one that refused, in priority order.
     """

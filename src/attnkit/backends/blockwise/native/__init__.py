@@ -18,8 +18,8 @@ fixed order). A plan runs here when :func:`why_not` (:func:`why_not_backward`) f
 nothing against it (asked once per call, by :mod:`..engines`); otherwise the engine's
 torch-kernel paths run. The library is built on first use (:mod:`.build`); where it
 cannot be, nothing changes but speed. float32 arithmetic; bf16 inputs on an avx512-bf16
-build compute every product with bf16 products (float32 softmax and sums), forward and
-backward; other builds read a bf16 forward as it is (a decode step converts keys and
+or avx512-amx build compute every product with bf16 products (vdpbf16ps, or AMX tiles;
+float32 softmax and sums), forward and backward; other builds read a bf16 forward as it is (a decode step converts keys and
 values as it reads them, any other call converts q to float32 once, inside the kernel,
 its keys as it packs them and its values as the P V product loads them, or once where a
 head has more than one query block) and have a bf16 backward upcast first (:func:`reads_bf16`); float16 is upcast,
@@ -132,15 +132,15 @@ def _kernel(name: str):
 
 
 def isa() -> str | None:
-    """The instruction set of the loaded build (``"avx512-bf16"``, ``"avx512"``, ``"avx2"``,
-    ``"neon"``), or None when there is none."""
+    """The instruction set of the loaded build (``"avx512-amx"``, ``"avx512-bf16"``,
+    ``"avx512"``, ``"avx2"``, ``"neon"``), or None when there is none."""
     lib = library()
     return None if lib is None else lib.attnkit_isa().decode()
 
 
 def bf16() -> bool:
-    """Whether the loaded build computes bf16 inputs with bf16 products (AVX512_BF16):
-    every product in bf16 with float32 softmax and accumulators, forward and backward."""
+    """Whether the loaded build computes bf16 inputs with bf16 products (AVX512_BF16, and
+    AMX tiles on an avx512-amx build): every product in bf16 with float32 softmax and accumulators, forward and backward."""
     lib = library()
     return lib is not None and bool(lib.attnkit_bf16())
 
@@ -182,7 +182,7 @@ def why_not(
     one_of_two: bool = False,
 ) -> str | None:
     """Why the kernel cannot run this fused plan (CPU tensors) on the engine's views of
-    ``dtype`` (None when it can): it takes float32 (bf16 on an avx512-bf16 build), value
+    ``dtype`` (None when it can): it takes float32 (bf16 on a build with bf16 products), value
     heads a multiple of 16 wide, causal/window bounds, a block mask, a ``mask`` tensor, a
     relative bias, and any ``score_mod`` that compiles (:func:`score_mod_program`), not
     under ``torch.compile``. Asked once per call, by :mod:`..engines` (and by
@@ -199,7 +199,7 @@ def why_not(
         return "the native kernel runs float32 (and bf16) tensors"
     if dtype == torch.bfloat16 and not reads_bf16(with_backward):
         return (
-            "a bf16 backward needs an avx512-bf16 build (bf16 is computed in float32; a "
+            "a bf16 backward needs a build with bf16 products (avx512-bf16, avx512-amx; a "
             "forward without a backward reads bf16 on every build)"
         )
     if d_v % 16 or d == 0:

@@ -56,7 +56,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "simd.h"
+#include "amx.h"  // (includes simd.h)
 
 namespace {
 
@@ -68,6 +68,28 @@ constexpr int KC = 64;        // keys per chunk
 constexpr int NV = KC / W;    // vectors per chunk row
 constexpr int SUPER = 16;     // chunks whose sums are gathered before joining a row's total
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+#if defined(ATTNKIT_BF16)
+// Every bf16 product (simd::gemm_bf16's arguments): on AMX tiles on the avx512-amx build
+// (amx.h), else with vdpbf16ps.
+template <bool ACC>
+inline bool gemm_bf16(float *c, int64_t ldc, int64_t rows, int64_t cols, const uint16_t *a,
+                      int64_t ars, const uint16_t *b, int64_t ldb, int64_t kp,
+                      const float *alpha, float *row_max = nullptr) {
+#if defined(ATTNKIT_AMX)
+  return amx::gemm_bf16<ACC>(c, ldc, rows, cols, a, ars, b, ldb, kp, alpha, row_max);
+#else
+  return simd::gemm_bf16<ACC>(c, ldc, rows, cols, a, ars, b, ldb, kp, alpha, row_max);
+#endif
+}
+#endif
+
+// Ends this thread's use of the AMX tiles (amx::Scope) where the build has them.
+#if defined(ATTNKIT_AMX)
+using TileScope = amx::Scope;
+#else
+struct TileScope {};
+#endif
 constexpr int8_t EMPTY = 0, PARTIAL = 1, FULL = 2;  // attnkit.block_mask's kinds
 
 // Bumped whenever Args, Grads or the exported functions change; native/__init__.py checks
@@ -304,6 +326,7 @@ Code parallel(const Args &a, int64_t n, F f) {
   std::atomic<int64_t> next{0};
   std::atomic<int> error{OK};
   auto body = [&]() {
+    const TileScope tiles;  // (amx.h: this thread's tile state put back as it was)
     try {
       State state(a);
       for (int64_t it = next++; it < n && error.load() == OK; it = next++) f(state, it);
@@ -1468,7 +1491,7 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       }
       const int64_t split = chunk_scores(a, c, i0, w, [&](int64_t r0, int64_t r1, int64_t cols,
                                                           float *row_max) {
-        return simd::gemm_bf16<false>(w.s.data() + r0 * KC, KC, r1 - r0, cols,
+        return gemm_bf16<false>(w.s.data() + r0 * KC, KC, r1 - r0, cols,
                                       q16 + (i0 + r0) * a.sq_t, a.sq_t, kp, 2 * KC, a.D / 2,
                                       nullptr, row_max);
       });
@@ -1478,7 +1501,7 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
         const int64_t lo = c.lo & ~int64_t(1);
         hi = (hi + 1) & ~int64_t(1);
         const uint16_t *p16 = w.p16.data() + r0 * KC;  // the weights, as softmax left them
-        simd::gemm_bf16<true>(w.o_blk.data() + r0 * a.DV, a.DV, r1 - r0, a.DV, p16 + lo, KC,
+        gemm_bf16<true>(w.o_blk.data() + r0 * a.DV, a.DV, r1 - r0, a.DV, p16 + lo, KC,
                               vp + lo * a.DV, 2 * a.DV, (hi - lo) / 2, w.alpha.data() + r0);
       });
       if (++seen % SUPER == 0) block_gather(a, rows, w);
@@ -1684,9 +1707,9 @@ void weights_and_ds(const Args &a, const Grads &g, const BackOperands &ops, int6
   if (a.dtype == DT_BF16) {
     const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
     const uint16_t *do16 = reinterpret_cast<const uint16_t *>(g.dout) + (b * a.H + h) * a.T * a.DV;
-    simd::gemm_bf16<false>(w.p.data() + c.r0 * KC, KC, nr, KC, q16 + (i0 + c.r0) * a.sq_t,
+    gemm_bf16<false>(w.p.data() + c.r0 * KC, KC, nr, KC, q16 + (i0 + c.r0) * a.sq_t,
                            a.sq_t, ops.kp.chunk(a, b, hk, c.ci), 2 * KC, a.D / 2, nullptr);
-    simd::gemm_bf16<false>(w.ds.data() + c.r0 * KC, KC, nr, KC, do16 + (i0 + c.r0) * a.DV,
+    gemm_bf16<false>(w.ds.data() + c.r0 * KC, KC, nr, KC, do16 + (i0 + c.r0) * a.DV,
                            a.DV, ops.vp.chunk(a, b, hk, c.ci), 2 * KC, a.DV / 2, nullptr);
   } else
 #endif
@@ -1757,13 +1780,13 @@ void products_bf16(const Args &a, const Grads &g, const BackOperands &ops, int64
   row_pairs(x.do2.data(), do16, a.DV, a.DV);
   const int64_t nk = c.hi - c.lo;
   // dV[j] += sum_r P[r][j] dO[r], dK[j] += sum_r dS[r][j] Q[r]
-  simd::gemm_bf16<true>(w.dv.data() + c.lo * a.DV, a.DV, nk, a.DV, x.pt16.data() + c.lo * np,
+  gemm_bf16<true>(w.dv.data() + c.lo * a.DV, a.DV, nk, a.DV, x.pt16.data() + c.lo * np,
                         np, x.do2.data(), 2 * a.DV, np / 2, nullptr);
-  simd::gemm_bf16<true>(w.dk.data() + c.lo * a.D, a.D, nk, a.D, x.dst16.data() + c.lo * np,
+  gemm_bf16<true>(w.dk.data() + c.lo * a.D, a.D, nk, a.D, x.dst16.data() + c.lo * np,
                         np, x.q2.data(), 2 * a.D, np / 2, nullptr);
   // dQ[r] += sum_j dS[r][j] K[j], over whole pairs of keys (dS is 0 outside [lo, hi))
   const int64_t lo = c.lo & ~int64_t(1), hi = (c.hi + 1) & ~int64_t(1);
-  simd::gemm_bf16<true>(dqh + (i0 + c.r0) * a.D, a.D, nr, a.D, x.ds16.data() + lo, KC,
+  gemm_bf16<true>(dqh + (i0 + c.r0) * a.D, a.D, nr, a.D, x.ds16.data() + lo, KC,
                         ops.kj.chunk(a, b, hk, c.ci) + lo * a.D, 2 * a.D, (hi - lo) / 2,
                         nullptr);
 }
@@ -1841,6 +1864,7 @@ Code check(const Args &a) {
 // Exceptions thrown by the caller's own thread (allocations before the parallel part).
 template <class F>
 int guarded(F f) {
+  const TileScope tiles;  // (the calling thread's products outside parallel calls)
   try {
     return f();
   } catch (const std::bad_alloc &) {

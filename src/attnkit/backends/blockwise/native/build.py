@@ -49,7 +49,7 @@ from pathlib import Path
 from attnkit.backends.blockwise.native import abi, threads
 
 SOURCE = Path(__file__).with_name("attention.cpp")
-HEADERS = (Path(__file__).with_name("simd.h"),)
+HEADERS = (Path(__file__).with_name("simd.h"), Path(__file__).with_name("amx.h"))
 #: Flags of every build; -ffp-contract=fast lets a * b + c be one FMA under -std=c++17.
 #: -mtune=generic: the register tiles of simd.h are laid out for the code GCC writes under
 #: its generic tuning, and the flag comes after any in ``CXX``, so neither those nor a GCC
@@ -63,6 +63,7 @@ FLAGS = (
 )  # fmt: skip
 #: The instruction sets attention.cpp is built for, best first, and their flags.
 ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "avx512-amx": ("-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
     "avx512-bf16": ("-march=x86-64-v4", "-mavx512bf16"),
     "avx512": ("-march=x86-64-v4",),
     "avx2": ("-march=x86-64-v3",),
@@ -70,6 +71,10 @@ ISA_FLAGS: dict[str, tuple[str, ...]] = {
 }
 #: CPU flags (/proc/cpuinfo) each build needs.
 _NEEDS = {
+    "avx512-amx": {
+        "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16", "amx_tile",
+        "amx_bf16",
+    },
     "avx512-bf16": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16"},
     "avx512": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
     "avx2": {"avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm"},
@@ -120,7 +125,25 @@ def _host_isas() -> tuple[str, ...]:
     if machine not in ("x86_64", "amd64"):
         return ()
     flags = _cpu_flags()
-    return tuple(isa for isa, needs in _NEEDS.items() if needs <= flags)
+    isas = tuple(isa for isa, needs in _NEEDS.items() if needs <= flags)
+    if "avx512-amx" in isas and not _amx_permitted():
+        isas = tuple(isa for isa in isas if isa != "avx512-amx")
+    return isas
+
+
+#: Linux's arch_prctl system call on x86-64, and its request for the AMX tile data state.
+_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 158, 0x1023, 18
+
+
+def _amx_permitted() -> bool:
+    """Whether Linux lets this process use the AMX tiles (asked here: Linux 5.16 and
+    later grant them on request; an older kernel, or one that refuses, leaves the
+    avx512-amx build out of :func:`host_isas`)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.syscall(_SYS_ARCH_PRCTL, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def selected_isa() -> str | None:

@@ -28,7 +28,11 @@
 #define ATTNKIT_W 16
 #define ATTNKIT_TILE_R_ 6
 #define ATTNKIT_TILE_C_ 4
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define ATTNKIT_BF16 1
+#define ATTNKIT_AMX 1  // (amx.h: bf16 products on AMX tiles)
+#define ATTNKIT_ISA "avx512-amx"
+#elif defined(__AVX512BF16__)
 #define ATTNKIT_BF16 1
 #define ATTNKIT_ISA "avx512-bf16"
 #else
