@@ -135,7 +135,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--t", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--reps", type=int, default=9)
-    parser.add_argument("--bf16", action="store_true", help="bf16 inputs (a build with bf16 products: avx512-bf16, avx512-amx)")
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 inputs (a build with bf16 products: avx512-bf16, avx512-amx)",
+    )
     parser.add_argument("--window", type=int, default=None)
     args = parser.parse_args(argv)
     if args.t < 1 or args.threads < 1 or args.reps < 1:

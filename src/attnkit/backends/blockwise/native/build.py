@@ -72,7 +72,13 @@ ISA_FLAGS: dict[str, tuple[str, ...]] = {
 #: CPU flags (/proc/cpuinfo) each build needs.
 _NEEDS = {
     "avx512-amx": {
-        "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16", "amx_tile",
+        "avx512f",
+        "avx512bw",
+        "avx512cd",
+        "avx512dq",
+        "avx512vl",
+        "avx512_bf16",
+        "amx_tile",
         "amx_bf16",
     },
     "avx512-bf16": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx512_bf16"},
