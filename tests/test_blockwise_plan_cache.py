@@ -212,7 +212,7 @@ def test_calibration_and_row_bounds_are_seen(monkeypatch):
     q = torch.randn(1, 2, rows, 64)
     k, v = torch.randn(1, 2, 512, 64), torch.randn(1, 2, 512, 64)
     measured = calibrate.Speed(0.5, 0.5, "measured")
-    monkeypatch.setattr(calibrate, "speed", lambda dtype=None, keys=None: measured)
+    monkeypatch.setattr(calibrate, "speed", lambda dtype=None, keys=None, bias=False: measured)
     short = explain_dispatch(q, k, v, backend="blockwise")
     assert "forward: flash_cpu" in short.splitlines()[1]
     lower = native_module.DIRECT_ROWS

@@ -80,7 +80,7 @@ def test_a_failed_measurement_is_slower_and_not_kept(uncalibrated, monkeypatch):
     def broken():
         raise RuntimeError("no clock")
 
-    monkeypatch.setattr(calibrate, "_time_case", lambda dtype, t: broken())
+    monkeypatch.setattr(calibrate, "_time_case", lambda dtype, t, bias=False: broken())
     speed = calibrate.speed()
     assert not speed.forward_ok and not speed.backward_ok
     assert "measurement failed" in speed.source and "no clock" in speed.source
@@ -95,7 +95,9 @@ def test_a_failed_measurement_is_slower_and_not_kept(uncalibrated, monkeypatch):
 @pytest.mark.parametrize("forced, ok", [("fast", True), ("slow", False)])
 def test_a_forced_speed_skips_the_measurement(uncalibrated, monkeypatch, forced, ok):
     monkeypatch.setenv("ATTNKIT_NATIVE_SPEED", forced)
-    monkeypatch.setattr(calibrate, "_time_case", lambda dtype, t: pytest.fail("measured"))
+    monkeypatch.setattr(
+        calibrate, "_time_case", lambda dtype, t, bias=False: pytest.fail("measured")
+    )
     speed = calibrate.speed()
     assert speed.forward_ok is ok and speed.source == "ATTNKIT_NATIVE_SPEED"
 
@@ -122,7 +124,9 @@ def test_short_dense_plans_go_to_torch_by_measured_speed(
         pytest.skip(native.status())
     monkeypatch.delenv("ATTNKIT_NATIVE_SPEED")  # (the tests' "fast": measured here)
     monkeypatch.setattr(
-        calibrate, "speed", lambda dtype=None, keys=None: calibrate.Speed(0.5, 0.5, "measured")
+        calibrate,
+        "speed",
+        lambda dtype=None, keys=None, bias=False: calibrate.Speed(0.5, 0.5, "measured"),
     )
     q = torch.randn(1, 2 * groups, rows, 64)
     k = torch.randn(1, 2, keys, 64)
@@ -136,7 +140,7 @@ def test_short_dense_plans_go_to_torch_by_measured_speed(
     monkeypatch.setattr(
         calibrate,
         "speed",
-        lambda dtype=None, keys=None: calibrate.Speed(0.5, 0.5, calibrate.FORCED),
+        lambda dtype=None, keys=None, bias=False: calibrate.Speed(0.5, 0.5, calibrate.FORCED),
     )
     text = explain_dispatch(q, k, k, return_lse=True, backend="blockwise")
     assert "forward: native_cpu" in text
@@ -150,7 +154,9 @@ def test_half_precision_decode_and_few_rows_stay_native(monkeypatch, dtype):
 
     monkeypatch.delenv("ATTNKIT_NATIVE_SPEED")  # (the tests' "fast": measured here)
     monkeypatch.setattr(
-        calibrate, "speed", lambda dtype=None, keys=None: calibrate.Speed(0.5, 0.5, "measured")
+        calibrate,
+        "speed",
+        lambda dtype=None, keys=None, bias=False: calibrate.Speed(0.5, 0.5, "measured"),
     )
     for rows, groups in ((1, 4), (FEW, 1)):
         q = torch.randn(1, 2 * groups, rows, 64, dtype=dtype)
@@ -166,14 +172,16 @@ def test_a_decode_step_is_not_judged_by_the_prefill_calibration(monkeypatch):
 
     monkeypatch.delenv("ATTNKIT_NATIVE_SPEED")  # (the tests' "fast": measured here)
     monkeypatch.setattr(
-        calibrate, "speed", lambda dtype=None, keys=None: calibrate.Speed(2.0, 2.0, "measured")
+        calibrate,
+        "speed",
+        lambda dtype=None, keys=None, bias=False: calibrate.Speed(2.0, 2.0, "measured"),
     )
     k = torch.randn(1, 2, 8192, 64)
     decode = explain_dispatch(torch.randn(1, 8, 1, 64), k, k, backend="blockwise")
     assert "forward: native_cpu" in decode, decode
     asked: list[tuple] = []  # a decode forward does not even ask (no prefill measured)
 
-    def spy(dtype=None, keys=None):
+    def spy(dtype=None, keys=None, bias=False):
         asked.append((dtype, keys))
         return calibrate.Speed(2.0, 2.0, "measured")
 
@@ -190,7 +198,7 @@ def test_each_dtype_is_measured_in_that_dtype_and_kept_apart(uncalibrated, monke
     is decided by a bf16 measurement, made once, cached apart from the fp32 one."""
     measured: list[torch.dtype] = []
 
-    def fake(dtype, t):
+    def fake(dtype, t, bias=False):
         measured.append(dtype)
         return (0.5, 0.6) if dtype == torch.float32 else (1.4, 1.5)
 
@@ -211,7 +219,7 @@ def test_a_bf16_call_follows_the_bf16_measurement(monkeypatch):
 
     asked: list[torch.dtype] = []
 
-    def fake(dtype=torch.float32, keys=None):
+    def fake(dtype=torch.float32, keys=None, bias=False):
         asked.append(dtype)
         ratio = 0.5 if dtype == torch.float32 else 1.5
         return calibrate.Speed(ratio, ratio, "measured")
@@ -266,7 +274,7 @@ def test_long_dense_calls_follow_a_measurement_at_long_length(uncalibrated, monk
     measurement decides, above it one at LONG_TOKENS, made on the first such call."""
     lengths: list[int] = []
 
-    def fake(dtype, t):
+    def fake(dtype, t, bias=False):
         lengths.append(t)
         return (1.2, 1.1) if t == 256 else (0.6, 0.5)
 
@@ -288,7 +296,9 @@ def test_a_gradient_call_is_judged_by_its_forward_plus_backward(monkeypatch, for
     from attnkit import explain_dispatch
 
     monkeypatch.setattr(
-        calibrate, "speed", lambda dtype=None, keys=None: calibrate.Speed(forward, backward, "x")
+        calibrate,
+        "speed",
+        lambda dtype=None, keys=None, bias=False: calibrate.Speed(forward, backward, "x"),
     )
     q = torch.randn(1, 2, 512, 64)
     with torch.no_grad():
@@ -303,3 +313,53 @@ def test_a_gradient_call_is_judged_by_its_forward_plus_backward(monkeypatch, for
         assert "forward+backward plans" in text
     auto = explain_dispatch(qg, qg, qg, causal=True)
     assert auto.splitlines()[0] == ("backend: blockwise" if backward < 1 else "backend: sdpa")
+
+
+@pytest.mark.parametrize(
+    ("dense", "biased", "engine"), [(1.5, 0.5, "native_cpu"), (0.5, 1.5, "flash_cpu")]
+)
+def test_alibi_plans_follow_their_own_measurement(monkeypatch, dense, biased, engine):
+    """A plan whose score_mod is a relative bias is decided by the measurement with ALiBi
+    (against torch's kernel on tiles), not by plain causal against SDPA: on an AMX Xeon
+    SDPA ran causal bf16 faster than the native kernel while torch's tiles with the bias
+    took 1.3-3.5x the native time."""
+    from attnkit import explain_dispatch, masks
+
+    asked: list[bool] = []
+
+    def fake(dtype=torch.float32, keys=None, bias=False):
+        asked.append(bias)
+        ratio = biased if bias else dense
+        return calibrate.Speed(ratio, ratio, "measured")
+
+    monkeypatch.setattr(calibrate, "speed", fake)
+    q = torch.randn(1, 4, 512, 64)
+    text = explain_dispatch(q, q, q, causal=True, score_mod=masks.alibi(4), backend="blockwise")
+    assert f"forward: {engine}" in text, text
+    assert asked and all(asked), asked
+    if engine == "flash_cpu":
+        assert "with a relative bias" in text and "on tiles" in text, text
+
+
+def test_the_alibi_case_is_measured_against_torch_on_tiles(uncalibrated, monkeypatch):
+    """The relative-bias measurement really runs both sides (on a small case) and is kept
+    under a key of its own."""
+    monkeypatch.setattr(calibrate, "CASE", (1, 2, 128, 32))
+    monkeypatch.setattr(calibrate, "MIN_SAMPLE", 0.001)
+    monkeypatch.setattr(calibrate, "REPS", 2)
+    ran: list[str] = []
+    real = calibrate._best_ratio
+
+    def spy(native, torch_fn):
+        ran.append("pair")
+        return real(native, torch_fn)
+
+    monkeypatch.setattr(calibrate, "_best_ratio", spy)
+    files: dict[tuple, object] = {}
+    monkeypatch.setattr(calibrate, "_cache_file", lambda key: files.setdefault(key, None))
+    speed = calibrate.speed(torch.float32, bias=True)
+    assert speed.source == "measured", speed
+    assert 0 < speed.forward < 100 and 0 < speed.backward < 100
+    assert ran == ["pair", "pair"]
+    assert [key[-2] for key in files] == ["float32-bias"]
+    assert calibrate.speed(torch.float32, bias=True) is speed  # once

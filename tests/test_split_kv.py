@@ -108,7 +108,9 @@ def test_auto_sends_long_decode_steps_to_the_kernel(monkeypatch):
 
     monkeypatch.delenv("ATTNKIT_NATIVE_SPEED", raising=False)
     monkeypatch.setattr(
-        calibrate, "speed", lambda dtype=None, keys=None: calibrate.Speed(0.5, 0.5, "measured")
+        calibrate,
+        "speed",
+        lambda dtype=None, keys=None, bias=False: calibrate.Speed(0.5, 0.5, "measured"),
     )
     seen: list[tuple] = []
     original = native.forward

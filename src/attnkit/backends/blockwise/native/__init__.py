@@ -237,14 +237,20 @@ def why_not(
         # before the calibration, which times a prefill (and measures on its first use).
         return None
     call_dtype = call_dtype or dtype
-    speed = calibrate.speed(call_dtype, plan.s)  # dense: torch's runs them too
+    # dense: torch's runs them too (a relative bias on its tiles: measured apart)
+    speed = calibrate.speed(call_dtype, plan.s, bias=plan.score_mod is not None)
     ok, ratio = (
         (speed.backward_ok, speed.backward) if with_backward else (speed.forward_ok, speed.forward)
     )
     slower = (
         None
         if ok
-        else _slower("forward+backward" if with_backward else "forward", ratio, speed.tokens)
+        else _slower(
+            "forward+backward" if with_backward else "forward",
+            ratio,
+            speed.tokens,
+            plan.score_mod is not None,
+        )
     )
     if speed.source == calibrate.FORCED:  # ATTNKIT_NATIVE_SPEED decides alone
         return slower
@@ -363,7 +369,8 @@ def _dense(plan: TilePlan) -> bool:
     """A plan with nothing to skip but the causal triangle, which torch's kernel runs as
     well: no mask, window or block mask, and no score_mod but a relative bias (ALiBi: its
     bias rows are added to torch's tiles; on the AVX2 build a bf16 ALiBi forward ran 1.27x
-    slower natively than there, as dense bf16 plans do)."""
+    slower natively than there, as dense bf16 plans do; its speed is measured apart,
+    :func:`.calibrate.speed` with ``bias``)."""
     mod = plan.score_mod
     return (
         plan.mask is None
@@ -373,9 +380,11 @@ def _dense(plan: TilePlan) -> bool:
     )
 
 
-def _slower(direction: str, ratio: float, tokens: int) -> str:
+def _slower(direction: str, ratio: float, tokens: int, bias: bool = False) -> str:
+    plans = f"dense {direction} plans" + (" with a relative bias" if bias else "")
+    against = "torch's kernel on tiles" if bias else "torch's kernel"
     return (
-        f"slower than torch's kernel on this machine for dense {direction} plans, or within "
+        f"slower than {against} on this machine for {plans}, or within "
         f"{calibrate.TIE:.0%} of it ({ratio:.2f}x at {tokens} tokens, measured once: see "
         "native.calibrate)"
     )

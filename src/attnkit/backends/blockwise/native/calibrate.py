@@ -7,8 +7,11 @@ a speed it has not seen here. On first use for a dtype, each build times itself 
 (B=1, H=4, T=1024, d=64, in that dtype, this process's thread count), forward and
 forward+backward, and keeps the two ratios (:class:`Speed`). Dense calls against more
 than 2048 keys are decided by a second such measurement at :data:`LONG_TOKENS`, made on
-the first of them. A call that records a backward is judged by the forward+backward
-ratio (its whole cost), one without by the forward's.
+the first of them. Plans whose only score_mod is a relative bias (ALiBi) are decided by
+measurements of their own, the same case with ALiBi against the ``blockwise-flash``
+backend (what runs them without the native kernel: torch's kernel on tiles, the bias
+added to each), not against SDPA. A call that records a backward is judged by the
+forward+backward ratio (its whole cost), one without by the forward's.
 
 The measurement is made to be the same in every run on one machine: each sample repeats
 a call until it lasts at least :data:`MIN_SAMPLE` seconds (one 3 ms call is mostly the
@@ -105,34 +108,37 @@ def forced() -> Speed | None:
     return Speed(ratio, ratio, FORCED)
 
 
-def speed(dtype: torch.dtype = torch.float32, keys: int | None = None) -> Speed:
+def speed(dtype: torch.dtype = torch.float32, keys: int | None = None, bias: bool = False) -> Speed:
     """This machine's :class:`Speed` for the loaded build on dense calls of ``dtype``
     against ``keys`` keys (each dtype and length class measured on its first use: torch's
     bf16 kernel and ours differ from fp32 in other ways on each CPU, and long calls from
     short ones). Up to twice :data:`CASE`'s tokens (or ``keys=None``) the measurement at
-    CASE's length decides, above it the one at :data:`LONG_TOKENS`."""
+    CASE's length decides, above it the one at :data:`LONG_TOKENS`. ``bias``: for plans
+    with a relative bias (ALiBi), measured on their own (:func:`_time_case`)."""
     forced_speed = forced()
     if forced_speed is not None:
         return forced_speed
-    key = cache_key(dtype, keys)
+    key = cache_key(dtype, keys, bias)
     with _lock:
         if key not in _cache:
-            _cache[key] = _load_or_measure(key, dtype, key[-1])
+            _cache[key] = _load_or_measure(key, dtype, key[-1], bias)
     return _cache[key]
 
 
-def cache_key(dtype: torch.dtype = torch.float32, keys: int | None = None) -> tuple:
+def cache_key(
+    dtype: torch.dtype = torch.float32, keys: int | None = None, bias: bool = False
+) -> tuple:
     """What a measurement is kept under: the loaded build, torch's version, the thread
     count and the threads the kernel runs on (:func:`.build.pool`), the vector code of
-    torch's kernels, the dtype and the measured length (last) that decides calls against
-    ``keys`` keys."""
+    torch's kernels, the dtype (with ``-bias`` for the relative-bias case) and the
+    measured length (last) that decides calls against ``keys`` keys."""
     tokens = CASE[2] if keys is None or keys <= 2 * CASE[2] else LONG_TOKENS
     return (
         build.status(),
         torch.__version__,
         f"{torch.get_num_threads()}t-{build.pool()}",
         str(torch.backends.cpu.get_cpu_capability()),
-        str(dtype).removeprefix("torch."),
+        str(dtype).removeprefix("torch.") + ("-bias" if bias else ""),
         tokens,
     )
 
@@ -150,7 +156,7 @@ def _cache_file(key: tuple) -> Path | None:
     return library.with_name(name)
 
 
-def _load_or_measure(key: tuple, dtype: torch.dtype, tokens: int) -> Speed:
+def _load_or_measure(key: tuple, dtype: torch.dtype, tokens: int, bias: bool = False) -> Speed:
     path = _cache_file(key)
     if path is not None:
         try:
@@ -158,7 +164,7 @@ def _load_or_measure(key: tuple, dtype: torch.dtype, tokens: int) -> Speed:
             return Speed(float(data["forward"]), float(data["backward"]), "cached", tokens)
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    measured = _measure(dtype, tokens)
+    measured = _measure(dtype, tokens, bias)
     if path is not None and measured.source == "measured":  # a failure is not kept
         with contextlib.suppress(OSError):
             build._write_atomic(path, json.dumps(asdict(measured)))
@@ -199,7 +205,9 @@ def _best_ratio(native, torch_fn) -> float:
     return min(ours) / max(min(theirs), 1e-9)
 
 
-def _measure(dtype: torch.dtype = torch.float32, tokens: int | None = None) -> Speed:
+def _measure(
+    dtype: torch.dtype = torch.float32, tokens: int | None = None, bias: bool = False
+) -> Speed:
     """Time the case; a measurement that fails for any reason counts as "slower" (torch's
     kernel keeps dense plans), never as an error in the call that triggered it."""
     _measuring.on = True
@@ -207,7 +215,7 @@ def _measure(dtype: torch.dtype = torch.float32, tokens: int | None = None) -> S
         # The first dense call may come from inside no_grad() or inference_mode(): measure
         # in a context of our own, with gradients on for the backward.
         with torch.inference_mode(False), torch.enable_grad():
-            forward, backward = _time_case(dtype, tokens or CASE[2])
+            forward, backward = _time_case(dtype, tokens or CASE[2], bias=bias)
     except Exception as err:  # any failure: the safe answer, and why
         return Speed(2.0, 2.0, f"measurement failed ({type(err).__name__}: {err})", tokens or 0)
     finally:
@@ -215,25 +223,45 @@ def _measure(dtype: torch.dtype = torch.float32, tokens: int | None = None) -> S
     return Speed(round(forward, 3), round(backward, 3), "measured", tokens or CASE[2])
 
 
-def _time_case(dtype: torch.dtype = torch.float32, t: int | None = None) -> tuple[float, float]:
-    from attnkit.attention import attention  # (the core imports the backends)
+def _time_case(
+    dtype: torch.dtype = torch.float32, t: int | None = None, bias: bool = False
+) -> tuple[float, float]:
+    """(forward, forward+backward) ratios of native over torch's time on :data:`CASE`
+    (``t`` tokens). ``bias``: with ALiBi, against what runs it without the native kernel
+    (the ``blockwise-flash`` backend: torch's fused kernel on tiles, the bias added to
+    each), whose cost is not SDPA's: on the Sapphire Rapids-class Xeon of session 26, SDPA
+    ran causal bf16 on AMX while a bf16 ALiBi plan through torch's tiles took 1.3-3.5x the
+    native kernel's time, so SDPA's speed said nothing about it."""
+    from attnkit import masks  # (the core imports the backends)
+    from attnkit.attention import attention
 
     b, h, t_case, d = CASE
     t = t or t_case
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(b, h, t, d, generator=g).to(dtype) for _ in range(3))
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    kwargs: dict = {"causal": True}
+    if bias:
+        kwargs["score_mod"] = masks.alibi(h)
+
+        def theirs(q, k, v):
+            return attention(q, k, v, backend="blockwise-flash", **kwargs)
+    else:
+
+        def theirs(q, k, v):
+            return sdpa(q, k, v, is_causal=True)
+
     with torch.no_grad():
         forward = _best_ratio(
-            lambda: attention(q, k, v, causal=True, backend="blockwise"),
-            lambda: sdpa(q, k, v, is_causal=True),
+            lambda: attention(q, k, v, backend="blockwise", **kwargs),
+            lambda: theirs(q, k, v),
         )
     qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
 
     def native_step():
-        attention(qg, kg, vg, causal=True, backend="blockwise").sum().backward()
+        attention(qg, kg, vg, backend="blockwise", **kwargs).sum().backward()
 
     def torch_step():
-        sdpa(qg, kg, vg, is_causal=True).sum().backward()
+        theirs(qg, kg, vg).sum().backward()
 
     return forward, _best_ratio(native_step, torch_step)
