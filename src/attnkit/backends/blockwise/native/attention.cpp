@@ -1666,16 +1666,21 @@ void forward_heads(const Args &a, int64_t b, int64_t h0, int64_t h1, int64_t i0,
 // Backward
 // ---------------------------------------------------------------------------------------
 
-// bf16 rows (bq rows of KC), their transposes in pairs of rows (KC rows of bq rounded up
-// to even) and Q, dO of a block in pairs of rows: what a bf16 backward's products read.
+// bf16 rows (bq rows of KC), their transposes in pairs of rows (KC rows of `pairs` pairs:
+// bq rounded up to even, halved, then up to a multiple of 8 for simd::transpose8) and Q,
+// dO of a block in pairs of rows: what a bf16 backward's products read. `words`: a chunk's
+// pairs of rows side by side, before their transpose.
 struct BackPairs {
-  int64_t np = 0;  // rows of a block rounded up to even
+  int64_t pairs = 0;  // 32-bit words (pairs of rows) a row of pt16 and dst16 holds
   std::vector<uint16_t> p16, ds16, pt16, dst16, q2, do2;
+  std::vector<float> words;
   BackPairs(const Args &a) {
     if (a.dtype != DT_BF16) return;
-    np = (a.bq + 1) & ~int64_t(1);
-    p16.resize(a.bq * KC), ds16.resize(a.bq * KC), pt16.resize(KC * np);
-    dst16.resize(KC * np), q2.resize(np * a.D), do2.resize(np * a.DV);
+    const int64_t np = (a.bq + 1) & ~int64_t(1);
+    pairs = (np / 2 + 7) & ~int64_t(7);
+    p16.resize(a.bq * KC), ds16.resize(a.bq * KC), pt16.resize(KC * 2 * pairs);
+    dst16.resize(KC * 2 * pairs), q2.resize(np * a.D), do2.resize(np * a.DV);
+    words.resize(pairs * KC);
   }
 };
 
@@ -1766,24 +1771,39 @@ void products_bf16(const Args &a, const Grads &g, const BackOperands &ops, int64
       simd::store_bf16(x.p16.data() + r * KC + W * vv, simd::load(w.p.data() + at));
       simd::store_bf16(x.ds16.data() + r * KC + W * vv, simd::load(w.ds.data() + at));
     }
-  for (int64_t j = c.lo; j < c.hi; ++j)  // (key j, rows r, r + 1) side by side; 0 past nr
-    for (int64_t r = 0; r < np; ++r) {
-      x.pt16[j * np + r] = r < nr ? x.p16[r * KC + j] : uint16_t(0);
-      x.dst16[j * np + r] = r < nr ? x.ds16[r * KC + j] : uint16_t(0);
+  // (feature "pairs8") P and dS transposed in pairs of rows: x.words holds the chunk's
+  // rows side by side (pair q = rows 2q, 2q + 1: a word for each key, 0 past nr; pairs past
+  // the last all 0), and simd::transpose8 takes the words of keys [lo, hi) to key rows.
+  // Element by element this took more time than all five products on AMX tiles.
+  const int64_t half = np / 2, stride = x.pairs;
+  float *words = x.words.data();
+  auto transposed = [&](uint16_t *dst, const uint16_t *rows) {
+    for (int64_t q = 0; q < half; ++q)
+      simd::interleave_bf16(reinterpret_cast<uint16_t *>(words + q * KC), rows + 2 * q * KC,
+                            2 * q + 1 < nr ? rows + (2 * q + 1) * KC : nullptr, KC);
+    const float *from[8];
+    for (int64_t q0 = 0; q0 < half; q0 += 8) {
+      for (int i = 0; i < 8; ++i) from[i] = words + (q0 + i) * KC;
+      for (int64_t j0 = c.lo & ~int64_t(7); j0 < c.hi; j0 += 8)
+        simd::transpose8(from, j0, reinterpret_cast<float *>(dst) + j0 * stride + q0, stride);
     }
-  auto row_pairs = [&](uint16_t *dst, const uint16_t *src, int64_t stride, int64_t depth) {
-    for (int64_t r = 0; r < np; ++r)
-      for (int64_t d = 0; d < depth; ++d)
-        dst[((r / 2) * depth + d) * 2 + r % 2] = r < nr ? src[(i0 + c.r0 + r) * stride + d] : 0;
   };
-  row_pairs(x.q2.data(), q16, a.sq_t, a.D);
-  row_pairs(x.do2.data(), do16, a.DV, a.DV);
+  std::fill(words + half * KC, words + stride * KC, 0.0f);
+  transposed(x.pt16.data(), x.p16.data());
+  transposed(x.dst16.data(), x.ds16.data());
+  auto row_pairs = [&](uint16_t *dst, const uint16_t *src, int64_t at, int64_t depth) {
+    for (int64_t q = 0; q < half; ++q)
+      simd::interleave_bf16(dst + 2 * q * depth, src + (2 * q) * at,
+                            2 * q + 1 < nr ? src + (2 * q + 1) * at : nullptr, depth);
+  };
+  row_pairs(x.q2.data(), q16 + (i0 + c.r0) * a.sq_t, a.sq_t, a.D);
+  row_pairs(x.do2.data(), do16 + (i0 + c.r0) * a.DV, a.DV, a.DV);
   const int64_t nk = c.hi - c.lo;
   // dV[j] += sum_r P[r][j] dO[r], dK[j] += sum_r dS[r][j] Q[r]
-  gemm_bf16<true>(w.dv.data() + c.lo * a.DV, a.DV, nk, a.DV, x.pt16.data() + c.lo * np,
-                        np, x.do2.data(), 2 * a.DV, np / 2, nullptr);
-  gemm_bf16<true>(w.dk.data() + c.lo * a.D, a.D, nk, a.D, x.dst16.data() + c.lo * np,
-                        np, x.q2.data(), 2 * a.D, np / 2, nullptr);
+  gemm_bf16<true>(w.dv.data() + c.lo * a.DV, a.DV, nk, a.DV, x.pt16.data() + c.lo * 2 * stride,
+                  2 * stride, x.do2.data(), 2 * a.DV, half, nullptr);
+  gemm_bf16<true>(w.dk.data() + c.lo * a.D, a.D, nk, a.D, x.dst16.data() + c.lo * 2 * stride,
+                  2 * stride, x.q2.data(), 2 * a.D, half, nullptr);
   // dQ[r] += sum_j dS[r][j] K[j], over whole pairs of keys (dS is 0 outside [lo, hi))
   const int64_t lo = c.lo & ~int64_t(1), hi = (c.hi + 1) & ~int64_t(1);
   gemm_bf16<true>(dqh + (i0 + c.r0) * a.D, a.D, nr, a.D, x.ds16.data() + lo, KC,

@@ -605,6 +605,26 @@ inline vf dot_bf16(vf acc, const uint16_t *a, const uint16_t *b) {
 inline void store_bf16(uint16_t *dst, vf x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i *>(dst), (__m256i)_mm512_cvtneps_pbh((__m512)x));
 }
+
+// Two rows of n bf16 (n a multiple of 16; b null: a row of zeros) side by side in pairs:
+// dst[2 d] = a[d], dst[2 d + 1] = b[d] (the layout the bf16 products read pairs in), 32
+// at a time by one two-source permute.
+inline void interleave_bf16(uint16_t *dst, const uint16_t *a, const uint16_t *b, int64_t n) {
+  alignas(64) static const uint16_t order[2][32] = {
+      {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+       8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+      {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+       24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+  const __m512i lo = _mm512_load_si512(order[0]), hi = _mm512_load_si512(order[1]);
+  for (int64_t d = 0; d < n; d += 32) {
+    const bool whole = n - d >= 32;
+    const __mmask32 m = whole ? ~__mmask32(0) : __mmask32(0xFFFF);
+    const __m512i x = _mm512_maskz_loadu_epi16(m, a + d);
+    const __m512i y = b ? _mm512_maskz_loadu_epi16(m, b + d) : _mm512_setzero_si512();
+    _mm512_storeu_si512(dst + 2 * d, _mm512_permutex2var_epi16(x, lo, y));
+    if (whole) _mm512_storeu_si512(dst + 2 * d + 32, _mm512_permutex2var_epi16(x, hi, y));
+  }
+}
 #endif
 
 // dst[d * ds + j] = rows[j][d0 + d] for j, d < 8: eight keys' dims d0 .. d0 + 8 into eight
