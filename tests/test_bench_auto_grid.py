@@ -61,15 +61,29 @@ def test_the_grid_reports_ratio_spread_and_what_auto_ran():
 
 
 def test_held_env_holds_torch_below_its_own_width(monkeypatch):
+    from attnkit.backends.blockwise.native import build
+
     monkeypatch.setattr(isa_env, "torch_capability", lambda: "AVX512")
+    monkeypatch.setattr(build, "host_isas", lambda: ["avx512", "avx2"])
     assert isa_env.held_env("avx2") == {
         "ATEN_CPU_CAPABILITY": "avx2",
         "ONEDNN_MAX_CPU_ISA": "AVX2",
         "MKL_ENABLE_INSTRUCTIONS": "AVX2",
     }
-    assert isa_env.held_env("avx512") is None  # torch's own width: nothing to hold
+    assert isa_env.held_env("avx512") is None  # the machine's best: nothing to hold
+    # on an AMX machine the lower AVX-512 builds hold oneDNN and MKL below AMX (and bf16)
+    monkeypatch.setattr(build, "host_isas", lambda: ["avx512-amx", "avx512-bf16", "avx512"])
+    assert isa_env.held_env("avx512-amx") is None
+    assert isa_env.held_env("avx512-bf16") == {
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512_E3",
+    }
+    assert isa_env.held_env("avx512")["ONEDNN_MAX_CPU_ISA"] == "AVX512_CORE_VNNI"
     monkeypatch.setattr(isa_env, "torch_capability", lambda: "AVX2")
     assert isa_env.held_env("avx2") is None  # already held (the child itself)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    assert isa_env.torch_libraries() == "oneDNN up to AVX2"
 
 
 def test_a_held_build_runs_in_a_child_with_torch_held(monkeypatch):
@@ -120,7 +134,14 @@ def test_the_quick_bench_of_a_held_build_runs_for_real():
         pytest.skip("no build narrower than torch's kernels on this CPU")
     result = native_kernel.run(quick=True, reps=1, isas=[isa])
     rows = result["builds"][isa]
-    assert rows["torch"].lower() == isa, rows.get("status")
+    held = isa_env.held_env(isa) or {}
+    want = held.get("ATEN_CPU_CAPABILITY", isa_env.torch_capability().lower())
+    assert rows["torch"].lower() == want, rows.get("status")
+    assert rows["libraries"] == ", ".join(
+        f"{lib} up to {held[var]}"
+        for var, lib in (("ONEDNN_MAX_CPU_ISA", "oneDNN"), ("MKL_ENABLE_INSTRUCTIONS", "MKL"))
+        if var in held
+    )
     assert len(rows["grid"]) == len(auto_grid.PATTERNS) * 2 * 2 * 2
     assert f"## {isa}" in native_kernel.markdown(result)
 

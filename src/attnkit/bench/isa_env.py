@@ -20,13 +20,25 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["CHILD", "HELD", "held_env", "in_held_child", "torch_capability"]
+__all__ = ["CHILD", "HELD", "held_env", "in_held_child", "torch_capability", "torch_libraries"]
 
 #: Set in a held child's environment (a child never starts another).
 CHILD = "ATTNKIT_BENCH_HELD_CHILD"
 
 #: The environment that holds torch (ATen, oneDNN, MKL) to each build's instruction set.
+#: The AVX-512 builds below the host's best keep ATen's AVX-512 code and hold oneDNN and
+#: MKL (whose bf16 products run on AMX tiles where the CPU has them: on the AMX Xeon of
+#: session 26 a bf16 matmul took 7.8 ms, 87 ms held to AVX512_CORE_BF16, and SDPA's bf16
+#: causal forward 4.3 ms, 16.5 ms with MKL held to AVX512_E3 as well).
 HELD: dict[str, dict[str, str]] = {
+    "avx512-bf16": {  # AVX-512 with bf16 dot products, no AMX (Zen 4, Cooper Lake)
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512_E3",
+    },
+    "avx512": {  # AVX-512 with int8 dot products only (Cascade Lake, Ice Lake)
+        "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI",
+        "MKL_ENABLE_INSTRUCTIONS": "AVX512_E1",
+    },
     "avx2": {
         "ATEN_CPU_CAPABILITY": "avx2",
         "ONEDNN_MAX_CPU_ISA": "AVX2",
@@ -40,14 +52,29 @@ def torch_capability() -> str:
     return str(torch.backends.cpu.get_cpu_capability())
 
 
+def torch_libraries() -> str:
+    """How this process holds oneDNN and MKL (``"oneDNN up to AVX512_CORE_BF16, MKL up to
+    AVX512_E3"``), or ``""`` where they run at the CPU's own level."""
+    names = {"ONEDNN_MAX_CPU_ISA": "oneDNN", "MKL_ENABLE_INSTRUCTIONS": "MKL"}
+    return ", ".join(
+        f"{lib} up to {os.environ[var]}" for var, lib in names.items() if var in os.environ
+    )
+
+
 def held_env(isa: str) -> dict[str, str] | None:
     """The variables that hold torch to ``isa``, or None where this process already runs
-    torch at that level (or no holding is known for ``isa``: the build's own width is
-    torch's, e.g. the best build of the machine)."""
+    torch at that level (or no holding is known for ``isa``), or where ``isa`` is the
+    machine's best build (torch then runs at its own level)."""
+    from attnkit.backends.blockwise.native import build  # (the bench's view of the CPU)
+
     env = HELD.get(isa)
-    if env is None or torch_capability().lower() == isa:
+    if env is None or build.host_isas()[:1] == [isa]:
         return None
-    return dict(env)
+    if "ATEN_CPU_CAPABILITY" in env:  # held already: ATen runs at that level
+        held = torch_capability().lower() == env["ATEN_CPU_CAPABILITY"]
+    else:  # ... or oneDNN is held there
+        held = os.environ.get("ONEDNN_MAX_CPU_ISA") == env["ONEDNN_MAX_CPU_ISA"]
+    return None if held else dict(env)
 
 
 def in_held_child(module: str, isa: str, held: dict[str, str], args: list[str]) -> dict:

@@ -40,7 +40,7 @@ from attnkit import attention
 from attnkit.backends.blockwise import native
 from attnkit.backends.blockwise.native import build
 from attnkit.bench.auto_grid import SHAPE, env, grid, inputs, markdown_rows, step
-from attnkit.bench.isa_env import CHILD, held_env, in_held_child, torch_capability
+from attnkit.bench.isa_env import CHILD, held_env, in_held_child, torch_capability, torch_libraries
 from attnkit.bench.timing import interleaved, paired_ratio, spread
 
 #: Set in a held child's environment.
@@ -162,6 +162,7 @@ def _build_rows(quick: bool, reps: int, t: int) -> dict:
     return {
         "status": status,
         "torch": torch_capability(),  # the vector code of torch's kernels beside this build
+        "libraries": torch_libraries(),  # ... and how its oneDNN and MKL are held, if they are
         "peak": peak,
         "causal": causal_rows(t, reps, peak_all, min_sample),
         "grid": grid(sizes, ("fp32", "bf16"), reps, min_sample, peak_all),
@@ -185,7 +186,8 @@ def markdown(result: dict) -> str:
         if "peak" not in b:
             continue
         if "torch" in b:
-            lines += [f"torch's kernels beside it: {b['torch']}", ""]
+            held = f" ({b['libraries']})" if b.get("libraries") else ""
+            lines += [f"torch's kernels beside it: {b['torch']}{held}", ""]
         lines += ["| threads | fp32 FMA peak (GFLOP/s) | copy bandwidth (GB/s) |", "|---|---|---|"]
         for name, p in b["peak"].items():
             lines.append(f"| {name} | {p['fp32_gflops']:.1f} | {p['copy_gbps']:.1f} |")
