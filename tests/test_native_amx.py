@@ -33,9 +33,14 @@ def test_the_amx_build_needs_the_cpu_flags_and_linux_permission(monkeypatch):
     monkeypatch.setattr(build.platform, "system", lambda: "Linux")
     monkeypatch.setattr(build.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(build, "_cpu_flags", lambda: frozenset(flags))
-    for granted, first in ((True, "avx512-amx"), (False, "avx512-bf16")):
+    for granted, compiles, first in (
+        (True, True, "avx512-amx"),
+        (False, True, "avx512-bf16"),  # Linux refuses the tiles
+        (True, False, "avx512-bf16"),  # a compiler without AMX (GCC before 11)
+    ):
         build._host_isas.cache_clear()
         monkeypatch.setattr(build, "_amx_permitted", lambda granted=granted: granted)
+        monkeypatch.setattr(build, "_compiles", lambda isa, compiles=compiles: compiles)
         try:
             assert build.host_isas()[0] == first
         finally:
@@ -46,6 +51,16 @@ def test_the_amx_build_needs_the_cpu_flags_and_linux_permission(monkeypatch):
         assert "avx512-amx" not in build.host_isas()  # no AMX: never offered
     finally:
         build._host_isas.cache_clear()
+
+
+def test_the_compiler_check_runs_the_compiler(monkeypatch, tmp_path):
+    """_compiles asks the compiler with the build's flags: a compiler refusing them (a
+    stand-in script that fails on -mamx-tile) leaves the build out."""
+    fake = tmp_path / "old-g++"
+    fake.write_text('#!/bin/sh\ncase "$*" in *-mamx-tile*) exit 1;; esac\nexit 0\n')
+    fake.chmod(0o755)
+    monkeypatch.setattr(build, "_compiler", lambda: ([str(fake)], "g++ (old) 10.2"))
+    assert not build._compiles("avx512-amx") and build._compiles("avx512-bf16")
 
 
 @needs_amx

@@ -132,9 +132,26 @@ def _host_isas() -> tuple[str, ...]:
         return ()
     flags = _cpu_flags()
     isas = tuple(isa for isa, needs in _NEEDS.items() if needs <= flags)
-    if "avx512-amx" in isas and not _amx_permitted():
+    if "avx512-amx" in isas and not (_amx_permitted() and _compiles("avx512-amx")):
         isas = tuple(isa for isa in isas if isa != "avx512-amx")
     return isas
+
+
+def _compiles(isa: str) -> bool:
+    """Whether the C++ compiler takes ``isa``'s flags (GCC before 11 has no AMX): a CPU
+    with AMX and an older compiler runs the avx512-bf16 build, not none. True where there
+    is no compiler at all (that reason is :func:`status`'s)."""
+    compiler = _compiler()
+    if compiler is None:
+        return True
+    try:
+        run = subprocess.run(
+            [*compiler[0], *ISA_FLAGS[isa], "-x", "c++", "-E", "-o", os.devnull, os.devnull],
+            capture_output=True, timeout=60,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return run.returncode == 0
 
 
 #: Linux's arch_prctl system call on x86-64, and its request for the AMX tile data state.
