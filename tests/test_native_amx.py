@@ -9,8 +9,6 @@ left out: where Linux refuses the tiles, and on any CPU without them.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,7 +16,7 @@ import torch.nn.functional as F
 from attnkit import attention
 from attnkit.backends.blockwise import native
 from attnkit.backends.blockwise.native import build
-from tests.reference import ref_attention_lse
+from tests.reference import plain_attention, ref_attention_lse
 
 AMX = "avx512-amx" in build.host_isas()
 needs_amx = pytest.mark.skipif(not AMX, reason="this CPU (or its Linux) runs no avx512-amx build")
@@ -76,23 +74,23 @@ def _inputs(b, h, h_kv, t, s, d, seed):
     return q, k, v
 
 
-def _errors(isa, q, k, v, causal, window, g_out):
-    """Max error of out, dq, dk, dv against float64 (of the same bf16 inputs), on ``isa``."""
-    os.environ["ATTNKIT_NATIVE_ISA"] = isa
-    assert native.isa() == isa and native.bf16()
-    qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-    out = attention(qg, kg, vg, causal=causal, window=window, backend="blockwise")
-    out.backward(g_out)
-    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
-    t, s = q.shape[-2], k.shape[-2]
+def _keep(t, s, causal, window):
+    """Which keys each query keeps (bottom-right aligned, as attention()'s causal)."""
     i, j = torch.arange(t).view(-1, 1) + (s - t), torch.arange(s).view(1, -1)
     keep = (j <= i) if causal else torch.ones(t, s, dtype=torch.bool)
-    if window is not None:
-        keep = keep & (i - j < window)
-    ref, _ = ref_attention_lse(qr, kr, vr, keep=keep)
+    return keep if window is None else keep & (i - j < window)
+
+
+def _errors(fn, q, k, v, keep, g_out):
+    """Max error of out, dq, dk, dv of ``fn(q, k, v)`` (bf16 autograd) against float64."""
+    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    fn(*xs).backward(g_out)
+    rs = [x.double().requires_grad_() for x in (q, k, v)]
+    ref, _ = ref_attention_lse(*rs, keep=keep)
     ref.backward(g_out.double())
-    pairs = ((out, ref), (qg.grad, qr.grad), (kg.grad, kr.grad), (vg.grad, vr.grad))
-    return [(a.double() - r.detach()).abs().max().item() for a, r in pairs]
+    got = [fn(q, k, v), *(x.grad for x in xs)]  # (the output again: same inputs, same bits)
+    want = [ref.detach(), *(r.grad for r in rs)]
+    return [(a.double() - b).abs().max().item() for a, b in zip(got, want, strict=True)]
 
 
 @needs_amx
@@ -105,42 +103,26 @@ def _errors(isa, q, k, v, causal, window, g_out):
         (1, 2, 2, 400, 400, 48, True, 100),  # a window: short rows, pairs past 16 (d=48)
     ],
 )  # fmt: skip
-def test_amx_matches_float64_and_the_avx512_bf16_build(b, h, h_kv, t, s, d, causal, window):
+def test_amx_matches_float64_and_the_avx512_bf16_build(
+    monkeypatch, b, h, h_kv, t, s, d, causal, window
+):
     """bf16 forward and backward on AMX tiles against float64, within 2x plain bf16 math's
-    error (flash-attn's rule, plus a floor of bf16's rounding of the result) and within
-    the same bound as the vdpbf16ps build on the same inputs."""
+    error (flash-attn's rule, plus a floor of bf16's rounding of the result), as the
+    vdpbf16ps build is on the same inputs."""
     q, k, v = _inputs(b, h, h_kv, t, s, d, seed=t + d)
     g_out = torch.randn(b, h, t, d, generator=torch.Generator().manual_seed(1)).bfloat16()
-    before = os.environ.get("ATTNKIT_NATIVE_ISA")
-    try:
-        amx = _errors("avx512-amx", q, k, v, causal, window, g_out)
-        vnni = _errors("avx512-bf16", q, k, v, causal, window, g_out)
-    finally:
-        if before is None:
-            os.environ.pop("ATTNKIT_NATIVE_ISA", None)
-        else:
-            os.environ["ATTNKIT_NATIVE_ISA"] = before
-    # plain bf16 math (SDPA's math path in bf16) on the same inputs: the yardstick
-    qp, kp, vp = (x.clone().requires_grad_() for x in (q, k, v))
-    t_, s_ = q.shape[-2], k.shape[-2]
-    i, j = torch.arange(t_).view(-1, 1) + (s_ - t_), torch.arange(s_).view(1, -1)
-    keep = (j <= i) if causal else torch.ones(t_, s_, dtype=torch.bool)
-    if window is not None:
-        keep = keep & (i - j < window)
-    kx, vx = (x.repeat_interleave(h // h_kv, 1) for x in (kp, vp))
-    plain = F.scaled_dot_product_attention(qp, kx, vx, attn_mask=keep)
-    plain.backward(g_out)
-    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
-    ref, _ = ref_attention_lse(qr, kr, vr, keep=keep)
-    ref.backward(g_out.double())
-    pairs = ((plain, ref), (qp.grad, qr.grad), (kp.grad, kr.grad), (vp.grad, vr.grad))
-    base = [(a.double() - r.detach()).abs().max().item() for a, r in pairs]
-    for name, e_amx, e_vnni, e_plain in zip(
-        ("out", "dq", "dk", "dv"), amx, vnni, base, strict=True
-    ):
-        bound = 2 * e_plain + 1e-2
-        assert e_amx <= bound, (name, e_amx, e_plain)
-        assert e_vnni <= bound, (name, e_vnni, e_plain)
+    keep = _keep(t, s, causal, window)
+    base = _errors(lambda q, k, v: plain_attention(q, k, v, keep), q, k, v, keep, g_out)
+    for isa in ("avx512-amx", "avx512-bf16"):
+        monkeypatch.setenv("ATTNKIT_NATIVE_ISA", isa)
+        assert native.isa() == isa and native.bf16()
+
+        def ours(q, k, v):
+            return attention(q, k, v, causal=causal, window=window, backend="blockwise")
+
+        got = _errors(ours, q, k, v, keep, g_out)
+        for name, e, e_plain in zip(("out", "dq", "dk", "dv"), got, base, strict=True):
+            assert e <= 2 * e_plain + 1e-2, (isa, name, e, e_plain)
 
 
 @needs_amx
