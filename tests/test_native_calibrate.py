@@ -363,3 +363,18 @@ def test_the_alibi_case_is_measured_against_torch_on_tiles(uncalibrated, monkeyp
     assert ran == ["pair", "pair"]
     assert [key[-2] for key in files] == ["float32-bias"]
     assert calibrate.speed(torch.float32, bias=True) is speed  # once
+
+
+def test_a_measurement_is_kept_apart_for_each_hold_of_onednn_and_mkl(monkeypatch):
+    """torch's bf16 SDPA runs on AMX tiles through oneDNN and MKL, 4x faster than with them
+    held below AMX: a measurement made under one hold never decides for another (a held
+    benchmark child once reused an unheld measurement and sent bf16 to a 3x slower SDPA)."""
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    free = calibrate.cache_key(torch.bfloat16)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+    onednn = calibrate.cache_key(torch.bfloat16)
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX512_E3")
+    both = calibrate.cache_key(torch.bfloat16)
+    assert len({free, onednn, both}) == 3
+    assert both[3].endswith("+onednn=avx512_core_bf16+mkl=avx512_e3"), both[3]

@@ -22,7 +22,9 @@ at most 3%, while a noisy "faster" could cost more.
 
 The ratios are cached as JSON beside the build (same private directory, keyed by the
 library, torch's version, the vector code torch's own kernels run
-(``torch.backends.cpu.get_cpu_capability()``: ``ATEN_CPU_CAPABILITY`` changes it), the
+(``torch.backends.cpu.get_cpu_capability()``: ``ATEN_CPU_CAPABILITY`` changes it, and
+the levels ``ONEDNN_MAX_CPU_ISA`` and ``MKL_ENABLE_INSTRUCTIONS`` hold oneDNN and MKL to:
+torch's bf16 SDPA runs on AMX tiles through them, 4x faster than held below AMX), the
 thread count, the dtype and the measured length), so the decision is made once per
 machine and is the same in every later process.
 
@@ -137,10 +139,22 @@ def cache_key(
         build.status(),
         torch.__version__,
         f"{torch.get_num_threads()}t-{build.pool()}",
-        str(torch.backends.cpu.get_cpu_capability()),
+        str(torch.backends.cpu.get_cpu_capability()) + _libraries(),
         str(dtype).removeprefix("torch.") + ("-bias" if bias else ""),
         tokens,
     )
+
+
+#: The variables that hold torch's oneDNN and MKL below the CPU's level (read when they load).
+LIBRARY_LEVELS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def _libraries() -> str:
+    """``"+onednn=avx512_core_bf16+mkl=avx512_e3"``-like: where this process holds oneDNN or
+    MKL (a measurement made without the hold says nothing about a process with it, and the
+    other way round); ``""`` where it does not."""
+    held = ((var.split("_")[0].lower(), os.environ.get(var)) for var in LIBRARY_LEVELS)
+    return "".join(f"+{lib}={level.lower()}" for lib, level in held if level)
 
 
 def _cache_file(key: tuple) -> Path | None:
