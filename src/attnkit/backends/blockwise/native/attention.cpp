@@ -29,8 +29,9 @@
 // against their shared keys and each request against its own, merged row by row. A paged
 // decode step walks several heads of a row in one work item, page by page ("page walk").
 //
-// Every product is simd::gemm, one register-tiled micro-kernel (simd::gemm_bf16 for bf16
-// inputs on avx512-bf16 builds: operands packed in pairs, P and dS rounded to bf16,
+// Every product is simd::gemm, one register-tiled micro-kernel (gemm_bf16 for bf16
+// inputs on builds with bf16 products: simd::gemm_bf16's vdpbf16ps on avx512-bf16, AMX
+// tiles on avx512-amx, amx.h; operands packed in pairs, P and dS rounded to bf16,
 // float32 softmax and sums; other builds convert a bf16 forward to float32 once, its keys
 // as they are packed, feature "bf16 read"). Threads come from one persistent pool
 // (rebuilt in a forked child), a call's large buffers from a per-thread cache (feature
@@ -68,6 +69,7 @@ constexpr int KC = 64;        // keys per chunk
 constexpr int NV = KC / W;    // vectors per chunk row
 constexpr int SUPER = 16;     // chunks whose sums are gathered before joining a row's total
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+constexpr int8_t EMPTY = 0, PARTIAL = 1, FULL = 2;  // attnkit.block_mask's kinds
 
 #if defined(ATTNKIT_BF16)
 // Every bf16 product (simd::gemm_bf16's arguments): on AMX tiles on the avx512-amx build
@@ -90,7 +92,6 @@ using TileScope = amx::Scope;
 #else
 struct TileScope {};
 #endif
-constexpr int8_t EMPTY = 0, PARTIAL = 1, FULL = 2;  // attnkit.block_mask's kinds
 
 // Bumped whenever Args, Grads or the exported functions change; native/__init__.py checks
 // it and the sizes at load.
@@ -1492,8 +1493,8 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       const int64_t split = chunk_scores(a, c, i0, w, [&](int64_t r0, int64_t r1, int64_t cols,
                                                           float *row_max) {
         return gemm_bf16<false>(w.s.data() + r0 * KC, KC, r1 - r0, cols,
-                                      q16 + (i0 + r0) * a.sq_t, a.sq_t, kp, 2 * KC, a.D / 2,
-                                      nullptr, row_max);
+                                q16 + (i0 + r0) * a.sq_t, a.sq_t, kp, 2 * KC, a.D / 2,
+                                nullptr, row_max);
       });
       softmax(a, b, h, i0, c, w);
       // P V over whole pairs of keys: the weights outside [lo, hi) are 0
@@ -1502,7 +1503,7 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
         hi = (hi + 1) & ~int64_t(1);
         const uint16_t *p16 = w.p16.data() + r0 * KC;  // the weights, as softmax left them
         gemm_bf16<true>(w.o_blk.data() + r0 * a.DV, a.DV, r1 - r0, a.DV, p16 + lo, KC,
-                              vp + lo * a.DV, 2 * a.DV, (hi - lo) / 2, w.alpha.data() + r0);
+                        vp + lo * a.DV, 2 * a.DV, (hi - lo) / 2, w.alpha.data() + r0);
       });
       if (++seen % SUPER == 0) block_gather(a, rows, w);
       return;
@@ -1712,10 +1713,10 @@ void weights_and_ds(const Args &a, const Grads &g, const BackOperands &ops, int6
   if (a.dtype == DT_BF16) {
     const uint16_t *q16 = reinterpret_cast<const uint16_t *>(a.q) + b * a.sq_b + h * a.sq_h;
     const uint16_t *do16 = reinterpret_cast<const uint16_t *>(g.dout) + (b * a.H + h) * a.T * a.DV;
-    gemm_bf16<false>(w.p.data() + c.r0 * KC, KC, nr, KC, q16 + (i0 + c.r0) * a.sq_t,
-                           a.sq_t, ops.kp.chunk(a, b, hk, c.ci), 2 * KC, a.D / 2, nullptr);
-    gemm_bf16<false>(w.ds.data() + c.r0 * KC, KC, nr, KC, do16 + (i0 + c.r0) * a.DV,
-                           a.DV, ops.vp.chunk(a, b, hk, c.ci), 2 * KC, a.DV / 2, nullptr);
+    gemm_bf16<false>(w.p.data() + c.r0 * KC, KC, nr, KC, q16 + (i0 + c.r0) * a.sq_t, a.sq_t,
+                     ops.kp.chunk(a, b, hk, c.ci), 2 * KC, a.D / 2, nullptr);
+    gemm_bf16<false>(w.ds.data() + c.r0 * KC, KC, nr, KC, do16 + (i0 + c.r0) * a.DV, a.DV,
+                     ops.vp.chunk(a, b, hk, c.ci), 2 * KC, a.DV / 2, nullptr);
   } else
 #endif
   {
@@ -1807,8 +1808,7 @@ void products_bf16(const Args &a, const Grads &g, const BackOperands &ops, int64
   // dQ[r] += sum_j dS[r][j] K[j], over whole pairs of keys (dS is 0 outside [lo, hi))
   const int64_t lo = c.lo & ~int64_t(1), hi = (c.hi + 1) & ~int64_t(1);
   gemm_bf16<true>(dqh + (i0 + c.r0) * a.D, a.D, nr, a.D, x.ds16.data() + lo, KC,
-                        ops.kj.chunk(a, b, hk, c.ci) + lo * a.D, 2 * a.D, (hi - lo) / 2,
-                        nullptr);
+                  ops.kj.chunk(a, b, hk, c.ci) + lo * a.D, 2 * a.D, (hi - lo) / 2, nullptr);
 }
 #endif
 
