@@ -3,7 +3,8 @@
 A change to ``attention.cpp`` or ``simd.h`` is worth keeping only if it is faster on the
 machine at hand, and a shared machine's noise is larger than most such changes. This
 module builds the kernel from each source directory given (each holding
-``attention.cpp`` and ``simd.h``; the default second one is this checkout's), loads them
+``attention.cpp`` and its headers, ``simd.h`` and ``amx.h``; the default second one is
+this checkout's), loads them
 side by side, and times the same causal call (B=1, H=4, d=64) on each round-robin,
 straight through the C ABI (no Python planning in the timing). With one thread it times
 the calling thread's CPU time, which other processes on the machine do not inflate; with
@@ -13,7 +14,7 @@ Every row also gives the FLOP rate as a share of the build's own FMA probe.
 
 Example (main's kernel against this checkout's, AVX2 build, one thread)::
 
-    mkdir -p /tmp/main-native && for f in attention.cpp simd.h; do
+    mkdir -p /tmp/main-native && for f in attention.cpp simd.h amx.h; do
       git show main:src/attnkit/backends/blockwise/native/$f > /tmp/main-native/$f; done
     python -m attnkit.bench.native_ab /tmp/main-native --isa avx2 --t 4096
 """
@@ -40,7 +41,8 @@ SHAPE = (1, 4, 64)  # (b, h, d)
 def load(source_dir: Path, isa: str, out_dir: Path) -> ctypes.CDLL:
     """The kernel built from ``source_dir`` for ``isa`` as the package builds its own
     (compiler, flags, hash, ABI check), loaded."""
-    text = (source_dir / "attention.cpp").read_bytes() + (source_dir / "simd.h").read_bytes()
+    names = ["attention.cpp", *(h.name for h in build.HEADERS)]
+    text = b"".join((source_dir / name).read_bytes() for name in names)
     target = out_dir / f"{isa}-{hashlib.sha256(text).hexdigest()[:12]}.so"
     compiler = build._compiler()
     if compiler is None:
@@ -130,7 +132,9 @@ def compare(
 def main(argv: list[str] | None = None) -> None:
     """Command line: source directories, then the build, size and threads."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("sources", nargs="+", type=Path, help="directories with attention.cpp")
+    parser.add_argument(
+        "sources", nargs="+", type=Path, help="directories with attention.cpp, simd.h and amx.h"
+    )
     parser.add_argument("--isa", default=build.selected_isa(), choices=sorted(build.ISA_FLAGS))
     parser.add_argument("--t", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=1)
