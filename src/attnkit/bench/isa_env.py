@@ -20,6 +20,9 @@ from pathlib import Path
 
 import torch
 
+from attnkit.backends.blockwise.native import build
+from attnkit.backends.blockwise.native.calibrate import LIBRARY_LEVELS
+
 __all__ = ["CHILD", "HELD", "held_env", "in_held_child", "torch_capability", "torch_libraries"]
 
 #: Set in a held child's environment (a child never starts another).
@@ -55,9 +58,8 @@ def torch_capability() -> str:
 def torch_libraries() -> str:
     """How this process holds oneDNN and MKL (``"oneDNN up to AVX512_CORE_BF16, MKL up to
     AVX512_E3"``), or ``""`` where they run at the CPU's own level."""
-    names = {"ONEDNN_MAX_CPU_ISA": "oneDNN", "MKL_ENABLE_INSTRUCTIONS": "MKL"}
     return ", ".join(
-        f"{lib} up to {os.environ[var]}" for var, lib in names.items() if var in os.environ
+        f"{lib} up to {os.environ[var]}" for var, lib in LIBRARY_LEVELS.items() if var in os.environ
     )
 
 
@@ -65,8 +67,6 @@ def held_env(isa: str) -> dict[str, str] | None:
     """The variables that hold torch to ``isa``, or None where this process already runs
     torch at that level (or no holding is known for ``isa``), or where ``isa`` is the
     machine's best build (torch then runs at its own level)."""
-    from attnkit.backends.blockwise.native import build  # (the bench's view of the CPU)
-
     env = HELD.get(isa)
     if env is None or build.host_isas()[:1] == [isa]:
         return None

@@ -19,11 +19,12 @@ nothing against it (asked once per call, by :mod:`..engines`); otherwise the eng
 torch-kernel paths run. The library is built on first use (:mod:`.build`); where it
 cannot be, nothing changes but speed. float32 arithmetic; bf16 inputs on an avx512-bf16
 or avx512-amx build compute every product with bf16 products (vdpbf16ps, or AMX tiles;
-float32 softmax and sums), forward and backward; other builds read a bf16 forward as it is (a decode step converts keys and
-values as it reads them, any other call converts q to float32 once, inside the kernel,
-its keys as it packs them and its values as the P V product loads them, or once where a
-head has more than one query block) and have a bf16 backward upcast first (:func:`reads_bf16`); float16 is upcast,
-float64 runs on torch's kernel.
+float32 softmax and sums), forward and backward; other builds read a bf16 forward as it
+is (a decode step converts keys and values as it reads them, any other call converts q
+to float32 once, inside the kernel, its keys as it packs them and its values as the P V
+product loads them, or once where a head has more than one query block) and have a bf16
+backward upcast first (:func:`reads_bf16`); float16 is upcast, float64 runs on torch's
+kernel.
 
 A decode step (at most :data:`DIRECT_ROWS` query rows per key/value head, contiguous or
 paged) reads the keys and values where they are (bf16 ones converted as read, products
@@ -140,7 +141,8 @@ def isa() -> str | None:
 
 def bf16() -> bool:
     """Whether the loaded build computes bf16 inputs with bf16 products (AVX512_BF16, and
-    AMX tiles on an avx512-amx build): every product in bf16 with float32 softmax and accumulators, forward and backward."""
+    AMX tiles on an avx512-amx build): every product in bf16 with float32 softmax and
+    accumulators, forward and backward."""
     lib = library()
     return lib is not None and bool(lib.attnkit_bf16())
 
@@ -182,8 +184,8 @@ def why_not(
     one_of_two: bool = False,
 ) -> str | None:
     """Why the kernel cannot run this fused plan (CPU tensors) on the engine's views of
-    ``dtype`` (None when it can): it takes float32 (bf16 on a build with bf16 products), value
-    heads a multiple of 16 wide, causal/window bounds, a block mask, a ``mask`` tensor, a
+    ``dtype`` (None when it can): it takes float32 (bf16 on a build with bf16 products),
+    value heads a multiple of 16 wide, causal/window bounds, a block mask, a ``mask`` tensor, a
     relative bias, and any ``score_mod`` that compiles (:func:`score_mod_program`), not
     under ``torch.compile``. Asked once per call, by :mod:`..engines` (and by
     :mod:`attnkit.paged_attention` with ``paged``: no torch kernel reads paged keys, so the
@@ -237,8 +239,9 @@ def why_not(
         # before the calibration, which times a prefill (and measures on its first use).
         return None
     call_dtype = call_dtype or dtype
+    biased = plan.score_mod is not None  # (a relative bias: dense runs no other score_mod)
     # dense: torch's runs them too (a relative bias on its tiles: measured apart)
-    speed = calibrate.speed(call_dtype, plan.s, bias=plan.score_mod is not None)
+    speed = calibrate.speed(call_dtype, plan.s, bias=biased)
     ok, ratio = (
         (speed.backward_ok, speed.backward) if with_backward else (speed.forward_ok, speed.forward)
     )
@@ -249,7 +252,7 @@ def why_not(
             "forward+backward" if with_backward else "forward",
             ratio,
             speed.tokens,
-            plan.score_mod is not None,
+            biased,
         )
     )
     if speed.source == calibrate.FORCED:  # ATTNKIT_NATIVE_SPEED decides alone

@@ -145,16 +145,17 @@ def cache_key(
     )
 
 
-#: The variables that hold torch's oneDNN and MKL below the CPU's level (read when they load).
-LIBRARY_LEVELS = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+#: The variables that hold torch's oneDNN and MKL below the CPU's level (read when they
+#: load), and the library each holds.
+LIBRARY_LEVELS = {"ONEDNN_MAX_CPU_ISA": "oneDNN", "MKL_ENABLE_INSTRUCTIONS": "MKL"}
 
 
 def _libraries() -> str:
     """``"+onednn=avx512_core_bf16+mkl=avx512_e3"``-like: where this process holds oneDNN or
     MKL (a measurement made without the hold says nothing about a process with it, and the
     other way round); ``""`` where it does not."""
-    held = ((var.split("_")[0].lower(), os.environ.get(var)) for var in LIBRARY_LEVELS)
-    return "".join(f"+{lib}={level.lower()}" for lib, level in held if level)
+    held = ((lib, os.environ.get(var)) for var, lib in LIBRARY_LEVELS.items())
+    return "".join(f"+{lib.lower()}={level.lower()}" for lib, level in held if level)
 
 
 def _cache_file(key: tuple) -> Path | None:
