@@ -3,9 +3,8 @@
 A change to ``attention.cpp`` or ``simd.h`` is worth keeping only if it is faster on the
 machine at hand, and a shared machine's noise is larger than most such changes. This
 module builds the kernel from each source directory given (each holding
-``attention.cpp`` and its headers, ``simd.h`` and ``amx.h``; the default second one is
-this checkout's), loads them
-side by side, and times the same causal call (B=1, H=4, d=64) on each round-robin,
+``attention.cpp`` and its headers, ``simd.h``, ``amx.h`` and ``linear.h``; the default
+second one is this checkout's), loads them side by side, and times the same causal call (B=1, H=4, d=64) on each round-robin,
 straight through the C ABI (no Python planning in the timing). With one thread it times
 the calling thread's CPU time, which other processes on the machine do not inflate; with
 more, every build runs its parallel calls on torch's OpenMP threads, as the package's own
@@ -14,7 +13,7 @@ Every row also gives the FLOP rate as a share of the build's own FMA probe.
 
 Example (main's kernel against this checkout's, AVX2 build, one thread)::
 
-    mkdir -p /tmp/main-native && for f in attention.cpp simd.h amx.h; do
+    mkdir -p /tmp/main-native && for f in attention.cpp simd.h amx.h linear.h; do
       git show main:src/attnkit/backends/blockwise/native/$f > /tmp/main-native/$f; done
     python -m attnkit.bench.native_ab /tmp/main-native --isa avx2 --t 4096
 """
@@ -133,7 +132,10 @@ def main(argv: list[str] | None = None) -> None:
     """Command line: source directories, then the build, size and threads."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "sources", nargs="+", type=Path, help="directories with attention.cpp, simd.h and amx.h"
+        "sources",
+        nargs="+",
+        type=Path,
+        help="directories with attention.cpp and its headers (build.HEADERS)",
     )
     parser.add_argument("--isa", default=build.selected_isa(), choices=sorted(build.ISA_FLAGS))
     parser.add_argument("--t", type=int, default=4096)

@@ -15,8 +15,9 @@ __all__ = ["ABI_VERSION", "CODES", "DT_BF16", "DT_F32", "Args", "Grads", "check"
 
 #: ``ABI_VERSION`` of attention.cpp: bumped whenever ``Args``, ``Grads`` or the exported
 #: functions change (9: ``attnkit_cascade``; 10: ``num_pages``, page ids checked; 11:
-#: ``mask_c0``; 12: ``attnkit_cascade`` gathers the prefix pass's rows from the queries).
-ABI_VERSION = 12
+#: ``mask_c0``; 12: ``attnkit_cascade`` gathers the prefix pass's rows from the queries;
+#: 13: ``attnkit_linear``).
+ABI_VERSION = 13
 
 #: attention.cpp's return codes (``enum Code``) that the binding treats apart.
 OK, BAD_SHAPE, NO_MEMORY, BAD_PAGE = 0, 1, 4, 9
@@ -109,6 +110,8 @@ def typed(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.attnkit_backward.restype = ctypes.c_int
     lib.attnkit_fma_probe.argtypes = [ctypes.c_int64, ctypes.c_int64]
     lib.attnkit_fma_probe.restype = ctypes.c_double
+    lib.attnkit_linear.argtypes = [_P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I]
+    lib.attnkit_linear.restype = ctypes.c_int
     lib.attnkit_use_gomp.argtypes = [ctypes.c_void_p]
     lib.attnkit_use_gomp.restype = None
     if hasattr(lib, "attnkit_reused_bytes"):  # (for the tests; older sources lack it)

@@ -58,6 +58,7 @@
 #include <vector>
 
 #include "amx.h"  // (includes simd.h)
+#include "linear.h"
 
 namespace {
 
@@ -95,7 +96,7 @@ struct TileScope {};
 
 // Bumped whenever Args, Grads or the exported functions change; native/__init__.py checks
 // it and the sizes at load.
-constexpr int64_t ABI_VERSION = 12;
+constexpr int64_t ABI_VERSION = 13;
 
 enum Code : int {
   OK = 0,
@@ -2473,6 +2474,26 @@ ATTNKIT_EXPORT int attnkit_backward(const Args *args, const Grads *grads) {
   if (a.pages) return PAGED_BACKWARD;
   if (a.D % 16) return BAD_HEAD_DIM;
   return guarded([&] { return int(backward_call(a, g)); });
+}
+
+// (feature "skinny linear") y (M, N) = x (M, K) W^T + bias (null: none) for the few rows
+// of a decode step, W (N, K) read once, in place (linear.h); rows of x, W and y at strides
+// ldx, ldw and ldy floats. The outputs are cut into tasks of COLS; each output is one
+// dot product, the same bits on any number of threads.
+ATTNKIT_EXPORT int attnkit_linear(const float *x, int64_t ldx, const float *w, int64_t ldw,
+                                  const float *bias, float *y, int64_t ldy, int64_t M,
+                                  int64_t N, int64_t K, int64_t threads) {
+  if (M <= 0 || N <= 0 || K <= 0 || ldx < K || ldw < K || ldy < N || threads <= 0)
+    return BAD_SHAPE;
+  constexpr int64_t COLS = 16 * linear::NR;  // outputs a task
+  Args a{};
+  a.threads = threads;
+  return guarded([&] {
+    return int(parallel<NoState>(a, (N + COLS - 1) / COLS, [&](NoState &, int64_t it) {
+      const int64_t n0 = it * COLS;
+      linear::columns(x, ldx, w, ldw, bias, y, ldy, M, K, n0, std::min(N, n0 + COLS));
+    }));
+  });
 }
 
 // Bytes the calling thread's cache of call buffers holds (feature "reuse"; for the tests).

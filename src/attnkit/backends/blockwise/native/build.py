@@ -49,7 +49,7 @@ from pathlib import Path
 from attnkit.backends.blockwise.native import abi, threads
 
 SOURCE = Path(__file__).with_name("attention.cpp")
-HEADERS = (Path(__file__).with_name("simd.h"), Path(__file__).with_name("amx.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("simd.h", "amx.h", "linear.h"))
 #: Flags of every build; -ffp-contract=fast lets a * b + c be one FMA under -std=c++17.
 #: -mtune=generic: the register tiles of simd.h are laid out for the code GCC writes under
 #: its generic tuning, and the flag comes after any in ``CXX``, so neither those nor a GCC
