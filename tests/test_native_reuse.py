@@ -53,7 +53,7 @@ def test_reused_buffers_give_each_call_its_first_bits():
 def test_the_calling_thread_keeps_its_buffers_up_to_a_bound():
     """A call's packed keys stay in the calling thread's cache for the next call (no new
     memory, so no page faults: about 340 a call for a bf16 cascade step beside float32
-    ones before); a buffer over the bound (32 MB) is freed, as before."""
+    ones before); a buffer over the bound (80 MB: KEEP in attention.cpp) is freed, as before."""
     lib = native.library()
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(1, 4, 32, 64, generator=gen)  # (GQA: two blocks read each kv head's keys)
@@ -64,7 +64,7 @@ def test_the_calling_thread_keeps_its_buffers_up_to_a_bound():
         assert held >= 2 * 4096 * 64 * 4  # the keys, packed float32
         attention(q, k, v, return_lse=True, backend="blockwise")
         assert lib.attnkit_reused_bytes() == held  # taken and given back, not grown
-        big_k, big_v = (torch.randn(1, 2, 70_000, 64, generator=gen) for _ in range(2))
+        big_k, big_v = (torch.randn(1, 2, 180_000, 64, generator=gen) for _ in range(2))
         out = attention(q, big_k, big_v, return_lse=True, backend="blockwise")[0]
         assert torch.isfinite(out).all()
-        assert lib.attnkit_reused_bytes() <= 32 << 20  # 36 MB of packed keys not kept
+        assert lib.attnkit_reused_bytes() <= 80 << 20  # 92 MB of packed keys not kept

@@ -22,8 +22,9 @@
 // dS = scale P (dP - delta) with delta = rowsum(dO O) - dlse; a task owns a (batch, kv
 // head, key group) and, for each of its key chunks in order, sums dV += P^T dO and
 // dK += dS^T Q over the query heads of its kv head and their blocks, and adds dS K to its
-// group's own dQ partial; the partials are then summed in group order. Groups depend only
-// on the shapes, so every bit of the result is the same for any number of threads.
+// group's own dQ partial (group 0's is dQ itself); the partials are then summed in group
+// order. Groups depend only on the shapes, so every bit of the result is the same for any
+// number of threads.
 //
 // A shared-prefix cascade (attnkit_cascade) is two forward calls, n requests' stacked rows
 // against their shared keys and each request against its own, merged row by row. A paged
@@ -368,7 +369,12 @@ struct NoState {
 // ---------------------------------------------------------------------------------------
 namespace reuse {
 
-constexpr size_t KEEP = size_t(32) << 20;  // bytes a thread keeps between calls
+// KEEP holds a training step's backward at T = 8192 x 4 heads (d = 64): its 7 dQ
+// partials (56 MB) and packed keys and values (8 MB each), which the next step's forward
+// and backward then take again. At 32 MB the partials were faulted in afresh every call:
+// causal forward+backward there 383-405 ms a call against 343-358 kept (session 27, the
+// Xeon, 2 threads, three interleaved runs of 5).
+constexpr size_t KEEP = size_t(80) << 20;  // bytes a thread keeps between calls
 constexpr int SLOTS = 4;
 
 // A block of memory (freed with std::free).
@@ -379,7 +385,7 @@ using Mem = std::unique_ptr<char, Free>;
 
 // From HUGE bytes on, a fresh block is aligned to 2 MB pages and the kernel asked to back
 // it with them (transparent huge pages in "madvise" mode, the usual default): a block no
-// thread keeps (a backward's dQ partials, 64 MB at T=8192 x 4 heads) is faulted in 2 MB
+// thread keeps (a backward's dQ partials at T=32768 x 4 heads, 224 MB) is faulted in 2 MB
 // at a time instead of 4 KB, which took the causal backward there from 572-587 ms to
 // 537-562 (session 13, Zen 3, minimum of 7 runs, interleaved).
 constexpr size_t PAGE = size_t(2) << 20, HUGE = 2 * PAGE;
@@ -1751,6 +1757,7 @@ void weights_and_ds(const Args &a, const Grads &g, const BackOperands &ops, int6
 }
 
 // The key chunks of group g are g, g + G, g + 2G, ...; G depends only on the shapes.
+// (At most 64 Mi floats of dQ partials, the first of them dQ itself.)
 int64_t key_groups(const Args &a, int64_t chunks) {
   const int64_t per_group = a.B * a.H * a.T * a.D;  // floats of one dQ partial
   int64_t groups = std::max<int64_t>(2, 32 / std::max<int64_t>(1, a.B * a.HKV));
@@ -1813,14 +1820,15 @@ void products_bf16(const Args &a, const Grads &g, const BackOperands &ops, int64
 }
 #endif
 
-// dK, dV of the key chunks of group g of (b, hk), and group g's dQ partial of its heads.
+// dK, dV of the key chunks of group g of (b, hk), and group g's dQ partial of its heads
+// (dq_group: the group's (B, H, T, D) partial, dQ's own layout).
 void backward_group(const Args &a, const Grads &g, const BackOperands &ops, int64_t b,
-                    int64_t hk, int64_t grp, int64_t groups, float *dq_part, BackScratch &w,
+                    int64_t hk, int64_t grp, int64_t groups, float *dq_group, BackScratch &w,
                     double *dgrad) {
   const int64_t heads = a.H / a.HKV;
   if (dgrad) std::fill(dgrad, dgrad + a.mod_ngrad, 0.0);  // this task's partial
   const float *kh = a.k + b * a.sk_b + hk * a.sk_h;
-  float *dqs = dq_part + (grp * a.B + b) * a.H * a.T * a.D;  // (H, T, D) of this group
+  float *dqs = dq_group + b * a.H * a.T * a.D;  // (H, T, D) of this group
   std::fill(dqs + hk * heads * a.T * a.D, dqs + (hk + 1) * heads * a.T * a.D, 0.0f);
   for (int64_t ci = grp; ci < ops.chunks; ci += groups) {
     const int64_t n = std::min<int64_t>(KC, a.S - ci * KC);  // keys of the chunk
@@ -2121,13 +2129,15 @@ Code backward_call(const Args &a, const Grads &g) {
   BackOperands ops;
   if (Code err = pack_backward(a, ops)) return err;
   const int64_t groups = key_groups(a, ops.chunks);
-  reuse::Buffer<float> dq_part(size_t(groups * a.B * a.H * a.T * a.D));
+  const int64_t stride = a.B * a.H * a.T * a.D;  // floats of a group's partial
+  reuse::Buffer<float> dq_part(size_t((groups - 1) * stride));  // groups 1.. (0: in dq)
   const int64_t tasks = a.B * a.HKV * groups;
   const int64_t ngrad = a.mod_backward && a.mod_dgrad ? a.mod_ngrad : 0;
   std::unique_ptr<double[]> dgrad_part(ngrad ? new double[tasks * ngrad] : nullptr);
   Code err = parallel<BackScratch>(a, tasks, [&](BackScratch &w, int64_t it) {
     const int64_t grp = it % groups, bh = it / groups;
-    backward_group(a, g, ops, bh / a.HKV, bh % a.HKV, grp, groups, dq_part.get(), w,
+    float *dq_group = grp ? dq_part.get() + (grp - 1) * stride : g.dq;
+    backward_group(a, g, ops, bh / a.HKV, bh % a.HKV, grp, groups, dq_group, w,
                    ngrad ? dgrad_part.get() + it * ngrad : nullptr);
   });
   if (err) return err;
@@ -2143,15 +2153,14 @@ Code backward_call(const Args &a, const Grads &g) {
     });
     if (err) return err;
   }
-  // dQ = the groups' partials summed in group order, rows in parallel
+  // dQ = the groups' partials summed in group order (group 0's is in dq), rows in parallel
+  if (groups == 1) return OK;
   const int64_t rows = a.B * a.H * a.T, per = 256, n = (rows + per - 1) / per;
-  const int64_t stride = a.B * a.H * a.T * a.D;
   return parallel<NoState>(a, n, [&](NoState &, int64_t it) {
     const int64_t from = it * per * a.D, to = std::min(rows, (it + 1) * per) * a.D;
     float *dq = g.dq;
-    std::copy(dq_part.get() + from, dq_part.get() + to, dq + from);
     for (int64_t grp = 1; grp < groups; ++grp) {
-      const float *src = dq_part.get() + grp * stride;
+      const float *src = dq_part.get() + (grp - 1) * stride;
       for (int64_t x = from; x < to; ++x) dq[x] += src[x];
     }
   });
@@ -2254,7 +2263,7 @@ Code backward_varlen(const Args &a, const Grads &g) {
     const int64_t rows = a.H * seq[i].T;
     groups[i] = key_groups(seq[i], ops[i].chunks);
     first[i + 1] = first[i] + a.HKV * groups[i];
-    part[i + 1] = part[i] + groups[i] * rows * a.D;
+    part[i + 1] = part[i] + (groups[i] - 1) * rows * a.D;  // (group 0's: in dq)
     rows_first[i + 1] = rows_first[i] + (rows + PER - 1) / PER;
   }
   reuse::Buffer<float> dq_part(size_t(part[n]));
@@ -2263,8 +2272,10 @@ Code backward_varlen(const Args &a, const Grads &g) {
   };
   Code err = parallel<BackScratch>(a, first[n], [&](BackScratch &w, int64_t it) {
     const int64_t i = which(first, it), at = it - first[i];
-    backward_group(seq[i], grads[i], ops[i], 0, at / groups[i], at % groups[i], groups[i],
-                   dq_part.get() + part[i], w, nullptr);
+    const int64_t grp = at % groups[i], stride = a.H * seq[i].T * a.D;
+    float *dq_group = grp ? dq_part.get() + part[i] + (grp - 1) * stride : grads[i].dq;
+    backward_group(seq[i], grads[i], ops[i], 0, at / groups[i], grp, groups[i], dq_group, w,
+                   nullptr);
   });
   if (err) return err;
   return parallel<NoState>(a, rows_first[n], [&](NoState &, int64_t it) {
@@ -2273,9 +2284,8 @@ Code backward_varlen(const Args &a, const Grads &g) {
     const int64_t from = block * PER * a.D, to = std::min(rows, (block + 1) * PER) * a.D;
     const float *src = dq_part.get() + part[i];
     float *dq = grads[i].dq;
-    std::copy(src + from, src + to, dq + from);
     for (int64_t grp = 1; grp < groups[i]; ++grp)
-      for (int64_t x = from; x < to; ++x) dq[x] += src[grp * stride + x];
+      for (int64_t x = from; x < to; ++x) dq[x] += src[(grp - 1) * stride + x];
   });
 }
 
