@@ -24,6 +24,7 @@ from attnkit._validate import (
     check_probability,
     check_window,
 )
+from attnkit.backends import fast_lane
 from attnkit.backends.blockwise import explain_call
 from attnkit.block_mask import BlockMask
 from attnkit.masks import (
@@ -258,12 +259,25 @@ def attention(
             window=window, mask_mod=mask_mod, score_mod=score_mod, sinks=sinks,
             return_lse=return_lse, backend=backend,
         )  # fmt: skip
+    plain = (
+        backend == "auto" and mask is None and scale is None and window is None
+        and mask_mod is None and score_mod is None and block_mask is None and sinks is None
+        and need_weights is False and return_lse is False
+        and type(dropout_p) in (float, int) and dropout_p == 0
+    )  # fmt: skip
+    lane = fast_lane.key(query, key, value, causal, plain=plain)
+    if lane is not None:  # a plain call auto sent to SDPA before: straight there
+        out = fast_lane.run(lane, query, key, value)
+        if out is not None:
+            return out
     call, name = _make_call(
         query, key, value, mask=mask, causal=causal, scale=scale, dropout_p=dropout_p,
         need_weights=need_weights, window=window, mask_mod=mask_mod, score_mod=score_mod,
         block_mask=block_mask, sinks=sinks, return_lse=return_lse, backend=backend,
     )  # fmt: skip
     out, weights, lse = backends.dispatch(name, call)
+    if lane is not None and not fast_lane.known(lane):  # (once a key: auto's choice again)
+        fast_lane.remember(lane, call, backends.select(name, call), query, key, value)
     if not (call.need_weights or call.return_lse):
         return out
     extra: list[torch.Tensor] = []

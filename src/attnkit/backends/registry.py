@@ -30,6 +30,7 @@ __all__ = [
     "auto_order",
     "available_backends",
     "dispatch",
+    "generation",
     "get_backend",
     "is_sparse",
     "register_backend",
@@ -129,6 +130,14 @@ class Backend:
 
 
 _REGISTRY: dict[str, Backend] = {}
+_generation = 0  # bumped by every registration (fast_lane keys hold it)
+
+
+def generation() -> int:
+    """How many times a backend has been registered: a key that holds it (the ``auto``
+    fast lane's, :mod:`attnkit.backends.fast_lane`) is new after any registration."""
+    return _generation
+
 
 #: The order in which ``backend="auto"`` tries the registered backends: torch's fused
 #: kernel first, then the blockwise kernel (score mods, weights without grad), then
@@ -196,7 +205,9 @@ def register_backend(
     for arg, value in hooks.items():
         if value is not None and not callable(value):
             raise TypeError(f"register_backend's {arg} must be callable, got {value!r}")
+    global _generation
     _REGISTRY[name] = Backend(name, fn, supports, auto_supports or supports, auto_first)
+    _generation += 1
 
 
 def available_backends() -> list[str]:
