@@ -97,6 +97,14 @@ def test_what_it_takes():
     assert not native_linear.takes(torch.randn(0, 16), w)
     assert not native_linear.takes(torch.randn(2, 16, dtype=torch.float64), w.double())
     assert not native_linear.takes(torch.randn(2, 16), torch.randn(16, 10).t())  # rows strided
+    assert not native_linear.takes(torch.randn(2, 8), w)  # the wrong width: F.linear's error
+
+
+def test_a_prepared_linear_given_the_wrong_width_raises_torchs_error():
+    layer = Linear(16, 10)
+    pack_linears(layer)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        layer(torch.randn(2, 8))  # 16 floats: as many as one row of 16, never read as one
 
 
 @settings(

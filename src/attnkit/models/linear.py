@@ -83,6 +83,8 @@ def _usable(pack: _Pack, weight: torch.Tensor, x: torch.Tensor) -> bool:
         and _exact(pack, weight)
         and x.dtype == torch.float32
         and x.device.type == "cpu"
+        and x.dim() >= 1
+        and x.shape[-1] == weight.shape[-1]  # (else F.linear's error, not oneDNN's)
         and not torch.is_autocast_enabled("cpu")
         and not torch.compiler.is_compiling()
     )

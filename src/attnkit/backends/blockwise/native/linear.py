@@ -35,6 +35,8 @@ def takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         x.dtype == torch.float32
         and weight.dtype == torch.float32
+        and x.dim() >= 1
+        and x.shape[-1] == weight.shape[-1]  # (else F.linear says what is wrong)
         and 0 < x.numel() <= MAX_ROWS * x.shape[-1]
         and x.device.type == "cpu"
         and weight.stride(-1) == 1
