@@ -22,6 +22,7 @@ reference backend), any other backend or call. At most :data:`MAX_KEYS` keys are
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,8 @@ class _Sdpa:
 
 
 _NO = None  # a key whose call the lane does not take (asked once, then known)
-_kept: dict[tuple, _Sdpa | None] = {}
+_kept: dict[tuple, _Sdpa | None] = {}  # (read without the lock: one dict lookup)
+_lock = threading.Lock()
 
 
 def key(query: object, key_: object, value: object, causal: object, *, plain: bool) -> tuple | None:
@@ -100,9 +102,10 @@ def remember(
         and call.query is query and call.key is key_ and call.value is value
         and (call.causal is None or is_causal)  # (a bottom-right triangle: a mask)
     )  # fmt: skip
-    if len(_kept) >= MAX_KEYS:
-        _kept.pop(next(iter(_kept)))
-    _kept[lane_key] = _Sdpa(is_causal, call.scale, call.gqa_groups > 1) if takes else _NO
+    with _lock:
+        while len(_kept) >= MAX_KEYS:
+            _kept.pop(next(iter(_kept)))
+        _kept[lane_key] = _Sdpa(is_causal, call.scale, call.gqa_groups > 1) if takes else _NO
 
 
 def known(lane_key: tuple) -> bool:
@@ -112,7 +115,8 @@ def known(lane_key: tuple) -> bool:
 
 def clear() -> None:
     """Forget every remembered call."""
-    _kept.clear()
+    with _lock:
+        _kept.clear()
 
 
 def _sdpa_fn():
