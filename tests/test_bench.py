@@ -125,3 +125,23 @@ def test_native_ab_times_two_sources_on_the_same_call(capsys, monkeypatch):
     with pytest.raises(SystemExit) as err:
         native_ab.main([str(here), "--t", "0"])
     assert err.value.code == 2 and "--t" in capsys.readouterr().err
+
+
+def test_the_backward_forward_rate_is_read_round_by_round(monkeypatch):
+    """The backward/forward FLOP rate pairs each fwd+bwd round with a forward timed in the
+    same round: a drift of the machine's speed between the forward phase and the fwd+bwd
+    one (here a forward 10x slower in its own phase) does not reach it."""
+    from attnkit.bench import native_kernel
+
+    def fake_interleaved(fns, reps, min_sample=0.0):
+        if "native fwd" in fns:  # the fwd+bwd rounds: each 5x its own round's forward
+            speeds = [1.0, 2.0, 3.0]
+            fwd = [0.002 * s for s in speeds]
+            return {"native": [5 * f for f in fwd], "sdpa": [6 * f for f in fwd],
+                    "native fwd": fwd}  # fmt: skip
+        return {name: [0.02, 0.02, 0.02] for name in fns}  # the forward phase: slow
+
+    monkeypatch.setattr(native_kernel, "interleaved", fake_interleaved)
+    rows = native_kernel.causal_rows(64, reps=3, peak_all=100.0)
+    assert rows["bwd/fwd FLOP rate"] == pytest.approx(2.5 / 4)  # 2.5 f / (5 f - f)
+    assert rows["native/sdpa fwd+bwd"] == pytest.approx(5 / 6)

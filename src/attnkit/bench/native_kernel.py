@@ -89,18 +89,28 @@ def _timed(fn: Callable[[], object]) -> float:
 
 def causal_rows(t: int, reps: int, peak_all: float, min_sample: float = 0.0) -> dict[str, float]:
     """Native causal fwd and fwd+bwd against SDPA, % of peak, backward/forward FLOP rate.
-    A ratio is the median of the per-round ratios (:func:`.timing.paired_ratio`); a FLOP
-    rate comes from the median time."""
+    A ratio is the median of the per-round ratios (:func:`.timing.paired_ratio`), the
+    backward/forward FLOP rate too (the forward timed again in the fwd+bwd rounds: from
+    the two phases' medians a drift of the machine's speed between them read 0.46 and 1.93
+    on the Xeon of session 27); the forward's FLOP rate comes from its median time."""
     out: dict[str, float] = {}
     fwd_flops = 4 * SHAPE[0] * SHAPE[1] * t * t * SHAPE[2] / 2  # QK^T and PV, half (causal)
     seconds: dict[str, float] = {}
     for backward in (False, True):
         fns = _causal_fns(*inputs(t, backward), backward)
+        if backward:  # the forward alone, in the same rounds
+            fns["native fwd"] = _native(*inputs(t, False), False)
         with env(ATTNKIT_NATIVE_SPEED="fast"):  # the kernel itself, whatever calibration says
             times = interleaved(fns, reps, min_sample)
         key = "fwd+bwd" if backward else "fwd"
         out[f"native/sdpa {key}"] = paired_ratio(times["native"], times["sdpa"])[0]
         seconds[key] = spread(times["native"])[0]
+        if backward:  # rate ratio = 2.5 fwd / (fwd+bwd - fwd), round by round
+            backward_only = [
+                max(fb - f, 1e-9)
+                for fb, f in zip(times["native"], times["native fwd"], strict=True)
+            ]
+            rate = paired_ratio([2.5 * f for f in times["native fwd"]], backward_only)[0]
     for backward in (False, True) if native.bf16() else ():  # bf16 products against fp32
         q, k, v = inputs(t, backward)
         qb, kb, vb = (x.detach().to(torch.bfloat16).requires_grad_(backward) for x in (q, k, v))
@@ -110,10 +120,9 @@ def causal_rows(t: int, reps: int, peak_all: float, min_sample: float = 0.0) -> 
         key = "fwd+bwd" if backward else "fwd"
         out[f"bf16 {key} / fp32 {key}"] = paired_ratio(times["bf16"], times["fp32"])[0]
     fwd_rate = fwd_flops / seconds["fwd"]
-    bwd_rate = 2.5 * fwd_flops / max(seconds["fwd+bwd"] - seconds["fwd"], 1e-9)
     out["fwd GFLOP/s"] = fwd_rate / 1e9
     out["fwd % of peak"] = 100 * fwd_rate / 1e9 / peak_all
-    out["bwd/fwd FLOP rate"] = bwd_rate / fwd_rate
+    out["bwd/fwd FLOP rate"] = rate
     return out
 
 
