@@ -443,6 +443,7 @@ def test_devices_and_dtypes_are_checked_before_any_backend_runs(monkeypatch, cha
         raise AssertionError("a backend ran before the inputs were checked")
 
     monkeypatch.setattr(attnkit.backends, "dispatch", no_kernel)
+    monkeypatch.setattr(attnkit.backends, "run", no_kernel)
     q, k, v = (torch.randn(1, 2, 256, 16) for _ in range(3))
     tensors = dict(
         query=q, key=k, value=v, mask=torch.ones(256, 256, dtype=torch.bool), sinks=torch.zeros(2)

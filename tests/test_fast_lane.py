@@ -38,7 +38,7 @@ def _full_path_refused(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the full path ran")
 
-    monkeypatch.setattr(backends, "dispatch", refuse)
+    monkeypatch.setattr(backends, "select", refuse)
 
 
 @pytest.mark.parametrize(

@@ -125,13 +125,13 @@ def test_recording_in_one_thread_does_not_switch_other_threads_auto_backend(monk
     from attnkit import backends
 
     chosen: dict[str, str] = {}
-    real_dispatch = backends.dispatch
+    real_select = backends.select
 
     def spy(name, call):
         chosen.setdefault(threading.current_thread().name, name)
-        return real_dispatch(name, call)
+        return real_select(name, call)
 
-    monkeypatch.setattr(backends, "dispatch", spy)
+    monkeypatch.setattr(backends, "select", spy)
     recording, done = threading.Event(), threading.Event()
     q = torch.rand(1, 2, 5, 4)
 

@@ -275,9 +275,10 @@ def attention(
         need_weights=need_weights, window=window, mask_mod=mask_mod, score_mod=score_mod,
         block_mask=block_mask, sinks=sinks, return_lse=return_lse, backend=backend,
     )  # fmt: skip
-    out, weights, lse = backends.dispatch(name, call)
-    if lane is not None and not fast_lane.known(lane):  # (once a key: auto's choice again)
-        fast_lane.remember(lane, call, backends.select(name, call), query, key, value)
+    chosen = backends.select(name, call)
+    out, weights, lse = backends.run(chosen, call)
+    if lane is not None and not fast_lane.known(lane):
+        fast_lane.remember(lane, call, chosen, query, key, value)
     if not (call.need_weights or call.return_lse):
         return out
     extra: list[torch.Tensor] = []

@@ -26,6 +26,7 @@ from attnkit.backends.registry import (
     get_backend,
     is_sparse,
     register_backend,
+    run,
     select,
 )
 
@@ -42,6 +43,7 @@ __all__ = [
     "get_backend",
     "is_sparse",
     "register_backend",
+    "run",
     "select",
 ]
 

@@ -34,6 +34,7 @@ __all__ = [
     "get_backend",
     "is_sparse",
     "register_backend",
+    "run",
     "select",
 ]
 
@@ -257,7 +258,11 @@ def select(name: str, call: AttentionCall) -> Backend:
 
 def dispatch(name: str, call: AttentionCall) -> BackendResult:
     """Run ``call`` on the backend chosen for ``name``: ``(context, weights, lse)``."""
-    backend = select(name, call)
+    return run(select(name, call), call)
+
+
+def run(backend: Backend, call: AttentionCall) -> BackendResult:
+    """Run ``call`` on ``backend`` (what :func:`select` chose): ``(context, weights, lse)``."""
     result = backend.fn(call)
     if len(result) == 2:
         result = (*result, None)
