@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from attnkit.backends.blockwise.native import abi
+from attnkit.backends.blockwise.native import _check_code, _kernel
 from attnkit.backends.blockwise.native.build import library
 
 __all__ = ["MAX_ROWS", "ONE_THREAD", "linear", "takes"]
@@ -24,7 +24,8 @@ __all__ = ["MAX_ROWS", "ONE_THREAD", "linear", "takes"]
 #: 8 rows of x at a time: a second pass over the weight, from L1).
 MAX_ROWS = 8
 #: Below this many multiply-adds a call runs on the calling thread alone (waking a second
-#: one costs more than it saves), as :data:`...native.PAGED_ONE_THREAD`.
+#: one costs more than it saves), as
+#: :data:`attnkit.backends.blockwise.native.PAGED_ONE_THREAD`.
 ONE_THREAD = 2**16
 
 
@@ -50,6 +51,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
     Raises:
         RuntimeError: the kernel failed (it checks the sizes it is given).
+        MemoryError: it ran out of memory.
     """
     n, k = weight.shape
     rows = x.reshape(-1, k)  # (m, in)
@@ -59,14 +61,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     y = torch.empty(m, n, dtype=torch.float32)
     b = None if bias is None else bias.to(torch.float32).contiguous()
     threads = 1 if m * n * k < ONE_THREAD else torch.get_num_threads()
-    lib = library()
-    if lib is None:
-        raise RuntimeError("attnkit's native kernel is not available (see native.status())")
-    code = lib.attnkit_linear(
+    code = _kernel("attnkit_linear")(
         rows.data_ptr(), rows.stride(0), weight.data_ptr(), weight.stride(0),
         None if b is None else b.data_ptr(), y.data_ptr(), n, m, n, k, threads,
     )  # fmt: skip
-    if code != abi.OK:
-        why = abi.CODES.get(code, f"code {code}")
-        raise RuntimeError(f"attnkit's native linear failed: {why}")
+    _check_code(code)
     return y.view(*x.shape[:-1], n)
