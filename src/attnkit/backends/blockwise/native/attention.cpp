@@ -371,9 +371,9 @@ namespace reuse {
 
 // KEEP holds a training step's backward at T = 8192 x 4 heads (d = 64): its 7 dQ
 // partials (56 MB) and packed keys and values (8 MB each), which the next step's forward
-// and backward then take again. At 32 MB the partials were faulted in afresh every call:
-// causal forward+backward there 383-405 ms a call against 343-358 kept (session 27, the
-// Xeon, 2 threads, three interleaved runs of 5).
+// and backward then take again. At 32 MB (and group 0's partial apart from dQ) they were
+// faulted in afresh every call: causal forward+backward there took 386-408 ms a call,
+// 345-374 with both changes (session 27, the Xeon, 2 threads, three interleaved runs of 5).
 constexpr size_t KEEP = size_t(80) << 20;  // bytes a thread keeps between calls
 constexpr int SLOTS = 4;
 
@@ -1757,7 +1757,7 @@ void weights_and_ds(const Args &a, const Grads &g, const BackOperands &ops, int6
 }
 
 // The key chunks of group g are g, g + G, g + 2G, ...; G depends only on the shapes.
-// (At most 64 Mi floats of dQ partials, the first of them dQ itself.)
+// (At most 64 Mi floats of dQ partials, the first of them dQ itself: group_dq.)
 int64_t key_groups(const Args &a, int64_t chunks) {
   const int64_t per_group = a.B * a.H * a.T * a.D;  // floats of one dQ partial
   int64_t groups = std::max<int64_t>(2, 32 / std::max<int64_t>(1, a.B * a.HKV));
@@ -1819,6 +1819,21 @@ void products_bf16(const Args &a, const Grads &g, const BackOperands &ops, int64
                   ops.kj.chunk(a, b, hk, c.ci) + lo * a.D, 2 * a.D, (hi - lo) / 2, nullptr);
 }
 #endif
+
+// Group grp's dQ partial, (B, H, T, D) as dQ (`stride` floats): group 0's is dQ itself,
+// the others' the (grp - 1)-th of `partials`.
+inline float *group_dq(float *dq, float *partials, int64_t grp, int64_t stride) {
+  return grp ? partials + (grp - 1) * stride : dq;
+}
+
+// dq[from, to) += the partials of groups 1 .. groups - 1, in group order.
+inline void sum_partials(float *dq, const float *partials, int64_t groups, int64_t stride,
+                         int64_t from, int64_t to) {
+  for (int64_t grp = 1; grp < groups; ++grp) {
+    const float *src = partials + (grp - 1) * stride;
+    for (int64_t x = from; x < to; ++x) dq[x] += src[x];
+  }
+}
 
 // dK, dV of the key chunks of group g of (b, hk), and group g's dQ partial of its heads
 // (dq_group: the group's (B, H, T, D) partial, dQ's own layout).
@@ -2136,8 +2151,8 @@ Code backward_call(const Args &a, const Grads &g) {
   std::unique_ptr<double[]> dgrad_part(ngrad ? new double[tasks * ngrad] : nullptr);
   Code err = parallel<BackScratch>(a, tasks, [&](BackScratch &w, int64_t it) {
     const int64_t grp = it % groups, bh = it / groups;
-    float *dq_group = grp ? dq_part.get() + (grp - 1) * stride : g.dq;
-    backward_group(a, g, ops, bh / a.HKV, bh % a.HKV, grp, groups, dq_group, w,
+    backward_group(a, g, ops, bh / a.HKV, bh % a.HKV, grp, groups,
+                   group_dq(g.dq, dq_part.get(), grp, stride), w,
                    ngrad ? dgrad_part.get() + it * ngrad : nullptr);
   });
   if (err) return err;
@@ -2158,11 +2173,7 @@ Code backward_call(const Args &a, const Grads &g) {
   const int64_t rows = a.B * a.H * a.T, per = 256, n = (rows + per - 1) / per;
   return parallel<NoState>(a, n, [&](NoState &, int64_t it) {
     const int64_t from = it * per * a.D, to = std::min(rows, (it + 1) * per) * a.D;
-    float *dq = g.dq;
-    for (int64_t grp = 1; grp < groups; ++grp) {
-      const float *src = dq_part.get() + (grp - 1) * stride;
-      for (int64_t x = from; x < to; ++x) dq[x] += src[x];
-    }
+    sum_partials(g.dq, dq_part.get(), groups, stride, from, to);
   });
 }
 
@@ -2273,19 +2284,15 @@ Code backward_varlen(const Args &a, const Grads &g) {
   Code err = parallel<BackScratch>(a, first[n], [&](BackScratch &w, int64_t it) {
     const int64_t i = which(first, it), at = it - first[i];
     const int64_t grp = at % groups[i], stride = a.H * seq[i].T * a.D;
-    float *dq_group = grp ? dq_part.get() + part[i] + (grp - 1) * stride : grads[i].dq;
-    backward_group(seq[i], grads[i], ops[i], 0, at / groups[i], grp, groups[i], dq_group, w,
-                   nullptr);
+    backward_group(seq[i], grads[i], ops[i], 0, at / groups[i], grp, groups[i],
+                   group_dq(grads[i].dq, dq_part.get() + part[i], grp, stride), w, nullptr);
   });
   if (err) return err;
   return parallel<NoState>(a, rows_first[n], [&](NoState &, int64_t it) {
     const int64_t i = which(rows_first, it), block = it - rows_first[i];
     const int64_t rows = a.H * seq[i].T, stride = rows * a.D;
     const int64_t from = block * PER * a.D, to = std::min(rows, (block + 1) * PER) * a.D;
-    const float *src = dq_part.get() + part[i];
-    float *dq = grads[i].dq;
-    for (int64_t grp = 1; grp < groups[i]; ++grp)
-      for (int64_t x = from; x < to; ++x) dq[x] += src[(grp - 1) * stride + x];
+    sum_partials(grads[i].dq, dq_part.get() + part[i], groups[i], stride, from, to);
   });
 }
 
