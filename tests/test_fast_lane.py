@@ -1,5 +1,6 @@
-"""``auto``'s fast lane (``backends/fast_lane.py``): a plain call ``auto`` sent to SDPA
-goes straight there the next time, with the same numbers, and nothing else does."""
+"""The fast lane (``backends/fast_lane.py``): a plain call ``auto`` sent to SDPA, or one
+``auto`` or ``backend="blockwise"`` ran on the native kernel's forward, goes straight there
+the next time, with the same numbers, and nothing else does."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from attnkit import attention, backends, trace
 from attnkit.backends import fast_lane, registry
+from attnkit.backends.blockwise import native
 from attnkit.backends.sdpa import sdpa_attention
 
 from .reference import ref_attention
@@ -28,8 +30,8 @@ def _qkv(b=1, h=4, h_kv=4, t=32, s=32, d=64, seed=0, **kw):
     return q, k, v
 
 
-def _lane(q, k, v, causal):
-    return fast_lane.key(q, k, v, causal, plain=True), q, k, v
+def _lane(q, k, v, causal, backend="auto"):
+    return fast_lane.key(q, k, v, causal, backend, plain=True), q, k, v
 
 
 def _full_path_refused(monkeypatch):
@@ -92,9 +94,15 @@ def test_calls_the_lane_does_not_take(monkeypatch):
         attention(q, k, v, backend="sdpa")
         with trace.record():
             attention(q, k, v)
-    # (one key: the bottom-right call's, kept as not taken; nothing else was asked)
-    assert list(fast_lane._kept.values()) == [None]
+    # (one key: the bottom-right call's, never SDPA's lane (SDPA draws it as a mask;
+    # auto runs it on the native kernel where there is one); nothing else was asked)
+    [kept] = fast_lane._kept.values()
+    assert kept is None or type(kept).__name__ == "_Native"
+    fast_lane.clear()
+    q, k, v = _qkv(t=12, s=32)  # (more rows than a decode step: auto sends it to SDPA)
     with torch.no_grad():
+        attention(q, k, v, causal=True)
+        assert list(fast_lane._kept.values()) == [None]
         assert fast_lane.run(*_lane(q, k, v, True)) is None
 
 
@@ -103,14 +111,14 @@ def test_a_new_registration_grad_or_native_setting_is_a_new_key(monkeypatch):
 
     def lane_key():
         with torch.no_grad():
-            return fast_lane.key(q, k, v, True, plain=True)
+            return fast_lane.key(q, k, v, True, "auto", plain=True)
 
     with torch.no_grad():
         attention(q, k, v, causal=True)
     remembered = lane_key()
     assert remembered is not None and remembered in fast_lane._kept
     q.requires_grad_(True)
-    assert fast_lane.key(q, k, v, True, plain=True) != remembered  # a gradient is wanted
+    assert fast_lane.key(q, k, v, True, "auto", plain=True) != remembered  # a gradient is wanted
     q.requires_grad_(False)
     with monkeypatch.context() as m:
         m.setenv("ATTNKIT_NATIVE_SPEED", "slow")  # (the tests run with "fast")
@@ -141,3 +149,66 @@ def test_the_lane_keeps_at_most_max_keys(monkeypatch):
             q, k, v = _qkv(t=t, s=t, d=16)
             attention(q, k, v)
     assert len(fast_lane._kept) == 3
+
+
+needs_native = pytest.mark.skipif(not native.available(), reason="no native kernel")
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "backend, dtype, shape",
+    [
+        ("auto", torch.bfloat16, dict(h=4, h_kv=2, t=1, s=300)),  # auto: native at a bf16 step
+        ("blockwise", torch.float32, dict(t=1, s=77)),
+        ("blockwise", torch.float32, dict(t=37, s=37)),  # (not a decode step: any forward)
+        ("blockwise", torch.bfloat16, dict(h=2, h_kv=2, t=3, s=200, d=32)),
+    ],
+)
+def test_the_native_lane_gives_the_full_paths_numbers(monkeypatch, backend, dtype, shape):
+    q, k, v = (x.to(dtype) for x in _qkv(seed=3, **shape))
+    with torch.no_grad():
+        first = attention(q, k, v, causal=True, backend=backend)  # the full path
+        kept = list(fast_lane._kept.values())
+        assert len(kept) == 1 and type(kept[0]).__name__ == "_Native"
+        with monkeypatch.context() as m:
+            _full_path_refused(m)
+            second = attention(q, k, v, causal=True, backend=backend)  # the lane
+            strided = attention(  # (strides are not in the key: the same plan reads them)
+                q.transpose(-2, -1).contiguous().transpose(-2, -1), k, v, causal=True,
+                backend=backend,
+            )  # fmt: skip
+    assert second.dtype == dtype and torch.equal(first, second) and torch.equal(first, strided)
+    ref = ref_attention(q.double(), k.double(), v.double(), causal="bottom_right")[0]
+    plain = attention(q, k, v, causal=True, backend="reference")
+    err = (second.double() - ref).abs().max().item()
+    assert err <= 2 * (plain.double() - ref).abs().max().item() + 1e-6
+
+
+@needs_native
+def test_the_native_lane_takes_no_call_wanting_a_gradient():
+    q, k, v = _qkv(t=1, s=64, requires_grad=True)
+    for _ in range(2):
+        out = attention(q, k, v, causal=True, backend="blockwise")
+    assert list(fast_lane._kept.values()) == [None]  # remembered as not taken
+    out.sum().backward()  # (the second call recorded its graph: the full path)
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    ref_attention(qd, kd, vd, causal="bottom_right")[0].sum().backward()
+    qf, kf, vf = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    attention(qf, kf, vf, causal=True, backend="reference").sum().backward()
+    for ours, plain, ref in ((q, qf, qd), (k, kf, kd), (v, vf, vd)):
+        err = (ours.grad.double() - ref.grad).abs().max().item()
+        assert err <= 2 * (plain.grad.double() - ref.grad).abs().max().item() + 1e-6
+    with torch.no_grad():  # a new key (grad mode): now taken
+        attention(q, k, v, causal=True, backend="blockwise")
+    assert sum(type(x).__name__ == "_Native" for x in fast_lane._kept.values()) == 1
+
+
+@needs_native
+def test_blockwise_calls_the_lane_does_not_take():
+    q, k, v = _qkv(t=1, s=64)
+    with torch.no_grad():
+        attention(q, k, v, mask=torch.ones(1, 64, dtype=torch.bool), backend="blockwise")
+        attention(q, k, v, window=8, backend="blockwise")
+        attention(q, k, v, backend="blockwise-flash")  # (another blockwise backend)
+        attention(q, k, v, return_lse=True, backend="blockwise")
+    assert fast_lane._kept == {}

@@ -260,13 +260,13 @@ def attention(
             return_lse=return_lse, backend=backend,
         )  # fmt: skip
     plain = (
-        backend == "auto" and mask is None and scale is None and window is None
+        mask is None and scale is None and window is None
         and mask_mod is None and score_mod is None and block_mask is None and sinks is None
         and need_weights is False and return_lse is False
         and type(dropout_p) in (float, int) and dropout_p == 0
     )  # fmt: skip
-    lane = fast_lane.key(query, key, value, causal, plain=plain)
-    if lane is not None:  # a plain call auto sent to SDPA before: straight there
+    lane = fast_lane.key(query, key, value, causal, backend, plain=plain)
+    if lane is not None:  # a plain call run before on SDPA or the native kernel: straight there
         out = fast_lane.run(lane, query, key, value)
         if out is not None:
             return out

@@ -1,23 +1,34 @@
-"""``backend="auto"``'s fast lane: a plain call that ``auto`` sent to SDPA before goes
-straight to it.
+"""The fast lane of plain calls: a call ``auto`` sent to SDPA, or one that ``auto`` or
+``backend="blockwise"`` ran on the native kernel's forward, goes straight there the next
+time.
 
 A small attention call costs torch's kernel a few microseconds, and :func:`attnkit.attention`
 spends about as long again validating it, building the call, asking every backend in
 ``auto``'s order whether it takes it and translating it for SDPA (at T=32, 4 heads, d=64
-on the Xeon of session 27: SDPA alone 14.0 µs, ``auto`` 27.8). For the plainest calls
-(no mask, mod, block mask, window, sinks, dropout, weights or LSE; the default scale;
-``causal`` a bool; 4-D tensors of exact type ``torch.Tensor``), once ``auto`` has chosen
-SDPA and SDPA ran them as they came (no mask drawn, nothing copied or rescaled), the
-outcome is remembered under everything it depended on: the tensors' shapes, dtypes,
+on the Xeon of session 27: SDPA alone 14.0 µs, ``auto`` 27.8). A decode step on the native
+kernel paid more: at 64 bf16 keys its kernel takes 1.7 µs and ``auto`` 59 µs, where SDPA
+takes 5 (session 28).
+
+For the plainest calls (no mask, mod, block mask, window, sinks, dropout, weights or
+LSE; the default scale; ``causal`` a bool; 4-D tensors of exact type ``torch.Tensor``;
+``backend`` ``"auto"`` or ``"blockwise"``), the outcome of the first call is remembered
+under everything it depended on: the backend asked for, the tensors' shapes, dtypes,
 devices and ``requires_grad``, grad mode, ``causal``, the registry's backends and the
 process state the blockwise plans are keyed by
 (:func:`attnkit.backends.blockwise.plan_cache.process_key`: threads, the native build and
-its calibration, ``ATTNKIT_NATIVE*``). A call with the same key then runs
-``scaled_dot_product_attention`` with the same arguments, skipping the rest: the same
-numbers, since the first call's validation holds for every call of its key.
+its calibration, ``ATTNKIT_NATIVE*``). The lane takes two outcomes:
 
-Not taken: ``torch.compile`` tracing, ``attnkit.trace`` recording (``auto`` then runs the
-reference backend), any other backend or call. At most :data:`MAX_KEYS` keys are kept.
+* SDPA ran the tensors as they came (no mask drawn, nothing copied or rescaled): a call
+  of the key runs ``scaled_dot_product_attention`` with the same arguments;
+* blockwise ran them on the native kernel's forward with nothing to record for autograd
+  (no gradient wanted): a call of the key runs the same plan's forward
+  (:func:`attnkit.backends.blockwise.autograd.forward`, what blockwise itself calls) and
+  casts to the query's dtype as blockwise does.
+
+Either way the numbers are the ones the full path gives, since the first call's
+validation and choice hold for every call of its key. Not taken: ``torch.compile``
+tracing, ``attnkit.trace`` recording (``auto`` then runs the reference backend), any
+other backend, outcome or call. At most :data:`MAX_KEYS` keys are kept.
 """
 
 from __future__ import annotations
@@ -30,7 +41,9 @@ import torch.nn.functional as F
 
 from attnkit import trace
 from attnkit.backends import registry
-from attnkit.backends.blockwise import plan_cache
+from attnkit.backends.blockwise import blockwise_attention, plan_cache, planned
+from attnkit.backends.blockwise.autograd import forward as blockwise_forward
+from attnkit.backends.blockwise.plan import NATIVE_CPU, TilePlan
 from attnkit.masks import is_top_left_triangle
 
 __all__ = ["MAX_KEYS", "clear", "key", "known", "remember", "run"]
@@ -41,20 +54,45 @@ MAX_KEYS = 256
 
 @dataclass(frozen=True)
 class _Sdpa:
+    """SDPA with the arguments the sdpa backend gave it."""
+
     is_causal: bool
     scale: float
     enable_gqa: bool
 
+    def __call__(self, query: torch.Tensor, key_: torch.Tensor, value: torch.Tensor):
+        return F.scaled_dot_product_attention(
+            query, key_, value, is_causal=self.is_causal, scale=self.scale,
+            enable_gqa=self.enable_gqa,
+        )  # fmt: skip  # (b, h, l_q, d_v)
+
+
+@dataclass(frozen=True)
+class _Native:
+    """The blockwise forward of ``plan`` (its forward engine the native kernel), cast to
+    the query's dtype: what the blockwise backend runs for a call wanting no gradient."""
+
+    plan: TilePlan
+
+    def __call__(self, query: torch.Tensor, key_: torch.Tensor, value: torch.Tensor):
+        out, _ = blockwise_forward(self.plan, query, key_, value, None)  # (b, h, l_q, d_v)
+        return out if out.dtype == query.dtype else out.to(query.dtype)
+
+
+#: The backends whose plain calls the lane takes (``backend=`` as given).
+BACKENDS = ("auto", "blockwise")
 
 _NO = None  # a key whose call the lane does not take (asked once, then known)
-_kept: dict[tuple, _Sdpa | None] = {}  # (read without the lock: one dict lookup)
+_kept: dict[tuple, _Sdpa | _Native | None] = {}  # (read without the lock: one dict lookup)
 _lock = threading.Lock()
 
 
-def key(query: object, key_: object, value: object, causal: object, *, plain: bool) -> tuple | None:
+def key(
+    query: object, key_: object, value: object, causal: object, backend: str, *, plain: bool
+) -> tuple | None:
     """The lane's key of a call, or None where the lane does not take it (``plain``: the
-    caller found every other argument at its default)."""
-    if not plain or type(causal) is not bool:
+    caller found every argument but ``backend`` at its default)."""
+    if not plain or type(causal) is not bool or backend not in BACKENDS:
         return None
     if type(query) is not torch.Tensor or type(key_) is not torch.Tensor:
         return None
@@ -65,20 +103,17 @@ def key(query: object, key_: object, value: object, causal: object, *, plain: bo
     grad = torch.is_grad_enabled()
     return (
         query.shape, key_.shape, value.shape, query.dtype, key_.dtype, value.dtype,
-        query.device, key_.device, value.device, causal, grad,
+        query.device, key_.device, value.device, causal, backend, grad,
         grad and (query.requires_grad or key_.requires_grad or value.requires_grad),
         registry.generation(), plan_cache.process_key(),
     )  # fmt: skip
 
 
 def run(lane_key: tuple, query: torch.Tensor, key_: torch.Tensor, value: torch.Tensor):
-    """SDPA's output for a key the lane takes, or None (not taken, or not known yet)."""
-    sdpa = _kept.get(lane_key)
-    if sdpa is None:
-        return None
-    return F.scaled_dot_product_attention(
-        query, key_, value, is_causal=sdpa.is_causal, scale=sdpa.scale, enable_gqa=sdpa.enable_gqa
-    )  # (b, h, l_q, d_v)
+    """The output of a call whose key the lane takes, or None (not taken, or not known
+    yet)."""
+    kept = _kept.get(lane_key)
+    return None if kept is None else kept(query, key_, value)
 
 
 def remember(
@@ -89,23 +124,32 @@ def remember(
     key_: torch.Tensor,
     value: torch.Tensor,
 ) -> None:
-    """Keep under ``lane_key`` whether the lane takes such calls: where ``auto`` chose
-    SDPA (``backend``) and SDPA runs the tensors as given with no mask (the sdpa backend's
-    own translation), how to call it."""
-    is_causal = call.causal is not None and is_top_left_triangle(
-        call.q_len, call.k_len, call.causal
-    )
-    takes = (
-        backend.name == "sdpa"
-        and backend.fn is _sdpa_fn()
-        # (not rescaled, no keys dropped or broadcast: the full path's work)
-        and call.query is query and call.key is key_ and call.value is value
-        and (call.causal is None or is_causal)  # (a bottom-right triangle: a mask)
-    )  # fmt: skip
+    """Keep under ``lane_key`` whether the lane takes such calls (``backend`` ran
+    ``call``, built from these tensors), and how to run them: the module docs' two
+    outcomes."""
+    kept: _Sdpa | _Native | None = _NO
+    # (not rescaled, no keys dropped or broadcast: the full path's work)
+    as_given = call.query is query and call.key is key_ and call.value is value
+    if as_given and backend.name == "sdpa" and backend.fn is _sdpa_fn():
+        is_causal = call.causal is not None and is_top_left_triangle(
+            call.q_len, call.k_len, call.causal
+        )
+        if call.causal is None or is_causal:  # (a bottom-right triangle: a mask)
+            kept = _Sdpa(is_causal, call.scale, call.gqa_groups > 1)
+    elif as_given and backend.name == "blockwise" and backend.fn is blockwise_attention:
+        plan = planned(call)
+        wants_grad = torch.is_grad_enabled() and (
+            query.requires_grad or key_.requires_grad or value.requires_grad
+        )
+        native_forward = (
+            plan is not None and plan.engines is not None and (plan.engines.forward == NATIVE_CPU)
+        )
+        if plan is not None and native_forward and not wants_grad:
+            kept = _Native(plan)
     with _lock:
         while len(_kept) >= MAX_KEYS:
             _kept.pop(next(iter(_kept)))
-        _kept[lane_key] = _Sdpa(is_causal, call.scale, call.gqa_groups > 1) if takes else _NO
+        _kept[lane_key] = kept
 
 
 def known(lane_key: tuple) -> bool:

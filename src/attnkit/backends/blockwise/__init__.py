@@ -63,6 +63,7 @@ __all__ = [
     "blockwise_attention",
     "explain_call",
     "merge_partials",
+    "planned",
     "score_mod_tensors",
     "segment_backward",
     "segment_forward",
@@ -121,7 +122,7 @@ def _plan(call: AttentionCall, engine: str) -> TilePlan:
     """The call's plan from ``engine`` down the priority list, built once per call (kept in
     ``call.memo``: ``auto_first`` and the run read the same) and once per repeated call
     (:mod:`.plan_cache`: a decode step's plan is reused token after token)."""
-    key = ("blockwise", engine)
+    key = _memo_key(engine)
     if key not in call.memo:
         cache_key = plan_cache.key(call, engine)
         plan = None if cache_key is None else plan_cache.get(cache_key, call)
@@ -131,6 +132,16 @@ def _plan(call: AttentionCall, engine: str) -> TilePlan:
                 plan_cache.put(cache_key, plan)
         call.memo[key] = plan
     return call.memo[key]
+
+
+def planned(call: AttentionCall) -> TilePlan | None:
+    """The plan the ``blockwise`` backend made for ``call`` (its run, or ``auto``'s asking),
+    or None where it made none."""
+    return call.memo.get(_memo_key(NATIVE_CPU))
+
+
+def _memo_key(engine: str) -> tuple[str, str]:
+    return ("blockwise", engine)  # (where call.memo keeps the plan from ``engine`` down)
 
 
 def _new_plan(call: AttentionCall, engine: str) -> TilePlan:
