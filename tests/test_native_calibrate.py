@@ -23,6 +23,7 @@ def uncalibrated(monkeypatch, tmp_path):
     monkeypatch.setattr(calibrate, "CASE", (1, 2, 256, 32))
     monkeypatch.setattr(calibrate, "REPS", 2)
     monkeypatch.setattr(calibrate, "MIN_SAMPLE", 0.0)
+    monkeypatch.setattr(calibrate, "MIN_SHARE", 0.0)  # (the tests share the machine)
     saved = tmp_path / "speed.json"
     monkeypatch.setattr(calibrate, "_cache_file", lambda key: saved)
     return saved
@@ -200,7 +201,7 @@ def test_each_dtype_is_measured_in_that_dtype_and_kept_apart(uncalibrated, monke
 
     def fake(dtype, t, bias=False):
         measured.append(dtype)
-        return (0.5, 0.6) if dtype == torch.float32 else (1.4, 1.5)
+        return (0.5, 0.6, False) if dtype == torch.float32 else (1.4, 1.5, False)
 
     monkeypatch.setattr(calibrate, "_time_case", fake)
     files: dict[tuple, object] = {}
@@ -262,11 +263,81 @@ def test_the_ratio_is_of_the_best_long_samples(monkeypatch):
         now[0] += 0.001 + (0.3 if calls["torch"] in (20, 40) else 0.0)  # two bursts
 
     monkeypatch.setattr(calibrate.time, "perf_counter", clock)
+    monkeypatch.setattr(calibrate.time, "process_time", lambda: now[0] * threads)  # all ours
     monkeypatch.setattr(calibrate, "MIN_SAMPLE", 0.01)
     monkeypatch.setattr(calibrate, "REPS", 5)
-    ratio = calibrate._best_ratio(native_fn, torch_fn)
-    assert ratio == pytest.approx(2.0)
+    threads = torch.get_num_threads()
+    ratio, loaded = calibrate._best_ratio(native_fn, torch_fn)
+    assert ratio == pytest.approx(2.0) and not loaded
     assert calls == {"native": 2 + 5 * 5, "torch": 2 + 5 * 10}  # warm-up, then 10 ms samples
+
+
+def _shared_clock(monkeypatch, native_ms, torch_ms, native_share):
+    """A fake wall clock and CPU clock; calls (native, torch) of these lengths, the
+    native ones getting native_share(n) of the threads' time at their nth call."""
+    now, cpu = [0.0], [0.0]
+    calls = {"native": 0, "torch": 0}
+    threads = torch.get_num_threads()
+
+    def native_fn():
+        calls["native"] += 1
+        share = native_share(calls["native"])
+        now[0] += native_ms(share) / 1e3
+        cpu[0] += native_ms(share) / 1e3 * threads * share
+
+    def torch_fn():
+        calls["torch"] += 1
+        now[0] += torch_ms / 1e3
+        cpu[0] += torch_ms / 1e3 * threads
+
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(calibrate.time, "process_time", lambda: cpu[0])
+    monkeypatch.setattr(calibrate, "MIN_SAMPLE", 0.0)
+    monkeypatch.setattr(calibrate, "REPS", 5)
+    return native_fn, torch_fn, calls
+
+
+def test_samples_without_their_threads_time_do_not_count(monkeypatch):
+    """A neighbour holding a core through a whole round slows every native sample of it
+    (4x here, as a busy loop did to the 2-core Xeon of session 28): those samples do not
+    count, and a round where the threads had their time decides."""
+    native_fn, torch_fn, calls = _shared_clock(
+        monkeypatch,
+        native_ms=lambda share: 2.0 if share == 1.0 else 8.0,
+        torch_ms=3.0,
+        native_share=lambda n: 0.5 if n <= 7 else 1.0,  # (2 warm-up calls, round 1)
+    )
+    ratio, loaded = calibrate._best_ratio(native_fn, torch_fn)
+    assert ratio == pytest.approx(2.0 / 3.0) and not loaded
+    assert calls["native"] == 2 + 2 * 5  # a second round was taken
+
+
+def test_a_measurement_always_under_load_is_not_kept(uncalibrated, monkeypatch):
+    """Never enough samples with their threads' time: the best of all, for this process
+    only ("measured under load"), measured again by the next; a clean one is kept, and a
+    file from before samples were checked is measured again."""
+    monkeypatch.setattr(calibrate, "MIN_SHARE", 0.85)
+    native_fn, torch_fn, calls = _shared_clock(
+        monkeypatch, native_ms=lambda share: 8.0, torch_ms=3.0, native_share=lambda n: 0.5
+    )
+
+    def loaded_case(dtype, t, bias=False):
+        ratio, loaded = calibrate._best_ratio(native_fn, torch_fn)
+        return ratio, ratio, loaded
+
+    monkeypatch.setattr(calibrate, "_time_case", loaded_case)
+    speed = calibrate.speed(torch.float32)
+    assert speed.source == calibrate.UNDER_LOAD and speed.forward == pytest.approx(8 / 3, 1e-3)
+    assert not speed.forward_ok and not uncalibrated.exists()
+    assert calls["native"] == 2 + 3 * 5  # every round
+    monkeypatch.setattr(calibrate, "_cache", {})
+    monkeypatch.setattr(calibrate, "_time_case", lambda dtype, t, bias=False: (0.5, 0.6, False))
+    assert calibrate.speed(torch.float32).source == "measured" and uncalibrated.exists()
+    monkeypatch.setattr(calibrate, "_cache", {})
+    assert calibrate.speed(torch.float32).source == "cached"
+    uncalibrated.write_text('{"forward": 1.76, "backward": 1.32, "source": "measured"}')
+    monkeypatch.setattr(calibrate, "_cache", {})
+    assert calibrate.speed(torch.float32).forward == 0.5  # measured again, not 1.76
 
 
 def test_long_dense_calls_follow_a_measurement_at_long_length(uncalibrated, monkeypatch):
@@ -276,7 +347,7 @@ def test_long_dense_calls_follow_a_measurement_at_long_length(uncalibrated, monk
 
     def fake(dtype, t, bias=False):
         lengths.append(t)
-        return (1.2, 1.1) if t == 256 else (0.6, 0.5)
+        return (1.2, 1.1, False) if t == 256 else (0.6, 0.5, False)
 
     monkeypatch.setattr(calibrate, "_time_case", fake)
     monkeypatch.setattr(calibrate, "LONG_TOKENS", 1024)

@@ -20,6 +20,18 @@ samples each, and the ratio kept is of their best samples (load only ever adds t
 (the two within 3%) counts as a tie, which torch's kernel takes: a wrong call there costs
 at most 3%, while a noisy "faster" could cost more.
 
+Load does not add time evenly, though: where another process holds a core for the whole
+measurement, every sample is slowed, the native kernel's about twice as much as torch's
+(on the 2-core Xeon of session 28, T=1024 with a busy loop beside it: native 2.4 → 9-11 ms,
+SDPA 3.2 → 6.5-7.3 ms), and one such calibration, kept, had ``auto`` send dense float32
+calls to torch's slower kernel in every later process (native/SDPA read 1.76 at T=1024
+where 0.73 at 4096). So a sample counts only where this process had its threads' time:
+its CPU time over the wall time times the thread count, at least :data:`MIN_SHARE` (about
+1.0 on an idle machine, 0.53-0.75 beside the busy loop). Up to :data:`MAX_ROUNDS` rounds
+of samples are taken until each side has :data:`REPS` // 2 + 1 such samples; a
+measurement that never gets them is used by this process only (``source`` "measured
+under load") and made again by the next.
+
 The ratios are cached as JSON beside the build (same private directory, keyed by the
 library, torch's version, the vector code torch's own kernels run
 (``torch.backends.cpu.get_cpu_capability()``: ``ATEN_CPU_CAPABILITY`` changes it, and
@@ -66,6 +78,14 @@ REPS = 7
 MIN_SAMPLE = 0.02
 #: Ratios up to 1 + TIE are ties; torch's kernel keeps those.
 TIE = 0.03
+#: The least share of its threads' time (CPU time / (wall time x threads)) a sample of
+#: this process must have had to count (another process held a core below it).
+MIN_SHARE = 0.85
+#: The most rounds of REPS sample pairs taken to find enough samples that count.
+MAX_ROUNDS = 3
+#: ``Speed.source`` of a measurement whose samples were too few that had their threads'
+#: time: used by this process, never kept.
+UNDER_LOAD = "measured under load"
 
 _lock = threading.Lock()
 _cache: dict[tuple, Speed] = {}
@@ -176,13 +196,14 @@ def _load_or_measure(key: tuple, dtype: torch.dtype, tokens: int, bias: bool = F
     if path is not None:
         try:
             data = json.loads(path.read_text())
-            return Speed(float(data["forward"]), float(data["backward"]), "cached", tokens)
-        except (OSError, ValueError, KeyError, TypeError):
+            if data.get("load_checked") is True:  # (made before samples were checked: again)
+                return Speed(float(data["forward"]), float(data["backward"]), "cached", tokens)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
     measured = _measure(dtype, tokens, bias)
-    if path is not None and measured.source == "measured":  # a failure is not kept
+    if path is not None and measured.source == "measured":  # (a failure or a loaded one: not)
         with contextlib.suppress(OSError):
-            build._write_atomic(path, json.dumps(asdict(measured)))
+            build._write_atomic(path, json.dumps({**asdict(measured), "load_checked": True}))
     return measured
 
 
@@ -194,30 +215,44 @@ def _repeats(fn) -> int:
     return max(1, math.ceil(MIN_SAMPLE / max(time.perf_counter() - t0, 1e-7)))
 
 
-def _sample(fn, n: int) -> float:
-    t0 = time.perf_counter()
+def _sample(fn, n: int) -> tuple[float, float]:
+    """(seconds a call, the share of its threads' time this process had: CPU time over
+    wall time x threads) of ``n`` calls of ``fn`` in a row."""
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(n):
         fn()
-    return (time.perf_counter() - t0) / n
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return wall / n, cpu / max(wall * torch.get_num_threads(), 1e-9)
 
 
-def _best_ratio(native, torch_fn) -> float:
-    """Native's best time over torch's, each the best of :data:`REPS` samples at least
+def _best_ratio(native, torch_fn) -> tuple[float, bool]:
+    """(native's best time over torch's, whether too few samples had their threads' time),
+    each side's best of the samples that had it (:data:`MIN_SHARE`), at least
     :data:`MIN_SAMPLE` long, the two alternating (neither always runs first). A busy
     neighbour only ever adds time, and not to every sample: the best of each is the
     machine's own speed (a median of paired ratios kept what a busy minute said: the
     bf16 upcast copies, each a torch parallel region, cost 4-8 ms apiece on a busy 2-core
-    machine, and one calibration measured 2.2x where the idle grid measured 0.8x)."""
+    machine, and one calibration measured 2.2x where the idle grid measured 0.8x). Rounds
+    of :data:`REPS` pairs until each side has ``REPS // 2 + 1`` samples that count, at most
+    :data:`MAX_ROUNDS`; where they never do, the best of all samples and True."""
     n_native, n_torch = _repeats(native), _repeats(torch_fn)
-    ours, theirs = [], []
-    for i in range(REPS):
+    ours: list[tuple[float, float]] = []
+    theirs: list[tuple[float, float]] = []
+    need = REPS // 2 + 1
+
+    def counted(samples: list[tuple[float, float]]) -> list[float]:
+        return [seconds for seconds, share in samples if share >= MIN_SHARE]
+
+    for i in range(REPS * MAX_ROUNDS):
         if i % 2:
             theirs.append(_sample(torch_fn, n_torch))
             ours.append(_sample(native, n_native))
         else:
             ours.append(_sample(native, n_native))
             theirs.append(_sample(torch_fn, n_torch))
-    return min(ours) / max(min(theirs), 1e-9)
+        if (i + 1) % REPS == 0 and min(len(counted(ours)), len(counted(theirs))) >= need:
+            return min(counted(ours)) / max(min(counted(theirs)), 1e-9), False
+    return min(s for s, _ in ours) / max(min(s for s, _ in theirs), 1e-9), True
 
 
 def _measure(
@@ -230,19 +265,20 @@ def _measure(
         # The first dense call may come from inside no_grad() or inference_mode(): measure
         # in a context of our own, with gradients on for the backward.
         with torch.inference_mode(False), torch.enable_grad():
-            forward, backward = _time_case(dtype, tokens or CASE[2], bias=bias)
+            forward, backward, loaded = _time_case(dtype, tokens or CASE[2], bias=bias)
     except Exception as err:  # any failure: the safe answer, and why
         return Speed(2.0, 2.0, f"measurement failed ({type(err).__name__}: {err})", tokens or 0)
     finally:
         _measuring.on = False
-    return Speed(round(forward, 3), round(backward, 3), "measured", tokens or CASE[2])
+    source = UNDER_LOAD if loaded else "measured"
+    return Speed(round(forward, 3), round(backward, 3), source, tokens or CASE[2])
 
 
 def _time_case(
     dtype: torch.dtype = torch.float32, t: int | None = None, bias: bool = False
-) -> tuple[float, float]:
+) -> tuple[float, float, bool]:
     """(forward, forward+backward) ratios of native over torch's time on :data:`CASE`
-    (``t`` tokens). ``bias``: with ALiBi, against what runs it without the native kernel
+    (``t`` tokens), and whether either was measured under load (:func:`_best_ratio`). ``bias``: with ALiBi, against what runs it without the native kernel
     (the ``blockwise-flash`` backend: torch's fused kernel on tiles, the bias added to
     each), whose cost is not SDPA's: on the Sapphire Rapids-class Xeon of session 26, SDPA
     ran causal bf16 on AMX while a bf16 ALiBi plan through torch's tiles took 1.3-3.5x the
@@ -267,7 +303,7 @@ def _time_case(
             return sdpa(q, k, v, is_causal=True)
 
     with torch.no_grad():
-        forward = _best_ratio(
+        forward, loaded = _best_ratio(
             lambda: attention(q, k, v, backend="blockwise", **kwargs),
             lambda: theirs(q, k, v),
         )
@@ -279,4 +315,5 @@ def _time_case(
     def torch_step():
         theirs(qg, kg, vg).sum().backward()
 
-    return forward, _best_ratio(native_step, torch_step)
+    backward, loaded_backward = _best_ratio(native_step, torch_step)
+    return forward, backward, loaded or loaded_backward
