@@ -122,6 +122,8 @@ def test_native_ab_times_two_sources_on_the_same_call(capsys, monkeypatch):
     assert rows[0]["vs_first"] == 1.0 and len(rows) == 2
     assert all(r["same_bits_as_first"] and r["gflops"] > 0 for r in rows)
     assert len(attached) == 2
+    rows = native_ab.compare([here, here], build.selected_isa(), 200, 1, 2, backward=True)
+    assert all(r["same_bits_as_first"] and r["gflops"] > 0 for r in rows)  # (dQ's bits)
     with pytest.raises(SystemExit) as err:
         native_ab.main([str(here), "--t", "0"])
     assert err.value.code == 2 and "--t" in capsys.readouterr().err

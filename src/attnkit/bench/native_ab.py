@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import functools
 import hashlib
 import os
 import statistics
@@ -83,12 +84,15 @@ def compare(
     reps: int,
     dtype: torch.dtype = torch.float32,
     window: int | None = None,
+    backward: bool = False,
 ) -> list[dict]:
     """One row per source directory: min and median seconds, GFLOP/s (useful pairs only),
-    % of the first build's FMA probe, and min seconds over the first directory's."""
+    % of the first build's FMA probe, and min seconds over the first directory's.
+    ``backward``: time the backward call instead (its FLOPs 2.5x the forward's, as
+    flash-attn counts them), from the first build's forward; the bits compared are dQ's."""
     b, h, d = SHAPE
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(b, h, t, d, generator=g).to(dtype) for _ in range(3))
+    q, k, v, grad_out = (torch.randn(b, h, t, d, generator=g).to(dtype) for _ in range(4))
     clock = time.thread_time if threads == 1 else time.perf_counter
     with tempfile.TemporaryDirectory(prefix="attnkit-ab-") as tmp:
         libs = [load(Path(s), isa, Path(tmp)) for s in source_dirs]
@@ -98,12 +102,26 @@ def compare(
             args = _args(q, k, v, out, lse, window, threads)
             if lib.attnkit_forward(ctypes.byref(args)) != 0:  # (also the warm-up)
                 raise RuntimeError(f"the kernel refused the call ({isa})")
-            runs.append((lib, args, out, lse))  # (the tensors args points into, alive)
+            call = functools.partial(lib.attnkit_forward, ctypes.byref(args))
+            kept: tuple = (out, lse)  # (the tensors args points into, alive)
+            if backward:
+                delta = (grad_out.float() * out).sum(-1).contiguous()  # (b, h, t)
+                dq, dk, dv = (torch.empty(b, h, t, d) for _ in range(3))
+                bargs = _args(q, k, v, out, lse, window, threads)
+                bargs.bq = native.BACKWARD_BLOCK_Q
+                grads = abi.Grads(*(x.data_ptr() for x in (grad_out, delta, dq, dk, dv)))
+                call = functools.partial(
+                    lib.attnkit_backward, ctypes.byref(bargs), ctypes.byref(grads)
+                )
+                if call() != 0:
+                    raise RuntimeError(f"the kernel refused the backward ({isa})")
+                kept = (dq, lse, delta, dk, dv, bargs, grads)
+            runs.append((call, kept[0], kept))
         times: list[list[float]] = [[] for _ in libs]
         for _ in range(reps):
-            for n, (lib, args, *_) in enumerate(runs):
+            for n, (call, *_) in enumerate(runs):
                 t0 = clock()
-                lib.attnkit_forward(ctypes.byref(args))
+                call()
                 times[n].append(clock() - t0)
         probe_iters = 20_000_000 // threads
         best = float("inf")
@@ -115,11 +133,11 @@ def compare(
         peak = flops / best / 1e9
     span = t if window is None else min(t, window)
     pairs = sum(min(i + 1, span) for i in range(t))  # kept (query, key) pairs of a head
-    useful = 4 * b * h * pairs * d
+    useful = 4 * b * h * pairs * d * (2.5 if backward else 1.0)
     first = min(times[0])
     rows = []
-    for source, ts, (_, _, out, _) in zip(source_dirs, times, runs, strict=True):
-        same = bool(torch.equal(out, runs[0][2]))
+    for source, ts, (_, out, _) in zip(source_dirs, times, runs, strict=True):
+        same = bool(torch.equal(out, runs[0][1]))
         rows.append({
             "source": str(source), "min_s": min(ts), "median_s": statistics.median(ts),
             "gflops": useful / min(ts) / 1e9, "pct_peak": 100 * useful / min(ts) / 1e9 / peak,
@@ -147,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         help="bf16 inputs (a build with bf16 products: avx512-bf16, avx512-amx)",
     )
     parser.add_argument("--window", type=int, default=None)
+    parser.add_argument("--backward", action="store_true", help="time the backward call")
     args = parser.parse_args(argv)
     if args.t < 1 or args.threads < 1 or args.reps < 1:
         parser.error(
@@ -156,8 +175,11 @@ def main(argv: list[str] | None = None) -> None:
     if len(sources) == 1:
         sources.append(build.SOURCE.parent)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
-    rows = compare(sources, args.isa, args.t, args.threads, args.reps, dtype, args.window)
-    print(f"{args.isa}, T={args.t}, {args.threads} thread(s), {dtype}, window {args.window}, "
+    rows = compare(
+        sources, args.isa, args.t, args.threads, args.reps, dtype, args.window, args.backward
+    )
+    what = "backward" if args.backward else "forward"
+    print(f"{args.isa} {what}, T={args.t}, {args.threads} thread(s), {dtype}, window {args.window}, "
           f"probe {rows[0]['peak_gflops']:.0f} GFLOP/s (noisy on a shared machine)")  # fmt: skip
     for r in rows:
         print(f"{r['source']:40s} min {1e3 * r['min_s']:8.1f} ms  median {1e3 * r['median_s']:8.1f}"
