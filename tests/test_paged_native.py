@@ -305,3 +305,39 @@ def test_the_kernel_checks_the_page_ids_each_row_reads(paged_calls):
         v = v_pages[pages].transpose(0, 1).reshape(1, 2, -1, 16)[:, :, :n]
         _check(out[i : i + 1], q[i : i + 1], k, v, torch.ones(1, n, dtype=torch.bool))
         _check(gathered[i : i + 1], q[i : i + 1], k, v, torch.ones(1, n, dtype=torch.bool))
+
+
+def test_a_plain_call_repeated_takes_the_lane(paged_calls, monkeypatch):
+    """A plain call the kernel ran is remembered with its plan (feature "paged lane"): the
+    next call of its key skips the checks and the route and gives the same bits; page ids
+    are still checked by the kernel, pages with a strided last dim still take the full
+    path (gathered), and a call wanting a gradient is never remembered."""
+    import sys
+
+    module = sys.modules["attnkit.paged_attention"]
+    monkeypatch.setattr(module, "_lane", {})
+    q, k, v, k_pages, v_pages, table = _case(1, 2, 2, 1, 70, 32, 16, seed=5)
+    with torch.no_grad():
+        first = paged_attention(q, k_pages, v_pages, table, 70)
+        assert len(module._lane) == 1
+        with monkeypatch.context() as m:
+
+            def refuse(*args, **kwargs):
+                raise AssertionError("the full path ran")
+
+            m.setattr(module, "_route", refuse)
+            m.setattr(module, "_check_pages", refuse)
+            second = paged_attention(q, k_pages, v_pages, table, 70)
+            bad = table.clone()
+            bad[0, 1] = k_pages.shape[0] + 2  # (the same key: the kernel checks the ids)
+            with pytest.raises(ValueError, match="page ids"):
+                paged_attention(q, k_pages, v_pages, bad, 70)
+        assert torch.equal(first, second) and len(paged_calls) == 3
+        _check(second, q, k, v, torch.ones(1, 70, dtype=torch.bool))
+        wide = torch.stack([k_pages, k_pages], -1)[..., 0]  # (strided last dim, same values)
+        paged_calls.clear()
+        third = paged_attention(q, wide, v_pages, table, 70)
+        assert paged_calls == [] and torch.allclose(third, first, atol=1e-6)
+    qg = q.clone().requires_grad_()
+    paged_attention(qg, k_pages, v_pages, table, 70).sum().backward()  # (gathered, autograd)
+    assert len(module._lane) == 1 and qg.grad is not None

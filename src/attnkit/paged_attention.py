@@ -25,6 +25,7 @@ mods. Two ways, one answer:
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, overload
 
@@ -132,6 +133,17 @@ def paged_attention(
         TypeError / ValueError: naming the bad argument (a page id out of range, a page
             table too short for ``key_len``, shapes that do not fit).
     """
+    plain = (
+        mask is None and window is None and mask_mod is None and score_mod is None
+        and block_mask is None and sinks is None and scale is None and return_lse is False
+    )  # fmt: skip
+    lane = (
+        _lane_key(query, k_pages, v_pages, page_table, key_len, causal, backend) if plain else None
+    )
+    if lane is not None:
+        plan = _lane.get(lane)
+        if plan is not None and k_pages.stride(-1) == 1 and v_pages.stride(-1) == 1:
+            return _native(plan, query, k_pages, v_pages, page_table, None, **_PLAIN)
     _check_pages(query, k_pages, v_pages)
     key_len = check_int(key_len, "key_len")
     _check_page_table(page_table, query.shape[0], k_pages.shape[2], key_len)
@@ -153,6 +165,8 @@ def paged_attention(
     )
     plan, _ = _route(query, k_pages, v_pages, key_len, backend, **kwargs)
     if plan is not None:  # (the kernel checks the page ids it reads)
+        if lane is not None:
+            _remember(lane, plan)
         return _native(plan, query, k_pages, v_pages, page_table, None, **kwargs)
     check_page_ids(page_table, key_len, k_pages.shape[2], k_pages.shape[0])
     k, v = gather_pages(k_pages, v_pages, page_table, key_len)  # (b, h_kv, s, d)
@@ -225,6 +239,60 @@ def paged_decode(
     return attention(
         query, k, v, mask=real[:, None, None], scale=scale, sinks=sinks, backend=backend
     )
+
+
+# (feature "paged lane") A plain call (no mask, mod, block mask, window or sinks; the
+# default scale; no LSE; ``causal`` a bool; exact torch.Tensor arguments and an int
+# key_len) that the native kernel ran is remembered with its plan under everything its
+# checks and route read: the shapes, dtypes and devices of the query, pages and page
+# table, key_len, causal, the backend, whether a gradient is wanted and the process state
+# the plans are keyed by (plan_cache.process_key). The next call of its key goes straight
+# to the kernel: the same plan, so the same bits; the pages' strides are checked each call
+# and the page ids by the kernel. On the Xeon of session 28 the checks and the route cost
+# about 15 us a call (more after a long step has pushed the interpreter's data out of the
+# caches), and at L=4096 they had become most of what a paged step costs over a contiguous
+# one, whose attention() call has a lane of its own (backends/fast_lane.py).
+_LANE_KEYS = 256  # the most keys kept (the oldest forgotten first)
+_lane: dict[tuple, TilePlan] = {}  # (read without a lock: one dict lookup)
+_lane_lock = threading.Lock()
+_PLAIN = dict(
+    mask=None, causal=False, scale=None, window=None, mask_mod=None, score_mod=None,
+    block_mask=None, sinks=None, return_lse=False,
+)  # fmt: skip  # (what _native reads of a plain call: sinks and return_lse)
+
+
+def _lane_key(
+    query: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    key_len: object,
+    causal: object,
+    backend: object,
+) -> tuple | None:
+    """The paged lane's key of a plain call, or None where the lane does not take it."""
+    from attnkit.backends.blockwise import plan_cache
+
+    if any(type(x) is not torch.Tensor for x in (query, k_pages, v_pages, page_table)):
+        return None  # (a subclass may run anything: the full path)
+    if type(key_len) is not int or type(causal) is not bool or type(backend) is not str:
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    q, kp, vp, table = query, k_pages, v_pages, page_table
+    grad = torch.is_grad_enabled() and (q.requires_grad or kp.requires_grad or vp.requires_grad)
+    return (
+        q.shape, q.dtype, q.device, kp.shape, kp.dtype, kp.device, vp.shape, vp.dtype,
+        vp.device, table.shape, table.dtype, table.device, key_len, causal, backend, grad,
+        *plan_cache.process_key(),
+    )  # fmt: skip
+
+
+def _remember(lane: tuple, plan: TilePlan) -> None:
+    with _lane_lock:
+        while len(_lane) >= _LANE_KEYS:
+            _lane.pop(next(iter(_lane)))
+        _lane[lane] = plan
 
 
 def _check_pages(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:

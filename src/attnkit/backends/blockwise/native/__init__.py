@@ -579,14 +579,15 @@ def forward_paged(
     out = torch.empty(plan.b, plan.h, plan.t, v_pages.shape[-1], dtype=torch.float32)
     lse = torch.empty(plan.b, plan.h, plan.t, dtype=torch.float32)
     args, keep_alive = _args(plan, q, k_pages, v_pages, out, lse)
-    table = page_table.to(torch.int64).contiguous()
+    table = page_table.to("cpu", torch.int64).contiguous()  # (the kernel reads it: never a
+    # device pointer, whatever device the caller keeps its table on)
     keep_alive.append(table)
     # _args read the pages' strides as (b, h, t): the first is a page's stride here
     args.sk_page, args.sv_page, args.sk_b, args.sv_b = args.sk_b, args.sv_b, 0, 0
     args.pages, args.pages_sb, args.page_size = table.data_ptr(), table.stride(0), k_pages.shape[2]
     args.num_pages = k_pages.shape[0]
     if key_lens is not None:
-        key_lens = key_lens.to(torch.int64).contiguous()
+        key_lens = key_lens.to("cpu", torch.int64).contiguous()
         keep_alive.append(key_lens)
         args.key_lens = key_lens.data_ptr()
     if plan.b * plan.h * plan.t * plan.s * (q.shape[-1] + v_pages.shape[-1]) < PAGED_ONE_THREAD:
