@@ -54,6 +54,7 @@ def _full_path_refused(monkeypatch):
     ],
 )
 def test_the_lane_gives_the_full_paths_numbers(monkeypatch, shape, causal):
+    monkeypatch.setenv("ATTNKIT_NATIVE_SPEED", "slow")  # (SDPA's lane: no decode on the kernel)
     q, k, v = _qkv(**shape)
     with torch.no_grad():
         first = attention(q, k, v, causal=causal)  # the full path, remembered

@@ -449,3 +449,35 @@ def test_a_measurement_is_kept_apart_for_each_hold_of_onednn_and_mkl(monkeypatch
     both = calibrate.cache_key(torch.bfloat16)
     assert len({free, onednn, both}) == 3
     assert both[3].endswith("+onednn=avx512_core_bf16+mkl=avx512_e3"), both[3]
+
+
+def test_decode_steps_are_measured_by_length_up_to_the_calls_work(uncalibrated, monkeypatch):
+    """calibrate.decode_pays: a decode step pays where a measured step of at most its work
+    (DECODE_HEADS at DECODE_KEYS, each dtype and grouping apart) was faster than SDPA,
+    each length measured on first need only and kept under a key of its own; forced
+    speeds decide alone. And the measurement itself runs both sides (a small real one)."""
+    files: dict[tuple, object] = {}
+    monkeypatch.setattr(calibrate, "_cache_file", lambda key: files.setdefault(key, None))
+    asked: list[tuple] = []
+
+    def fake(dtype, grouped, keys):
+        asked.append((grouped, keys))
+        ratio = 0.6 if keys >= 2048 else 1.3  # the kernel's fixed costs lose short steps
+        return ratio, ratio, False
+
+    monkeypatch.setattr(calibrate, "_time_decode", fake)
+    mha = calibrate.DECODE_HEADS[False][0] * 64  # work of one key of the MHA case
+    assert not calibrate.decode_pays(torch.float32, False, 100 * mha)  # under 128: none
+    assert asked == []
+    assert not calibrate.decode_pays(torch.float32, False, 1000 * mha)
+    assert asked == [(False, 128), (False, 512)]
+    assert calibrate.decode_pays(torch.float32, False, 5000 * mha)
+    assert asked == [(False, 128), (False, 512), (False, 2048)]  # (kept: not again)
+    assert calibrate.decode_pays(torch.float32, False, 10**9)  # 2048 decides: 8192 unasked
+    assert [key[-2:] for key in files] == [("float32-decode-mha", n) for n in (128, 512, 2048)]
+    for value, pays in (("fast", True), ("slow", False)):
+        monkeypatch.setenv("ATTNKIT_NATIVE_SPEED", value)
+        assert calibrate.decode_pays(torch.bfloat16, True, 10**9) is pays
+    monkeypatch.delenv("ATTNKIT_NATIVE_SPEED")
+    ratio, same, loaded = calibrate._time_decode(torch.float32, True, 128)
+    assert 0 < ratio < 100 and same == ratio and loaded in (True, False)

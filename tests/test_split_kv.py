@@ -99,11 +99,12 @@ def test_decode_gradients_through_split_forward():
         torch.testing.assert_close(a.double(), b.double(), atol=2e-5, rtol=1e-4)
 
 
-def test_auto_sends_long_decode_steps_to_the_kernel(monkeypatch):
-    """``auto`` runs a float32 decode step of at least native.DECODE_MIN_WORK
-    multiply-adds (twice that without GQA) and a bf16 one against any cache on the native
-    kernel (split-KV), and leaves short float32 caches, gradients and prefills to the
-    others (the kernel's rule, not a forced speed)."""
+def test_auto_sends_decode_steps_where_the_kernel_measured_faster(monkeypatch):
+    """``auto`` runs a decode step on the native kernel (split-KV) where this machine
+    measured it faster than SDPA at the step's work or below (calibrate.decode_pays, each
+    dtype and grouping apart; faked here: float32 GQA from 512 keys, float32 without GQA
+    never, bf16 GQA from 128 keys), and leaves the rest, gradients and prefills to the
+    others."""
     from attnkit.backends.blockwise.native import calibrate
 
     monkeypatch.delenv("ATTNKIT_NATIVE_SPEED", raising=False)
@@ -112,6 +113,17 @@ def test_auto_sends_long_decode_steps_to_the_kernel(monkeypatch):
         "speed",
         lambda dtype=None, keys=None, bias=False: calibrate.Speed(0.5, 0.5, "measured"),
     )
+    monkeypatch.setattr(calibrate, "_cache", {})
+    monkeypatch.setattr(calibrate, "_cache_file", lambda key: None)
+    measured: list[tuple] = []
+
+    def fake(dtype, grouped, keys):
+        measured.append((dtype, grouped, keys))
+        fast = grouped and keys >= (512 if dtype == torch.float32 else 128)
+        ratio = 0.7 if fast else 1.2
+        return ratio, ratio, False
+
+    monkeypatch.setattr(calibrate, "_time_decode", fake)
     seen: list[tuple] = []
     original = native.forward
 
@@ -120,22 +132,25 @@ def test_auto_sends_long_decode_steps_to_the_kernel(monkeypatch):
         return original(plan, q, k, v)
 
     monkeypatch.setattr(native, "forward", spy)
-    long_keys = native.DECODE_MIN_WORK // (8 * 64)  # 8 query heads of 64
+    long_keys = 2048  # 8 query heads x 2048 keys: the work of the GQA case at 512 keys
     q, k, v = decode_case(1, 8, 2, long_keys)  # 4 rows per kv head: a decode step
     out = attention(q, k, v)
     assert seen == [(1, long_keys)]
+    assert measured == [(torch.float32, True, 128), (torch.float32, True, 512)]
     ref, _ = ref_attention_lse(q, k, v)
     torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=2e-5)
     seen.clear()
     half = [x.to(torch.bfloat16) for x in decode_case(1, 8, 2, 1024)]
-    attention(*half)  # bf16: torch's kernel is several times slower at a decode step
+    attention(*half)  # bf16 GQA: its own measurement, faster from 128 keys
     assert seen == [(1, 1024)]
     seen.clear()
-    attention(*decode_case(1, 8, 2, long_keys // 2))  # a short float32 cache: SDPA
-    attention(*decode_case(1, 2, 2, 2 * long_keys))  # MHA (no group): twice the work
+    attention(*decode_case(1, 8, 2, long_keys // 2))  # a shorter float32 cache: SDPA
+    attention(*decode_case(1, 2, 2, 20_000))  # without GQA: never faster here
+    attention(*decode_case(1, 8, 2, 100))  # under the shortest measured: not measured
     attention(q.requires_grad_(), k, v)  # gradients wanted: as before
     attention(*decode_case(4, 8, 2, long_keys))  # 16 rows per kv head: as before
     assert seen == []
+    assert (torch.float32, True, 2048) not in measured  # (only what a call needed)
     # a few queries bottom-right causal: SDPA would need a dense mask, the kernel takes
     # any size (2 x 4 rows per kv head against a short cache)
     q2, k2, v2 = decode_case(2, 8, 2, 300)

@@ -249,8 +249,7 @@ NATIVE_MIN_KEYS_MASKED = 512
 #: A decode step (at most this many query rows per key/value head) goes to blockwise first
 #: where the native kernel runs it: it reads the cache in place and splits it across the
 #: threads (split-KV decoding). Where that pays is the kernel's own rule
-#: (native.decode_pays: float32 from native.DECODE_MIN_WORK multiply-adds, bf16/fp16
-#: always: torch's half-precision kernels are several times slower at a decode step).
+#: (native.decode_pays: measured against SDPA on this machine, by the step's work).
 DECODE_MAX_ROWS = native.DIRECT_ROWS
 
 

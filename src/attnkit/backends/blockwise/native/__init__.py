@@ -96,28 +96,13 @@ PAGED_ONE_THREAD = 2**16
 #: the AVX2 build (torch held to AVX2) 1.04-1.2x at 16 rows, 1.0-1.3x at 32-40 and
 #: 0.86-1.09x at 48-64 (FEW_ROWS[8] = 48; NEON, unmeasured, as AVX2). Up to DIRECT_ROWS
 #: rows (attention.cpp's DIRECT_ROWS) the kernel reads the keys in place and splits them
-#: across the threads, which pays for a float32 step from DECODE_MIN_WORK multiply-adds
-#: of Q Kᵀ (see :func:`decode_pays`). bf16 and fp16 calls take
-#: neither bound: torch's half-precision kernels are slow at few rows (a decode step, 2176
-#: keys: 0.78 ms in bf16 against 0.12 in fp32), and the kernel ran every few-row bf16 case
-#: measured faster than torch's even in float32 (0.33-0.9x).
+#: across the threads; whether that beats torch's own decode step is measured on each
+#: machine (:func:`decode_pays`).
 #: DIRECT_ROWS is the one decode bound of the kernel, contiguous and paged alike (a paged
 #: decode step of rows of different lengths, ``paged_decode``, is taken only this way);
 #: inside blockwise such a step always runs here (see :func:`why_not`).
 #: ``ATTNKIT_NATIVE_SPEED=fast`` (the tests) lets the kernel run these too.
 DIRECT_ROWS = 8
-#: ``auto`` sends a float32 decode step to the kernel rather than to SDPA from this many
-#: multiply-adds of one row's Q Kᵀ
-#: (batch x query heads x keys x head dim) where query heads share a key/value head (GQA: the kernel
-#: reads each key once for the group), and from twice as many without (MHA: both read
-#: every key once a head, and the kernel's call costs ~45 µs more Python). Measured on the
-#: Zen 3 of session 11 (d=64, 2 threads, native / torch's kernel through attention(),
-#: interleaved): 8/2 heads 1.23x at 512 keys (2^18), 0.97 at 1024, 0.78 at 2048 (2^20),
-#: 0.61 at 4096; 32/8 heads 0.76 at 512 (2^20), 0.64 at 1024; 12/12 heads 1.17 at 1024,
-#: 0.98 at 2048 (about 2^21), 0.75 at 4096; 2/2 heads 1.27 at 4096 and 1.15 at 8192
-#: (2^20: both native under the keys-only bound before it). On the Zen 5 of session 9,
-#: 2/2 heads: 1.2x at 1024 keys, 1.03-1.06 at 4096, 0.8-0.85 at 16384 (2^21).
-DECODE_MIN_WORK = 2**20
 FEW_ROWS = {16: 12, 8: 48, 4: 48}
 #: ``mask_kind`` of attention.cpp.
 _MASK_BOOL, _MASK_FLOAT = 1, 2
@@ -275,20 +260,28 @@ def decode_pays(
     sdpa_masked: bool = False,
 ) -> bool:
     """Whether a dense decode step (at most :data:`DIRECT_ROWS` query rows per key/value
-    head) runs faster here than in torch's kernel: bf16 and fp16 always, float32 from
-    :data:`DECODE_MIN_WORK` multiply-adds of one query row's Q Kᵀ (``batch * heads *
-    keys * head_dim``: a step is memory-bound, its few rows read the same keys) with
-    GQA, twice as many without (the one decode rule, asked by ``auto`` before it plans a
-    call: below it SDPA takes the step; a call blockwise takes anyway, one that wants the
-    log-sum-exp say, runs the step on the kernel). ``sdpa_masked``: torch's kernel would
-    need a dense mask for the step's causal triangle (several queries, bottom-right), so
-    the kernel pays from any size: on the Zen 3 of session 16 (d=64, 2 threads, through
-    attention(), interleaved) it took 0.56-0.98x SDPA's time for 2-8 queries against
-    128-4096 keys, 12/12 and 32/8 heads."""
-    if dtype != torch.float32 or sdpa_masked:
+    head) runs faster here than in torch's kernel: measured on this machine by the
+    multiply-adds of one query row's Q Kᵀ (``batch * heads * keys * head_dim``: a step is
+    memory-bound, its few rows read the same keys), with and without grouped query heads
+    (:func:`.calibrate.decode_pays`; the one decode rule, asked by ``auto`` before it plans
+    a call: where it is False SDPA takes the step; a call blockwise takes anyway, one that
+    wants the log-sum-exp say, runs the step on the kernel).
+
+    ``sdpa_masked``: torch's kernel would need a dense mask for the step's causal triangle
+    (several queries, bottom-right), so the kernel pays from any size: on the Zen 3 of
+    session 16 (d=64, 2 threads, through attention(), interleaved) it took 0.56-0.98x
+    SDPA's time for 2-8 queries against 128-4096 keys, 12/12 and 32/8 heads.
+
+    The rule before the measurement (session 11, two AMD EPYCs: float32 from 2^20
+    multiply-adds with GQA and 2^21 without, bf16 and fp16 always, torch's half-precision
+    steps there being several times slower) had ``auto`` take up to 3.9x SDPA's time on
+    the Xeon of session 28, whose torch runs decode steps on fast oneDNN code."""
+    if sdpa_masked:
         return True
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False  # (the kernel reads no other dtype)
     work = batch * heads * keys * head_dim
-    return work >= DECODE_MIN_WORK * (1 if heads > kv_heads else 2)
+    return calibrate.decode_pays(dtype, heads > kv_heads, work)
 
 
 def few_rows() -> int:

@@ -51,11 +51,13 @@ measurement (tests, or a user who knows better).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -141,9 +143,59 @@ def speed(dtype: torch.dtype = torch.float32, keys: int | None = None, bias: boo
     if forced_speed is not None:
         return forced_speed
     key = cache_key(dtype, keys, bias)
+    return _kept(key, lambda: _time_case(dtype, key[-1], bias=bias))
+
+
+#: The decode steps measured for :func:`decode_pays`: (query heads, key/value heads) of a
+#: step without and with grouped queries (GQA), head size 64, one query row a head.
+DECODE_HEADS = {False: (12, 12), True: (32, 8)}
+#: The cache lengths a decode step is measured at, shortest first (each on first need).
+DECODE_KEYS = (128, 512, 2048, 8192)
+_DECODE_D = 64
+
+
+def decode_pays(dtype: torch.dtype, grouped: bool, work: int) -> bool:
+    """Whether the native kernel runs a decode step of ``work`` multiply-adds of one
+    query row's Q Kᵀ (batch x query heads x keys x head size) faster than torch's SDPA
+    here: measured (native through ``attention(backend="blockwise")``, SDPA with
+    ``enable_gqa``) on :data:`DECODE_HEADS` steps (``grouped``: query heads sharing a
+    key/value head) at the lengths of :data:`DECODE_KEYS` up to the call's work, each on
+    first need and kept as the prefill measurements are; True where one of them up to
+    the call's work was faster by more than :data:`TIE` (a longer cache amortises the
+    kernel's fixed costs over more memory-bound work: the shortest such length is the
+    crossover). ``ATTNKIT_NATIVE_SPEED=fast|slow`` decides alone.
+
+    Measured on the Xeon of session 28 (d=64, 2 threads, auto against SDPA, no grad):
+    torch's decode steps there run on fast oneDNN/MKL code, and the kernel's rule before
+    this one (float32 from 2^20-2^21 multiply-adds, bf16 always; measured on AMD EPYCs,
+    where torch's bf16 step was several times slower) had ``auto`` take 1.07-2.3x SDPA's
+    time for float32 steps without GQA at 32-8192 keys and 1.2-3.9x for bf16 ones."""
+    forced_speed = forced()
+    if forced_speed is not None:
+        return forced_speed.forward_ok
+    heads = DECODE_HEADS[grouped][0]
+    for keys in DECODE_KEYS:
+        if work < heads * keys * _DECODE_D:
+            return False
+        key = decode_key(dtype, grouped, keys)
+        if _kept(key, functools.partial(_time_decode, dtype, grouped, keys)).forward_ok:
+            return True
+    return False
+
+
+def decode_key(dtype: torch.dtype, grouped: bool, keys: int) -> tuple:
+    """What a decode measurement is kept under (as :func:`cache_key`'s, the case named in
+    the dtype's place)."""
+    case = str(dtype).removeprefix("torch.") + ("-decode-gqa" if grouped else "-decode-mha")
+    return (*cache_key(dtype)[:-2], case, keys)
+
+
+def _kept(key: tuple, time_case: Callable[[], tuple[float, float, bool]]) -> Speed:
+    """The speed kept under ``key`` (this process's, or the file's), measured by
+    ``time_case`` where there is none."""
     with _lock:
         if key not in _cache:
-            _cache[key] = _load_or_measure(key, dtype, key[-1], bias)
+            _cache[key] = _load_or_measure(key, time_case)
     return _cache[key]
 
 
@@ -191,7 +243,8 @@ def _cache_file(key: tuple) -> Path | None:
     return library.with_name(name)
 
 
-def _load_or_measure(key: tuple, dtype: torch.dtype, tokens: int, bias: bool = False) -> Speed:
+def _load_or_measure(key: tuple, time_case: Callable[[], tuple[float, float, bool]]) -> Speed:
+    tokens = key[-1]
     path = _cache_file(key)
     if path is not None:
         try:
@@ -200,7 +253,7 @@ def _load_or_measure(key: tuple, dtype: torch.dtype, tokens: int, bias: bool = F
                 return Speed(float(data["forward"]), float(data["backward"]), "cached", tokens)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
-    measured = _measure(dtype, tokens, bias)
+    measured = _measure(time_case, tokens)
     if path is not None and measured.source == "measured":  # (a failure or a loaded one: not)
         with contextlib.suppress(OSError):
             build._write_atomic(path, json.dumps({**asdict(measured), "load_checked": True}))
@@ -255,23 +308,22 @@ def _best_ratio(native, torch_fn) -> tuple[float, bool]:
     return min(s for s, _ in ours) / max(min(s for s, _ in theirs), 1e-9), True
 
 
-def _measure(
-    dtype: torch.dtype = torch.float32, tokens: int | None = None, bias: bool = False
-) -> Speed:
-    """Time the case; a measurement that fails for any reason counts as "slower" (torch's
-    kernel keeps dense plans), never as an error in the call that triggered it."""
+def _measure(time_case: Callable[[], tuple[float, float, bool]], tokens: int) -> Speed:
+    """Time the case (``time_case``: the ratios and whether they were measured under load);
+    a measurement that fails for any reason counts as "slower" (torch's kernel keeps dense
+    plans), never as an error in the call that triggered it."""
     _measuring.on = True
     try:
         # The first dense call may come from inside no_grad() or inference_mode(): measure
         # in a context of our own, with gradients on for the backward.
         with torch.inference_mode(False), torch.enable_grad():
-            forward, backward, loaded = _time_case(dtype, tokens or CASE[2], bias=bias)
+            forward, backward, loaded = time_case()
     except Exception as err:  # any failure: the safe answer, and why
-        return Speed(2.0, 2.0, f"measurement failed ({type(err).__name__}: {err})", tokens or 0)
+        return Speed(2.0, 2.0, f"measurement failed ({type(err).__name__}: {err})", 0)
     finally:
         _measuring.on = False
     source = UNDER_LOAD if loaded else "measured"
-    return Speed(round(forward, 3), round(backward, 3), source, tokens or CASE[2])
+    return Speed(round(forward, 3), round(backward, 3), source, tokens)
 
 
 def _time_case(
@@ -317,3 +369,21 @@ def _time_case(
 
     backward, loaded_backward = _best_ratio(native_step, torch_step)
     return forward, backward, loaded or loaded_backward
+
+
+def _time_decode(dtype: torch.dtype, grouped: bool, keys: int) -> tuple[float, float, bool]:
+    """(ratio, ratio, loaded): a decode step's time on the native kernel over SDPA's
+    (:func:`decode_pays`), no gradient."""
+    from attnkit.attention import attention  # (the core imports the backends)
+
+    h, h_kv = DECODE_HEADS[grouped]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, h, 1, _DECODE_D, generator=g).to(dtype)
+    k, v = (torch.randn(1, h_kv, keys, _DECODE_D, generator=g).to(dtype) for _ in range(2))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with torch.no_grad():
+        ratio, loaded = _best_ratio(
+            lambda: attention(q, k, v, backend="blockwise"),
+            lambda: sdpa(q, k, v, enable_gqa=grouped),
+        )
+    return ratio, ratio, loaded
