@@ -161,6 +161,7 @@ def test_the_serving_bench_runs_its_decode_step():
     assert row["max_abs_diff"] < 1e-5 and row["ratio"] > 0
     q1, q3 = row["quartiles"]  # the median of the per-round ratios, with its quartiles
     assert q1 <= row["ratio"] <= q3 and row["ratio of medians"] > 0
+    assert row["auto_us"] > 0 and row["paged_over_auto"] > 0  # (auto's contiguous step beside)
 
 
 @pytest.mark.slow
