@@ -479,5 +479,9 @@ def test_decode_steps_are_measured_by_length_up_to_the_calls_work(uncalibrated, 
         monkeypatch.setenv("ATTNKIT_NATIVE_SPEED", value)
         assert calibrate.decode_pays(torch.bfloat16, True, 10**9) is pays
     monkeypatch.delenv("ATTNKIT_NATIVE_SPEED")
+    with monkeypatch.context() as m:  # under torch.compile: never measured, never native
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert not native.decode_pays(torch.float32, 1, 12, 12, 10**6, 64)
+    assert len(asked) == 3
     ratio, same, loaded = calibrate._time_decode(torch.float32, True, 128)
     assert 0 < ratio < 100 and same == ratio and loaded in (True, False)

@@ -276,6 +276,8 @@ def decode_pays(
     multiply-adds with GQA and 2^21 without, bf16 and fp16 always, torch's half-precision
     steps there being several times slower) had ``auto`` take up to 3.9x SDPA's time on
     the Xeon of session 28, whose torch runs decode steps on fast oneDNN code."""
+    if torch.compiler.is_compiling():
+        return False  # (the kernel is a foreign call there, and nothing is measured)
     if sdpa_masked:
         return True
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):

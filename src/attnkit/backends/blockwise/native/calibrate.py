@@ -40,6 +40,11 @@ torch's bf16 SDPA runs on AMX tiles through them, 4x faster than held below AMX)
 thread count, the dtype and the measured length), so the decision is made once per
 machine and is the same in every later process.
 
+Decode steps (a query row or a few per key/value head, keys read in place) are measured
+apart, by :func:`decode_pays`: native against SDPA at a few cache lengths, with and
+without grouped query heads, each length on a call's first need; the same rules of
+samples, ties and keeping apply.
+
 Where the ratio is not below 1 - TIE, the native kernel does not run dense plans of that
 dtype and length class (no
 mask or block mask beyond causal, no score_mod): the fused engine takes torch's kernel
@@ -65,7 +70,7 @@ import torch
 
 from attnkit.backends.blockwise.native import build
 
-__all__ = ["Speed", "speed"]
+__all__ = ["Speed", "decode_pays", "speed"]
 
 #: The measured case: (batch, heads, tokens, head size), causal.
 CASE = (1, 4, 1024, 64)
@@ -177,13 +182,13 @@ def decode_pays(dtype: torch.dtype, grouped: bool, work: int) -> bool:
     for keys in DECODE_KEYS:
         if work < heads * keys * _DECODE_D:
             return False
-        key = decode_key(dtype, grouped, keys)
+        key = _decode_key(dtype, grouped, keys)
         if _kept(key, functools.partial(_time_decode, dtype, grouped, keys)).forward_ok:
             return True
     return False
 
 
-def decode_key(dtype: torch.dtype, grouped: bool, keys: int) -> tuple:
+def _decode_key(dtype: torch.dtype, grouped: bool, keys: int) -> tuple:
     """What a decode measurement is kept under (as :func:`cache_key`'s, the case named in
     the dtype's place)."""
     case = str(dtype).removeprefix("torch.") + ("-decode-gqa" if grouped else "-decode-mha")
