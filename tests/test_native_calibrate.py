@@ -485,3 +485,23 @@ def test_decode_steps_are_measured_by_length_up_to_the_calls_work(uncalibrated, 
     assert len(asked) == 3
     ratio, same, loaded = calibrate._time_decode(torch.float32, True, 128)
     assert 0 < ratio < 100 and same == ratio and loaded in (True, False)
+
+
+def test_a_decode_step_the_kernel_cannot_take_is_never_measured(uncalibrated, monkeypatch):
+    """A decode step wanting a gradient or weights, or any on a machine without the
+    kernel, goes to SDPA without measuring anything (a measurement costs about a second)."""
+
+    measured: list[tuple] = []  # (a measurement's failure is caught: recorded instead)
+    monkeypatch.setattr(
+        calibrate, "_time_decode", lambda *args: measured.append(args) or (0.5, 0.5, False)
+    )
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 12, 1, 64, generator=gen, requires_grad=True)
+    k, v = torch.randn(1, 12, 4096, 64, generator=gen), torch.randn(1, 12, 4096, 64)
+    out = attention(q, k, v)  # a gradient wanted: not a decode step for the kernel
+    out.sum().backward()
+    with torch.no_grad():
+        attention(q, k, v, need_weights=True)
+        monkeypatch.setattr(native, "available", lambda: False)
+        attention(q, k, v)
+    assert q.grad is not None and measured == []

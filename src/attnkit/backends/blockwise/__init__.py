@@ -263,14 +263,14 @@ def _decode_step(call: AttentionCall) -> bool:
         and 1 < call.q_len < call.k_len
         and not is_top_left_triangle(call.q_len, call.k_len, call.causal)
     )
-    return (
+    return (  # (the measured rule last: a call it cannot be never measures)
         call.q_len * (heads // kv_heads) <= DECODE_MAX_ROWS
-        and native.decode_pays(
-            q.dtype, batch, heads, kv_heads, call.k_len, q.shape[-1], sdpa_masked=sdpa_masked
-        )
         and call.query.device.type == "cpu"
         and not call.need_weights
         and not _wants_grad(call)
+        and native.decode_pays(
+            q.dtype, batch, heads, kv_heads, call.k_len, q.shape[-1], sdpa_masked=sdpa_masked
+        )
     )
 
 

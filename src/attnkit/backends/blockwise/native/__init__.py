@@ -278,6 +278,8 @@ def decode_pays(
     the Xeon of session 28, whose torch runs decode steps on fast oneDNN code."""
     if torch.compiler.is_compiling():
         return False  # (the kernel is a foreign call there, and nothing is measured)
+    if not available():
+        return False  # (nothing to measure: without a build blockwise runs torch's kernel)
     if sdpa_masked:
         return True
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
