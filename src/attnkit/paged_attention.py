@@ -472,5 +472,6 @@ def _native(
     out, lse = native.forward_paged(plan, q, k_pages, v_pages, page_table, key_lens)
     if kwargs["sinks"] is not None:
         out, lse = add_sinks(out, lse, kwargs["sinks"], plan.h)
-    out = out.to(query.dtype)
+    if out.dtype != query.dtype:
+        out = out.to(query.dtype)
     return (out, lse) if kwargs["return_lse"] else out

@@ -576,15 +576,14 @@ def forward_paged(
     out = torch.empty(plan.b, plan.h, plan.t, v_pages.shape[-1], dtype=torch.float32)
     lse = torch.empty(plan.b, plan.h, plan.t, dtype=torch.float32)
     args, keep_alive = _args(plan, q, k_pages, v_pages, out, lse)
-    table = page_table.to("cpu", torch.int64).contiguous()  # (the kernel reads it: never a
-    # device pointer, whatever device the caller keeps its table on)
+    table = _int64_cpu(page_table)
     keep_alive.append(table)
     # _args read the pages' strides as (b, h, t): the first is a page's stride here
     args.sk_page, args.sv_page, args.sk_b, args.sv_b = args.sk_b, args.sv_b, 0, 0
     args.pages, args.pages_sb, args.page_size = table.data_ptr(), table.stride(0), k_pages.shape[2]
     args.num_pages = k_pages.shape[0]
     if key_lens is not None:
-        key_lens = key_lens.to("cpu", torch.int64).contiguous()
+        key_lens = _int64_cpu(key_lens)
         keep_alive.append(key_lens)
         args.key_lens = key_lens.data_ptr()
     if plan.b * plan.h * plan.t * plan.s * (q.shape[-1] + v_pages.shape[-1]) < PAGED_ONE_THREAD:
@@ -596,6 +595,16 @@ def forward_paged(
     _check_code(code)
     del keep_alive
     return out, lse
+
+
+def _int64_cpu(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a contiguous CPU int64 tensor, for the kernel to read (never a device
+    pointer, whatever device the caller keeps it on); ``x`` itself where it is one (a
+    decode step's table, every layer: no tensor op after a step that has pushed the
+    interpreter's data out of the caches, where each costs several microseconds)."""
+    if x.dtype == torch.int64 and x.device.type == "cpu" and x.is_contiguous():
+        return x
+    return x.to("cpu", torch.int64).contiguous()
 
 
 def why_not_backward(
