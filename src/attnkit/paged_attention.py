@@ -25,7 +25,6 @@ mods. Two ways, one answer:
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal, overload
 
@@ -39,6 +38,7 @@ from attnkit.attention import (
     attention,
     check_sinks,
 )
+from attnkit.backends import fast_lane
 from attnkit.block_mask import BlockMask
 from attnkit.masks import MaskMod, ScoreMod, normalize_causal
 from attnkit.paged_kv_cache import check_page_ids, gather_pages
@@ -143,7 +143,7 @@ def paged_attention(
     if lane is not None:
         plan = _lane.get(lane)
         if plan is not None and k_pages.stride(-1) == 1 and v_pages.stride(-1) == 1:
-            return _native(plan, query, k_pages, v_pages, page_table, None, **_PLAIN)
+            return _native(plan, query, k_pages, v_pages, page_table, sinks=None, return_lse=False)
     _check_pages(query, k_pages, v_pages)
     key_len = check_int(key_len, "key_len")
     _check_page_table(page_table, query.shape[0], k_pages.shape[2], key_len)
@@ -166,7 +166,7 @@ def paged_attention(
     plan, _ = _route(query, k_pages, v_pages, key_len, backend, **kwargs)
     if plan is not None:  # (the kernel checks the page ids it reads)
         if lane is not None:
-            _remember(lane, plan)
+            fast_lane.put(_lane, lane, plan)
         return _native(plan, query, k_pages, v_pages, page_table, None, **kwargs)
     check_page_ids(page_table, key_len, k_pages.shape[2], k_pages.shape[0])
     k, v = gather_pages(k_pages, v_pages, page_table, key_len)  # (b, h_kv, s, d)
@@ -251,14 +251,9 @@ def paged_decode(
 # and the page ids by the kernel. On the Xeon of session 28 the checks and the route cost
 # about 15 us a call (more after a long step has pushed the interpreter's data out of the
 # caches), and at L=4096 they had become most of what a paged step costs over a contiguous
-# one, whose attention() call has a lane of its own (backends/fast_lane.py).
-_LANE_KEYS = 256  # the most keys kept (the oldest forgotten first)
+# one, whose attention() call has a lane of its own (backends/fast_lane.py, whose bound
+# this lane's keys share: fast_lane.put).
 _lane: dict[tuple, TilePlan] = {}  # (read without a lock: one dict lookup)
-_lane_lock = threading.Lock()
-_PLAIN = dict(
-    mask=None, causal=False, scale=None, window=None, mask_mod=None, score_mod=None,
-    block_mask=None, sinks=None, return_lse=False,
-)  # fmt: skip  # (what _native reads of a plain call: sinks and return_lse)
 
 
 def _lane_key(
@@ -286,13 +281,6 @@ def _lane_key(
         vp.device, table.shape, table.dtype, table.device, key_len, causal, backend, grad,
         *plan_cache.process_key(),
     )  # fmt: skip
-
-
-def _remember(lane: tuple, plan: TilePlan) -> None:
-    with _lane_lock:
-        while len(_lane) >= _LANE_KEYS:
-            _lane.pop(next(iter(_lane)))
-        _lane[lane] = plan
 
 
 def _check_pages(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:

@@ -46,7 +46,7 @@ from attnkit.backends.blockwise.autograd import forward as blockwise_forward
 from attnkit.backends.blockwise.plan import NATIVE_CPU, TilePlan
 from attnkit.masks import is_top_left_triangle
 
-__all__ = ["MAX_KEYS", "clear", "key", "known", "remember", "run"]
+__all__ = ["MAX_KEYS", "clear", "key", "known", "put", "remember", "run"]
 
 #: The most call keys remembered (the oldest forgotten first).
 MAX_KEYS = 256
@@ -138,18 +138,22 @@ def remember(
             kept = _Sdpa(is_causal, call.scale, call.gqa_groups > 1)
     elif as_given and backend.name == "blockwise" and backend.fn is blockwise_attention:
         plan = planned(call)
+        engines = None if plan is None else plan.engines
         wants_grad = torch.is_grad_enabled() and (
             query.requires_grad or key_.requires_grad or value.requires_grad
         )
-        native_forward = (
-            plan is not None and plan.engines is not None and (plan.engines.forward == NATIVE_CPU)
-        )
-        if plan is not None and native_forward and not wants_grad:
-            kept = _Native(plan)
+        if plan is not None and engines is not None and engines.forward == NATIVE_CPU:
+            kept = None if wants_grad else _Native(plan)
+    put(_kept, lane_key, kept)
+
+
+def put(store: dict, lane_key: tuple, outcome: object) -> None:
+    """``store[lane_key] = outcome`` under the lanes' lock, at most :data:`MAX_KEYS` keys
+    kept, the oldest forgotten first (this lane's store, and ``paged_attention``'s)."""
     with _lock:
-        while len(_kept) >= MAX_KEYS:
-            _kept.pop(next(iter(_kept)))
-        _kept[lane_key] = kept
+        while len(store) >= MAX_KEYS:
+            store.pop(next(iter(store)))
+        store[lane_key] = outcome
 
 
 def known(lane_key: tuple) -> bool:
