@@ -179,6 +179,20 @@ def test_the_native_lane_gives_the_full_paths_numbers(monkeypatch, backend, dtyp
                 backend=backend,
             )  # fmt: skip
     assert second.dtype == dtype and torch.equal(first, second) and torch.equal(first, strided)
+    # expanded keys and values (stride 0 over the batch and the heads): the same key, so
+    # the lane; its numbers those of the full path and of float64
+    k1, v1 = k[:1, :1].expand_as(k), v[:1, :1].expand_as(v)
+    with torch.no_grad():
+        with monkeypatch.context() as m:
+            _full_path_refused(m)
+            expanded = attention(q, k1, v1, causal=True, backend=backend)
+        fast_lane.clear()
+        full = attention(q, k1, v1, causal=True, backend=backend)
+    assert torch.equal(expanded, full)
+    ref1 = ref_attention(q.double(), k1.double(), v1.double(), causal="bottom_right")[0]
+    plain1 = attention(q, k1, v1, causal=True, backend="reference")
+    err1 = (expanded.double() - ref1).abs().max().item()
+    assert err1 <= 2 * (plain1.double() - ref1).abs().max().item() + 1e-6
     ref = ref_attention(q.double(), k.double(), v.double(), causal="bottom_right")[0]
     plain = attention(q, k, v, causal=True, backend="reference")
     err = (second.double() - ref).abs().max().item()
