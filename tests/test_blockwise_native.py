@@ -144,6 +144,67 @@ def test_keys_packed_by_their_one_reader_give_the_shared_packs_bits(lq, lk, caus
     assert err <= 2 * plain_err + EPS[dtype], (err, plain_err)
 
 
+@pytest.mark.parametrize(
+    "lq, lk, q_scale",
+    [
+        (16, 1100, 1.0),
+        (32, 300, 12.0),
+        (24, 129, 1.0),
+        (48, 200, 12.0),
+        (64, 64, 1.0),
+        (20, 90, 1.0),
+    ],
+)
+@pytest.mark.parametrize("late_max", [False, True])
+def test_few_rows_scored_keys_as_rows_give_the_rows_paths_bits(lq, lk, q_scale, late_max, calls):
+    """(feature "keys as rows") A kv head's 16-64 query rows that pack their own keys score
+    each plain chunk transposed (K Q^T, keys read in place) with a vertical softmax: the
+    same bits as the rows' path, which the GQA call (keys packed once for two blocks) takes.
+    Past 16 chunks (sums gathered), a short last chunk (the rows' path in the same block),
+    scores of +-100s (the max moves), a padded last vector of rows (24 and 20 rows), a key
+    near the end that moves the max of many rows after their sums were gathered; and
+    float64's numbers by the 2x rule."""
+    q, k, v = _qkv(1, 4, 2, lq, lk, 64, 64, seed=11, strided=True)
+    q = q * q_scale
+    if late_max:
+        k[:, :, lk - 40] *= 8.0
+    gqa = attention(q, k, v, backend="blockwise")  # heads 0, 2 read kv 0, 1
+    mha = attention(q[:, ::2], k, v, backend="blockwise")
+    assert len(calls) == 2
+    assert torch.equal(mha, gqa[:, ::2])
+    keep = ref_band_keep(lq, lk, None, None)
+    want = ref_attention_lse(q[:, ::2], k, v, keep=keep)[0]
+    plain = plain_attention(q[:, ::2], k, v, keep).double()
+    err, plain_err = ((x - want).abs().max().item() for x in (mha.double(), plain))
+    assert err <= 2 * plain_err + EPS[torch.float32], (err, plain_err)
+
+
+def test_a_nan_key_under_keys_as_rows_makes_every_row_nan(calls):
+    """A NaN key makes a chunk's scores NaN for every row: that chunk goes the rows' path
+    (keys as rows hands it back), and every row that sees the key is NaN, as the GQA call's."""
+    q, k, v = _qkv(1, 4, 2, 32, 200, 64, 64, seed=12)
+    k[0, 0, 70, 5] = float("nan")
+    gqa = attention(q, k, v, backend="blockwise")
+    mha = attention(q[:, ::2], k, v, backend="blockwise")
+    assert torch.isnan(mha[0, 0]).all() and not torch.isnan(mha[0, 1]).any()
+    torch.testing.assert_close(mha, gqa[:, ::2], rtol=0, atol=0, equal_nan=True)
+    assert len(calls) == 2
+
+
+def test_a_chunk_of_minus_inf_scores_under_keys_as_rows_keeps_nothing(calls):
+    """Keys whose scores are -inf for every row (the first chunk's, here) leave the rows
+    as if they were not there: keys as rows hands the chunk to the rows' path, whose
+    softmax keeps nothing of it (a max of -inf would make its weights NaN)."""
+    q, k, v = _qkv(1, 4, 2, 32, 200, 64, 64, seed=13)
+    q[..., 0] = q[..., 0].abs() + 0.5
+    k[:, :, :64, 0] = float("-inf")  # (b, kv head, key, dim): q . k = -inf
+    gqa = attention(q, k, v, backend="blockwise")
+    mha = attention(q[:, ::2], k, v, backend="blockwise")
+    assert torch.equal(mha, gqa[:, ::2])
+    want = ref_attention_lse(q[:, ::2], k[:, :, 64:], v[:, :, 64:])[0]
+    assert (mha.double() - want).abs().max().item() < 1e-5
+
+
 def test_expanded_batch_one_keys(calls):
     q, _, _ = _qkv(3, 2, 2, 70, 90, 16, 16, seed=4)
     _, k, v = _qkv(1, 2, 2, 70, 90, 16, 16, seed=5)

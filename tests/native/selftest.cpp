@@ -527,6 +527,10 @@ int main() {
       {"... and causal, GQA", 1, 4, 2, 300, 300, 32, 32, -NONE, 0, true, 250},
       // the mask tensor over keys 100.. alone (a draft tree after its cache): mask_c0
       {"suffix mask from 100, GQA", 1, 4, 2, 70, 145, 32, 32, -NONE, NONE, true, 100, true},
+      // a kv head's 16-32 rows packing their own keys: plain chunks scored transposed
+      // (keys as rows), past 16 chunks, the last short one and the masked ones the rows' way
+      {"16 rows, keys as rows", 1, 2, 2, 16, 1100, 32, 32, -NONE, NONE, false},
+      {"32 rows, mask kept to 128", 1, 2, 2, 32, 300, 64, 64, -NONE, NONE, true, 128},
   };
   std::mt19937 rng(1234);
   int passed = 0, failed = 0;

@@ -861,6 +861,9 @@ struct Scratch {
   std::vector<float> smod;    // a compiled score_mod's rows (the softmax's input), KC a row
   std::vector<float> kt;      // (pack in item) the chunk's keys, transposed (sized on use)
   std::vector<uint16_t> kp16, vp16;  // ... bf16: its keys and values in pairs (sized on use)
+  std::vector<float> st, qt;  // (keys as rows) a chunk's scores transposed, the block's Q^T
+  std::vector<float> lt;      // ... and l_blk transposed, for its lt_rows rows (0: l_blk holds it)
+  int64_t lt_rows = 0;
   Scratch(const Args &a) : Scratch(a, a.nseq > 0 ? a.bq : std::min(a.bq, a.T)) {}
   // (rows: the most a block has; a decode step's one row, not bq, is allocated and zeroed
   // per thread and call. m, alpha and mx have W more floats: softmax_plain reads and
@@ -1387,7 +1390,10 @@ void block_begin(const Args &a, int64_t rows, Scratch &w) {
   std::fill(w.l_blk.begin(), w.l_blk.begin() + rows * W, 0.0f);
 }
 
+void sums_from_lt(Scratch &w);
+
 void block_gather(const Args &a, int64_t rows, Scratch &w) {
+  sums_from_lt(w);  // (keys as rows: the sums back in l_blk's layout)
   for (int64_t n = 0; n < rows * a.DV; ++n) w.o[n] += w.o_blk[n];
   std::fill(w.o_blk.begin(), w.o_blk.begin() + rows * a.DV, 0.0f);
   for (int64_t n = 0; n < rows * W; ++n) w.l[n] += w.l_blk[n];
@@ -1464,6 +1470,136 @@ void chunk_pv(const Chunk &c, int64_t split, F pv) {
   if (split < c.r1) pv(split, c.r1, c.hi);
 }
 
+// ---------------------------------------------------------------------------------------
+// (feature "keys as rows") Where a work item packs its own keys (pack in item: a cascade's
+// prefix pass, a draft tree's cache, a short MHA prefill) and its block has few rows, the
+// transposing of each chunk of keys costs a good part of the block's products (about a
+// sixth of a cascade decode step's prefix pass at 32 rows: 64 8x8 transposes a chunk
+// against 32 x 64 x 64 multiply-adds of each product). A plain chunk of such a block (no
+// band, mask, bias or mod; a mask tensor that keeps every column counts as none) computes
+// its scores transposed instead: St (KC x rows) = K Q^T, the keys as the product's rows read
+// where they are, the block's queries transposed once (Q^T, D x rows rounded up to W). The
+// softmax then runs down St's columns (a row's max and sum are vertical: no horizontal
+// reductions), and P V reads P^T with its strides swapped. Every score and weight is the
+// bits the rows' path computes (the same products in the same order, the same FMA); a
+// row's chunk sum is added in another order, into lane 0 of its sums.
+// ---------------------------------------------------------------------------------------
+
+// Rows of a block for which a chunk goes this way: 16 up to one register tile's columns
+// (64 on AVX-512, 32 on AVX2), where no more than a third of the rows' count is padding up
+// to whole vectors. Times against the rows' path (2048 keys, d = 64, 1 thread, C ABI,
+// session 29): AVX-512 at 16, 24, 32, 48, 64 rows 0.83-0.87, 0.95, 0.87, 0.91, 0.92x;
+// AVX2 at 16, 24, 32 rows 0.93-0.95x. Padded more it lost (AVX-512 at 9 and 10 rows,
+// 1.10 and 1.07x; AVX2 at 9 and 12, 1.26 and 1.11x), and past one tile it gained nothing
+// (AVX-512 at 80, 96, 128 rows 0.99-1.00x).
+constexpr int64_t KEYS_AS_ROWS_MIN = 16, KEYS_AS_ROWS_MAX = simd::TILE_C * W;
+
+// Whether chunk c of the block (rows rows, first i0) of (b, h) goes this way.
+bool keys_as_rows(const Args &a, const Operands &ops, const Chunk &c, int64_t b, int64_t h,
+                  int64_t i0, int64_t rows) {
+  if (a.dtype != DT_F32 || !ops.in_item || ops.v16 || a.pages || a.mod_forward || a.rel)
+    return false;
+  if (rows < KEYS_AS_ROWS_MIN || rows > KEYS_AS_ROWS_MAX || !(a.scale > 0)) return false;
+  if (3 * ((rows + W - 1) / W * W - rows) > rows) return false;  // (padding)
+  if (c.band || c.keep || c.gen || c.lo != 0 || c.hi != KC || c.r0 != 0 || c.r1 != rows)
+    return false;
+  return !a.mask || Masker(a, c, b, h).mask_keeps_all(i0);
+}
+
+// The block's query rows q (stride sq_t) as Q^T (D x nrp, rows past nr zero).
+void pack_query_t(const Args &a, const float *q, int64_t nr, int64_t nrp, float *qt) {
+  std::fill(qt, qt + a.D * nrp, 0.0f);
+  for (int64_t r = 0; r < nr; ++r)
+    for (int64_t k = 0; k < a.D; ++k) qt[k * nrp + r] = q[r * a.sq_t + k];
+}
+
+// The block's sums of weights (l_blk: W lanes a row) held transposed while its chunks go
+// this way (w.lt, W x nrp: lane k of row r at k nrp + r), so that each lane gets the
+// column sums the rows' path adds, in its order: into lt (lt_rows: the block's rows) and
+// back (before a chunk of the rows' path, and before the block's sums are gathered).
+void sums_to_lt(const Args &a, int64_t nr, Scratch &w) {
+  const int64_t nrp = (nr + W - 1) / W * W;
+  w.lt.assign(size_t(W * nrp), 0.0f);
+  for (int64_t r = 0; r < nr; ++r)
+    for (int k = 0; k < W; ++k) w.lt[k * nrp + r] = w.l_blk[r * W + k];
+  w.lt_rows = nr;
+}
+
+void sums_from_lt(Scratch &w) {
+  if (!w.lt_rows) return;
+  const int64_t nr = w.lt_rows, nrp = (nr + W - 1) / W * W;
+  for (int64_t r = 0; r < nr; ++r)
+    for (int k = 0; k < W; ++k) w.l_blk[r * W + k] = w.lt[k * nrp + r];
+  w.lt_rows = 0;
+}
+
+// Chunk c of the block's nr rows (Q^T in w.qt) against the keys and values of (b, hk) at
+// kh, vh: scores, softmax and O's P V. False (the state untouched) where a row's max is
+// not finite (a NaN or an infinite score): the rows' path then takes the chunk.
+bool chunk_keys_as_rows(const Args &a, const Chunk &c, int64_t nr, const float *kh,
+                        const float *vh, Scratch &w) {
+  const int64_t nrp = (nr + W - 1) / W * W, nv = nrp / W;
+  w.st.resize(size_t(KC * nrp));
+  float *st = w.st.data(), *m = w.m.data(), *alpha = w.alpha.data();
+  simd::gemm<false>(st, nrp, KC, nrp, kh + c.c0 * a.sk_t, a.sk_t, 1, w.qt.data(), nrp, a.D,
+                    nullptr);  // (KC, nrp): key j's scores in row j
+  const vf scale2 = simd::splat(float(a.scale * LOG2E)), ninf = simd::splat(NEG_INF);
+  const vi lane = simd::lanes();
+  static_assert(KC % W == 0, "whole vectors of rows");
+  alignas(64) float m_new[KEYS_AS_ROWS_MAX + W];
+  for (int64_t v = 0; v < nv; ++v) {  // check first: then change the state
+    constexpr int U = 4;  // rows of St at once: independent maxima
+    vf x[U];
+    for (int u = 0; u < U; ++u) x[u] = ninf;
+    for (int64_t j = 0; j < KC; j += U)
+      for (int u = 0; u < U; ++u) x[u] = simd::vmax(x[u], simd::load(st + (j + u) * nrp + W * v));
+    const vf mx = simd::vmax(simd::vmax(x[0], x[1]), simd::vmax(x[2], x[3]));
+    const vf m_old = simd::load(m + W * v), mn = simd::vmax(m_old, mx * scale2);
+    simd::store(m_new + W * v, mn);
+    const vi odd = ~(mn > ninf) | (m_old != m_old);  // -inf or NaN
+    const vi active = (lane + int32_t(W * v)) < int32_t(nr);
+    if (simd::any(odd & active)) return false;
+  }
+  if (w.lt_rows != nr) sums_to_lt(a, nr, w);
+  float *lt = w.lt.data();
+  for (int64_t v = 0; v < nv; ++v) {
+    const vf m_old = simd::load(m + W * v);
+    const vf mn = simd::round_up(simd::load(m_new + W * v), M_STEP);
+    const vi active = (lane + int32_t(W * v)) < int32_t(nr);
+    simd::store(m + W * v, simd::select(active, mn, m_old));
+    const vf al = simd::exp2(m_old - mn);  // 2^0 = 1 exactly; 2^-inf = 0
+    simd::store(alpha + W * v, al);
+    // the weights, and each lane's sum as softmax_plain forms it: lane k of a row adds its
+    // columns k, W + k, ... in order (keys j with j mod W = k)
+    vf sum[W];
+    for (int k = 0; k < W; ++k) sum[k] = simd::splat(0.0f);
+    for (int64_t j0 = 0; j0 < KC; j0 += W)
+#pragma GCC unroll 16
+      for (int k = 0; k < W; ++k) {
+        float *p = st + (j0 + k) * nrp + W * v;
+        const vf wgt = simd::exp2(simd::load(p) * scale2 - mn);  // (one FMA, as the rows')
+        simd::store(p, wgt);
+        sum[k] += wgt;
+      }
+    // l_blk = alpha l_blk + sum (alpha 1: l_blk + sum, the same bits as the rows' add)
+    for (int k = 0; k < W; ++k) {
+      float *l = lt + k * nrp + W * v;
+      simd::store(l, simd::load(l) * al + sum[k]);
+    }
+  }
+  for (int64_t r = 0; r < nr; ++r) {
+    if (alpha[r] == 1.0f) continue;
+    const vf al = simd::splat(alpha[r]);  // the max moved: rescale what was gathered
+    float *o = w.o.data() + r * a.DV, *l = w.l.data() + r * W;
+    for (int64_t d = 0; d < a.DV; d += W) simd::store(o + d, simd::load(o + d) * al);
+    simd::store(l, simd::load(l) * al);
+  }
+  // O = alpha (.) O + P V, P(r, j) = St(j, r)
+  simd::gemm<true>(w.o_blk.data(), a.DV, nr, a.DV, st, 1, nrp, vh + c.c0 * a.sv_t, a.sv_t, KC,
+                   alpha);
+  return true;
+}
+
 // One block of query rows [i0, i1) of batch b, head h.
 // (Split-KV: only the key chunks [cmin, cmax], normalised over them.)
 void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int64_t i0,
@@ -1474,6 +1610,7 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
   const float *vh = a.v + b * a.sv_b + hk * a.sv_h;
   const uint16_t *vh16 = reinterpret_cast<const uint16_t *>(a.v) + b * a.sv_b + hk * a.sv_h;
   block_begin(a, rows, w);
+  w.qt.clear(), w.lt_rows = 0;  // (keys as rows: the block's Q^T, made on its first chunk)
   int64_t seen = 0;
   Args as_float32 = a;  // (a bf16 decode step: its softmax leaves float32 weights)
   as_float32.dtype = DT_F32;
@@ -1516,6 +1653,17 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       return;
     }
 #endif
+    if (keys_as_rows(a, ops, c, b, h, i0, rows)) {
+      if (w.qt.empty()) {  // (Q^T: once a block)
+        w.qt.resize(size_t(a.D * ((rows + W - 1) / W * W)));
+        pack_query_t(a, qh + i0 * a.sq_t, rows, (rows + W - 1) / W * W, w.qt.data());
+      }
+      if (chunk_keys_as_rows(a, c, rows, a.k + b * a.sk_b + hk * a.sk_h, vh, w)) {
+        if (++seen % SUPER == 0) block_gather(a, rows, w);
+        return;
+      }
+    }
+    sums_from_lt(w);  // (a chunk of the rows' path after chunks of keys as rows)
     const float *kt;
     if (ops.in_item) {
       w.kt.resize(size_t(a.D * KC));
