@@ -311,9 +311,9 @@ def kernel_cascades(monkeypatch, isa) -> list[tuple]:
     seen: list[tuple] = []
     original = native.cascade
 
-    def spy(pre, suf, prefix_key, *args):  # (the prefix pass's stacked rows: its plan's)
+    def spy(pre, suf, prefix_key, *args, **kwargs):  # (the prefix pass's rows: its plan's)
         seen.append(((pre.b, pre.h, pre.t, prefix_key.shape[-1]), suf.t, suf.s))
-        return original(pre, suf, prefix_key, *args)
+        return original(pre, suf, prefix_key, *args, **kwargs)
 
     def no_dispatch(*args, **kwargs):
         raise AssertionError("the one-call cascade dispatched an attention() pass")
@@ -409,7 +409,7 @@ def test_a_gradient_or_another_backend_takes_the_two_passes(isa, monkeypatch):
 
     called: list[int] = []
     original = native.cascade
-    monkeypatch.setattr(native, "cascade", lambda *a: called.append(1) or original(*a))
+    monkeypatch.setattr(native, "cascade", lambda *a, **k: called.append(1) or original(*a, **k))
     q, pk, pv, sk, sv, _ = (x.float() for x in _inputs(2, 4, 2, 1, 100, 9, 16, 16))
     one = cascade_attention(q, pk, pv, sk, sv)
     assert called == [1]
@@ -541,3 +541,76 @@ def _keep(t: int, p: int, length: int, s: int) -> torch.Tensor:
     j = torch.arange(p + s).view(1, -1) - p  # suffix position of each key (< 0: prefix)
     i = torch.arange(t).view(-1, 1) + length - t
     return (j < 0) | ((j <= i) & (j < length))
+
+
+# -- the cascade lane (cascade.py's _lane: a repeated plain call straight to the kernel) ---
+
+
+def test_a_repeated_plain_cascade_runs_in_the_lane_on_its_own_tensors(isa, monkeypatch):
+    """(feature "cascade lane") A plain cascade of several requests that the kernel ran as
+    given is kept under its tensors' shapes, strides, dtypes and devices: the next call of
+    that key, with other tensors, skips the checks and the plans (made to fail here) and
+    gives the bits the full path gives for those tensors (3-D prefix, lse, bf16 too)."""
+    from attnkit import cascade
+
+    for dtype in (torch.float32, torch.bfloat16):
+        if dtype == torch.bfloat16 and not attnkit.backends.blockwise.native.reads_bf16():
+            continue
+        first, second = (
+            [x.to(dtype) for x in _inputs(3, 4, 2, 1, 130, 9, 16, 16, seed=seed)[:5]]
+            for seed in (1, 2)
+        )
+        cascade._lane.clear()
+        full = cascade_attention(*second, return_lse=True)  # (the full path: kept)
+        cascade._lane.clear()
+        cascade_attention(*first, return_lse=True)
+        assert len(cascade._lane) == 1
+        with monkeypatch.context() as m:
+            m.setattr(cascade, "_check", _fails)
+            m.setattr(cascade, "fused_native", _fails)
+            got = cascade_attention(*second, return_lse=True)
+        assert got[0].dtype == dtype
+        assert torch.equal(got[0], full[0]) and torch.equal(got[1], full[1])
+        want, _ = _reference(*(x.double() for x in second), torch.full((3,), 9), None)
+        assert (got[0].double() - want).abs().max().item() < (
+            1e-5 if dtype == torch.float32 else 3e-2
+        )
+
+
+def test_the_cascade_lane_leaves_other_calls_to_the_full_path(isa, monkeypatch):
+    """Not taken: other strides (a key of their own, planned and kept anew), a gradient
+    wanted, suffix lengths, a scale or sinks given; a call whose tensors the kernel could
+    not read as given (copied) or of one request (its route depends on where its suffix
+    lies) is not kept. Each answer is the full path's."""
+    from attnkit import cascade
+
+    q, pk, pv, sk, sv = (x.float() for x in _inputs(3, 4, 2, 1, 130, 9, 16, 16, seed=3)[:5])
+    ran: list[str] = []
+    real = cascade.run_lane
+    monkeypatch.setattr(cascade, "run_lane", lambda kept, *a: ran.append(kept[0]) or real(kept, *a))
+    cascade._lane.clear()
+    cascade_attention(q, pk, pv, sk, sv)
+    # the query a slice of a wider tensor: the same shape, other strides, another key
+    q_t = torch.cat((q, q), -1)[..., :16]
+    out = cascade_attention(q_t, pk, pv, sk, sv)
+    assert ran == [] and len(cascade._lane) == 2
+    assert torch.equal(out, cascade_attention(q, pk, pv, sk, sv))
+    assert ran == ["two passes"]
+    others = [
+        dict(suffix_lengths=torch.tensor([9, 3, 0])), dict(scale=0.25),
+        dict(sinks=torch.zeros(4)),
+    ]  # fmt: skip
+    for options in others:
+        cascade_attention(q, pk, pv, sk, sv, **options)
+    cascade_attention(q.clone().requires_grad_(), pk, pv, sk, sv)
+    assert ran == ["two passes"]
+    # a value read through a last dim of stride 2 (copied) and one request: not kept
+    cascade._lane.clear()
+    wide = torch.stack((sv, sv), -1)[..., 0]  # (n, h_kv, s, d_v), last dim stride 2
+    cascade_attention(q, pk, pv, sk, wide)
+    cascade_attention(q[:1], pk, pv, sk[:1], sv[:1])
+    assert len(cascade._lane) == 0
+
+
+def _fails(*args, **kwargs):
+    raise AssertionError("the lane ran the full path")

@@ -448,3 +448,48 @@ def test_a_bad_scale_is_named(scale):
     q, k, tk = torch.randn(1, 2, 3, 64), torch.randn(1, 2, 40, 64), torch.randn(1, 2, 3, 64)
     with pytest.raises((TypeError, ValueError), match="scale"), torch.no_grad():
         tree_attention(q, k, k, tk, tk, build_tree([-1, 0, 1]), scale=scale)
+
+
+def test_a_repeated_tree_over_its_cache_runs_in_the_lane(isa, monkeypatch, native_routes):
+    """(feature "cascade lane") A DraftTree verified over the cache buffer it follows (no
+    scale, no sinks) is kept after its first call: the next call of the same shapes and
+    strides, with other values and another tree of as many nodes, skips the checks (made
+    to fail here) and runs the one pass with the new tree's mask: the full path's bits.
+    Where the tree's keys no longer follow the cache, the lane hands the call back."""
+    import attnkit.cascade as cascade_module
+    import attnkit.tree as tree_module
+
+    hq, hkv, L, n, d = 8, 2, 150, 7, 32
+    chain, binary = build_tree([-1, 0, 1, 2, 3, 4, 5]), build_tree([-1, 0, 0, 1, 1, 2, 2])
+
+    def inputs(seed):
+        gen = torch.Generator().manual_seed(seed)
+        q = torch.randn(1, hq, n, d, generator=gen)
+        keys, values = (torch.randn(1, hkv, L + n, d, generator=gen) for _ in "kv")
+        return q, keys[:, :, :L], values[:, :, :L], keys[:, :, L:], values[:, :, L:]
+
+    first, second = inputs(1), inputs(2)
+    cascade_module._lane.clear()
+    full = tree_attention(*second, binary, return_lse=True)
+    cascade_module._lane.clear()
+    tree_attention(*first, chain)
+    assert len(cascade_module._lane) == 1
+    native_routes.clear()
+    with monkeypatch.context() as m:
+        m.setattr(tree_module, "_cascade", _fails)
+        m.setattr(tree_module, "check_sinks", _fails)
+        got = tree_attention(*second, binary, return_lse=True)
+    assert native_routes == ["suffix mask"]
+    assert torch.equal(got[0], full[0]) and torch.equal(got[1], full[1])
+    want, _ = _reference(*(x.double() for x in second), binary.parents, None)
+    assert (got[0].double() - want).abs().max().item() < 1e-5
+    # the tree's keys and values copied elsewhere: the same key, no longer one pass
+    apart = (*second[:3], second[3].clone(), second[4].clone())
+    native_routes.clear()
+    out = tree_attention(*apart, binary)
+    assert native_routes == ["cascade"]
+    assert (out.double() - want).abs().max().item() < 1e-5
+
+
+def _fails(*args, **kwargs):
+    raise AssertionError("the lane ran the full path")

@@ -41,6 +41,7 @@ import torch
 
 from attnkit._validate import check_bool, check_float
 from attnkit.attention import attention, check_sinks
+from attnkit.backends import fast_lane
 from attnkit.backends.blockwise.merge import add_sinks, merge_partials
 
 __all__ = ["cascade_attention"]
@@ -129,6 +130,20 @@ def cascade_attention(
         >>> cascade_attention(q, pk, pv, sk, sv).shape
         torch.Size([8, 4, 1, 16])
     """
+    lane = (
+        _lane_key(query, prefix_key, prefix_value, suffix_key, suffix_value, return_lse, backend)
+        if suffix_lengths is None and scale is None and sinks is None
+        else None
+    )
+    if lane is not None and (kept := _lane.get(lane)) is not None:
+        pk = prefix_key if prefix_key.dim() == 4 else prefix_key[None]
+        pv = prefix_value if prefix_value.dim() == 4 else prefix_value[None]
+        ran = run_lane(kept, query, pk, pv, suffix_key, suffix_value)  # type: ignore[arg-type]
+        if ran is not None:
+            out, lse = ran
+            if out.dtype != query.dtype:
+                out = out.to(query.dtype)
+            return (out, lse) if return_lse else out
     prefix_key, prefix_value = _check(query, prefix_key, prefix_value, suffix_key, suffix_value)
     return_lse = check_bool(return_lse, "return_lse")
     check_sinks(sinks, query)
@@ -139,8 +154,9 @@ def cascade_attention(
     scale = check_float(scale, "scale")
     mask = _suffix_mask(suffix_lengths, n, t, s, query.device)
     fused = fused_native(
-        query, prefix_key, prefix_value, suffix_key, suffix_value, mask, scale, backend
-    )
+        query, prefix_key, prefix_value, suffix_key, suffix_value, mask, scale, backend,
+        lane=lane,
+    )  # fmt: skip
     if fused is not None:  # both passes and their merge in one kernel call
         out, lse = fused
     else:
@@ -246,13 +262,16 @@ def fused_native(
     backend: str,
     *,
     stacked_mask: torch.Tensor | None = None,
+    lane: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Both passes and their merge in one call of attnkit's native kernel
     (:func:`attnkit.backends.blockwise.native.cascade`; a draft tree's two passes too,
     :func:`attnkit.tree_attention`), for inputs already checked: ``prefix_key`` ``(1,
     h_kv, p, d)``, ``mask`` a bool suffix mask ``(n|1, 1|h, t, s)`` or None;
     ``stacked_mask`` the same mask as the one pass reads it (:func:`_one_pass`), where
-    the caller keeps it made (a :class:`~attnkit.tree.DraftTree` does), else None.
+    the caller keeps it made (a :class:`~attnkit.tree.DraftTree` does), else None;
+    ``lane`` the call's key in the cascade lane (:func:`_lane_key`), or None: a call of
+    several requests that runs both passes on its tensors as they came is kept there.
     ``(out, lse)``,
     both float32 (the caller rounds ``out`` to the query's dtype once, after any sink is
     merged: two roundings of a bf16 output cost up to twice the error of one), or None
@@ -279,6 +298,7 @@ def fused_native(
     if scale <= 0.0:  # (attention() folds such a scale into the query: the two passes)
         return None
     t, d, d_v = query.shape[2], query.shape[3], prefix_value.shape[-1]
+    given = (prefix_key, prefix_value, query, suffix_key, suffix_value)
     # (the kernel reads rows of the last dim in place: each must be contiguous)
     pk, pv, query, sk, sv = (
         x if x.stride(-1) == 1 else x.contiguous()
@@ -308,6 +328,8 @@ def fused_native(
             if key is not None:
                 plan_cache.put(("one pass", *key), one)
         out, lse = native.forward(one, rows, k_all, v_all, suffix_mask=suffix_mask)
+        if lane is not None and key is not None and _as_given(given, (pk, pv, query, sk, sv)):
+            fast_lane.put(_lane, lane, ("one pass", one))
         n, h_q = query.shape[:2]  # (1, h_kv, g*t) rows are (1, h_q, t): the same memory
         return out.view(n, h_q, t, d_v), lse.view(n, h_q, t)
     pre = None if key is None else plan_cache.get(("prefix", *key), None)
@@ -326,8 +348,22 @@ def fused_native(
         if key is not None:
             plan_cache.put(("prefix", *key), pre)
             plan_cache.put(("suffix", *key), suf)
-    out, lse = native.cascade(pre, suf, pk, pv, query, sk, sv)
+    # (one request's two passes are kept only where its suffix may lie anywhere: with the
+    # suffix after the prefix in memory the full path takes one pass)
+    if (
+        lane is None or key is None or mask is not None or query.shape[0] == 1
+        or not _as_given(given, (pk, pv, query, sk, sv))
+    ):  # fmt: skip
+        return native.cascade(pre, suf, pk, pv, query, sk, sv)
+    reuse: list = []  # (the kernel's arguments, made by this call for the next ones)
+    out, lse = native.cascade(pre, suf, pk, pv, query, sk, sv, reuse=reuse)
+    fast_lane.put(_lane, lane, ("two passes", pre, suf, reuse))
     return out, lse
+
+
+def _as_given(given: tuple, used: tuple) -> bool:
+    """Whether the kernel read the tensors as the caller gave them (none copied)."""
+    return all(x is y for x, y in zip(given, used, strict=True))
 
 
 def _one_pass(
@@ -381,6 +417,75 @@ def joined_view(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | Non
     ):
         return None
     return first.as_strided((b, h, length + second.shape[2], d), stride)
+
+
+# (feature "cascade lane") A plain call of several requests (no suffix lengths, scale or
+# sinks) that the kernel ran as it came (both passes and the merge in one call, no copy)
+# is kept under everything the full path's outcome depended on: the five tensors' shapes,
+# strides, dtypes and devices, backend, and the process state the plans are
+# kept under (plan_cache.process_key: threads, build, calibration). The next call of its
+# key goes straight to the kernel with the same plans and the kernel's arguments of the
+# first call pointed at its own tensors: the same bits, without the checks, the plans'
+# lookup and the arguments' making (22-25 us of a decode step of 8 requests, Xeon of
+# session 29). At most fast_lane.MAX_KEYS keys (fast_lane.put).
+_lane: dict[tuple, tuple] = {}  # (read without a lock: one dict lookup)
+
+
+def _lane_key(
+    query: object,
+    prefix_key: object,
+    prefix_value: object,
+    suffix_key: object,
+    suffix_value: object,
+    return_lse: object,
+    backend: object,
+) -> tuple | None:
+    """The cascade lane's key of a call, or None where the lane does not take it."""
+    from attnkit.backends.blockwise import plan_cache
+
+    given = (query, prefix_key, prefix_value, suffix_key, suffix_value)
+    tensors = [x for x in given if type(x) is torch.Tensor]
+    if len(tensors) != len(given):
+        return None  # (a subclass may run anything: the full path)
+    if type(return_lse) is not bool or type(backend) is not str:
+        return None
+    if torch.compiler.is_compiling():
+        return None
+    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+        return None  # (a gradient wanted: the kernel runs none)
+    return (
+        *((x.shape, x.stride(), x.dtype, x.device) for x in tensors),
+        backend, *plan_cache.process_key(),
+    )  # fmt: skip
+
+
+def run_lane(
+    kept: tuple,
+    query: torch.Tensor,
+    prefix_key: torch.Tensor,
+    prefix_value: torch.Tensor,
+    suffix_key: torch.Tensor,
+    suffix_value: torch.Tensor,
+    stacked_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(out, lse)`` (float32) of a call whose lane key holds ``kept`` (prefix ``(1,
+    h_kv, p, d)``; ``stacked_mask`` as :func:`fused_native`'s), by the route its first
+    call took; None where that route no longer applies (one pass, for a suffix that no
+    longer follows the prefix in memory): the full path then runs it."""
+    from attnkit.backends.blockwise import native
+
+    if kept[0] == "two passes":
+        pre, suf, reuse = kept[1:]
+        return native.cascade(
+            pre, suf, prefix_key, prefix_value, query, suffix_key, suffix_value, reuse=reuse
+        )
+    k_all, v_all = joined_view(prefix_key, suffix_key), joined_view(prefix_value, suffix_value)
+    if k_all is None or v_all is None:
+        return None
+    n, h_q, t, d = query.shape
+    rows = query.reshape(1, prefix_key.shape[1], -1, d)  # (1, h_kv, g*t, d): n is 1
+    out, lse = native.forward(kept[1], rows, k_all, v_all, suffix_mask=stacked_mask)
+    return out.view(n, h_q, t, -1), lse.view(n, h_q, t)
 
 
 def _cache_key(

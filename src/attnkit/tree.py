@@ -37,6 +37,7 @@ from typing import Any, Literal, overload
 
 import torch
 
+from attnkit import cascade
 from attnkit._validate import check_bool, check_float, check_int, check_parents
 from attnkit.attention import attention, check_sinks
 from attnkit.backends.blockwise.merge import add_sinks, merge_partials
@@ -246,6 +247,7 @@ def _cascade(
     scale: float,
     backend: str,
     tree: DraftTree | None,
+    lane: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(out, lse)`` (float32) of both passes in ONE call of the native kernel, as a shared-prefix
     cascade of one request (:func:`attnkit.cascade.fused_native`): the cache is the prefix,
@@ -258,7 +260,8 @@ def _cascade(
     do not fit together (:func:`attnkit.attention` then says what is wrong), and where
     ``fused_native`` stands aside (a gradient, another backend or device, a dtype the
     kernel does not read). ``tree``: the DraftTree whose ``mask`` this is, if any (it
-    keeps the mask stacked per GQA group)."""
+    keeps the mask stacked per GQA group); ``lane``: the call's key in the cascade lane
+    (:func:`_lane_key`), or None."""
     if query.shape[0] != 1 or key.shape[0] != 1 or key.shape[2] == 0 or mask.dim() > 4:
         return None
     d, d_v, h_kv = query.shape[3], value.shape[3], key.shape[1]
@@ -283,8 +286,30 @@ def _cascade(
     # (a DraftTree keeps its mask stacked per GQA group for the one pass)
     stacked = None if tree is None else tree._stacked_mask(query.shape[1] // h_kv, query.device)
     return fused_native(
-        query, key, value, tree_key, tree_value, mask4, scale, backend, stacked_mask=stacked
-    )
+        query, key, value, tree_key, tree_value, mask4, scale, backend, stacked_mask=stacked,
+        lane=lane,
+    )  # fmt: skip
+
+
+def _lane_key(
+    query: object,
+    key: object,
+    value: object,
+    tree_key: object,
+    tree_value: object,
+    return_lse: object,
+    backend: object,
+) -> tuple | None:
+    """The key of a call of a :class:`DraftTree` (no scale, no sinks) in the cascade lane
+    (:mod:`attnkit.cascade`'s, whose keys these are apart: tagged "tree"): a batch of one
+    row whose tree follows the cache in memory runs there as its first call ran, one
+    kernel pass over ``cache ++ tree`` (the tree's mask from the tree each call). Such a
+    call costs the full path 35-40 us of Python (32 nodes, 8/2 heads, Xeon of session 29).
+    None where the lane does not take the call."""
+    if type(query) is not torch.Tensor or query.dim() != 4 or query.shape[0] != 1:
+        return None
+    found = cascade._lane_key(query, key, value, tree_key, tree_value, return_lse, backend)
+    return None if found is None else ("tree", *found)
 
 
 def _one_pass(
@@ -417,6 +442,19 @@ def tree_attention(
         TypeError / ValueError: as :func:`attnkit.attention` for the two passes, and a
             ``tree`` that is neither a DraftTree nor a bool mask, or whose size is not n.
     """
+    lane = (
+        _lane_key(query, key, value, tree_key, tree_value, return_lse, backend)
+        if type(tree) is DraftTree and scale is None and sinks is None
+        else None
+    )
+    if lane is not None and (kept := cascade._lane.get(lane)) is not None:
+        stacked = tree._stacked_mask(query.shape[1] // key.shape[1], query.device)  # type: ignore[union-attr]
+        ran = cascade.run_lane(kept, query, key, value, tree_key, tree_value, stacked)
+        if ran is not None:
+            out, lse = ran
+            if out.dtype != query.dtype:
+                out = out.to(query.dtype)
+            return (out, lse) if return_lse else out
     return_lse = check_bool(return_lse, "return_lse")
     if isinstance(tree, DraftTree):
         mask = tree.mask if tree.mask.device == query.device else tree.mask.to(query.device)
@@ -443,7 +481,7 @@ def tree_attention(
     if key.shape[2] > 0 and (h_kv == 0 or h_q % h_kv):
         raise ValueError(f"query heads ({h_q}) must be a multiple of key heads ({h_kv})")
     drafted = tree if isinstance(tree, DraftTree) else None
-    fused = _cascade(query, key, value, tree_key, tree_value, mask, scale, backend, drafted)
+    fused = _cascade(query, key, value, tree_key, tree_value, mask, scale, backend, drafted, lane)
     if fused is not None:  # both passes and their merge in one kernel call
         out, lse = fused
     elif (whole := _one_pass(query, key, value, tree_key, tree_value, mask, drafted)) is not None:
