@@ -100,6 +100,11 @@ def cascade_attention(
     exactly causal attention over the request's whole sequence ``prefix ++ suffix``;
     a row at a negative position (padding) sees the prefix alone.
 
+    A plain call (no ``suffix_lengths``, ``scale`` or ``sinks``) that the native kernel
+    ran is remembered by its tensors' shapes, strides, dtypes and devices: the next such
+    call (every layer of every decode step) goes straight to the kernel, with the same
+    result bits (the module's "cascade lane").
+
     Args:
         query: ``(n, h_q, t, d)``: the new tokens of every request.
         prefix_key: ``(h_kv, p, d)`` or ``(1, h_kv, p, d)``: the shared prefix, stored once
