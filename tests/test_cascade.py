@@ -605,6 +605,10 @@ def test_the_cascade_lane_leaves_other_calls_to_the_full_path(isa, monkeypatch):
         cascade_attention(q, pk, pv, sk, sv, **options)
     cascade_attention(q.clone().requires_grad_(), pk, pv, sk, sv)
     assert ran == ["two passes"]
+    # the kernel's split-KV ranges, which the kept arguments hold, are part of the key
+    monkeypatch.setattr(attnkit.backends.blockwise.native, "KV_SPLITS", 3)
+    cascade_attention(q, pk, pv, sk, sv)
+    assert ran == ["two passes"] and len(cascade._lane) == 3
     # a value read through a last dim of stride 2 (copied) and one request: not kept
     cascade._lane.clear()
     wide = torch.stack((sv, sv), -1)[..., 0]  # (n, h_kv, s, d_v), last dim stride 2

@@ -446,7 +446,7 @@ def _lane_key(
     backend: object,
 ) -> tuple | None:
     """The cascade lane's key of a call, or None where the lane does not take it."""
-    from attnkit.backends.blockwise import plan_cache
+    from attnkit.backends.blockwise import native, plan_cache
 
     given = (query, prefix_key, prefix_value, suffix_key, suffix_value)
     tensors = [x for x in given if type(x) is torch.Tensor]
@@ -460,7 +460,8 @@ def _lane_key(
         return None  # (a gradient wanted: the kernel runs none)
     return (
         *((x.shape, x.stride(), x.dtype, x.device) for x in tensors),
-        backend, *plan_cache.process_key(),
+        backend, native.KV_SPLITS, native.BLOCK_Q,  # (what the kept arguments hold besides)
+        *plan_cache.process_key(),
     )  # fmt: skip
 
 
