@@ -424,15 +424,17 @@ def joined_view(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor | Non
     return first.as_strided((b, h, length + second.shape[2], d), stride)
 
 
-# (feature "cascade lane") A plain call of several requests (no suffix lengths, scale or
-# sinks) that the kernel ran as it came (both passes and the merge in one call, no copy)
-# is kept under everything the full path's outcome depended on: the five tensors' shapes,
-# strides, dtypes and devices, backend, and the process state the plans are
-# kept under (plan_cache.process_key: threads, build, calibration). The next call of its
-# key goes straight to the kernel with the same plans and the kernel's arguments of the
-# first call pointed at its own tensors: the same bits, without the checks, the plans'
-# lookup and the arguments' making (22-25 us of a decode step of 8 requests, Xeon of
-# session 29). At most fast_lane.MAX_KEYS keys (fast_lane.put).
+# (feature "cascade lane") A plain call (no suffix lengths, scale or sinks; a DraftTree's,
+# tree.py) that the kernel ran on its tensors as they came (no copy) is kept under
+# everything the full path's outcome depended on: the five tensors' shapes, strides,
+# dtypes and devices, backend, the kernel arguments' constants, and the process state the
+# plans are kept under (plan_cache.process_key: threads, build, calibration). What is kept
+# is the route the first call took: several requests' two passes and their merge (with
+# the kernel's arguments of that call, which the next ones point at their own tensors),
+# or one request's one pass over prefix ++ suffix, which the lane takes again only where
+# the suffix still follows the prefix in memory. The same bits, without the checks, the
+# plans' lookup and the arguments' making (22-25 us of a decode step of 8 requests, Xeon
+# of session 29). At most fast_lane.MAX_KEYS keys (fast_lane.put).
 _lane: dict[tuple, tuple] = {}  # (read without a lock: one dict lookup)
 
 
