@@ -793,6 +793,13 @@ def test_threads_give_identical_bits():
     torch.set_num_threads(2)
     two = attention(q, k, v, causal=True, window=100, backend="blockwise")
     assert torch.equal(one, two)
+    # few rows a kv head, keys as rows (split across the keys into ranges by the shapes)
+    q, k, v = _qkv(1, 2, 2, 32, 3000, 64, 64, seed=18)
+    torch.set_num_threads(1)
+    one = attention(q, k, v, backend="blockwise")
+    torch.set_num_threads(2)
+    two = attention(q, k, v, backend="blockwise")
+    assert torch.equal(one, two)
 
 
 @pytest.mark.parametrize(
