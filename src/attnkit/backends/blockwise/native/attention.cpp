@@ -1150,6 +1150,9 @@ constexpr int64_t DIRECT_ROWS = 8;
 
 bool direct_keys(const Args &a) { return a.T * (a.H / a.HKV) <= DIRECT_ROWS; }
 
+// n rounded up to whole vectors.
+inline int64_t whole_vectors(int64_t n) { return (n + W - 1) / W * W; }
+
 inline float as_f32(float x) { return x; }
 inline float as_f32(uint16_t x) {  // bf16: the high half of a float32
   const uint32_t bits = uint32_t(x) << 16;
@@ -1378,7 +1381,7 @@ void paged_pv(const Args &a, int64_t b, int64_t hk, const Chunk &c, int64_t nr, 
 // The score columns of chunk c a block computes: up to its last column in range, rounded up
 // to whole vectors (the last chunk of a short call: 32 keys computed as 32, not 64). The
 // columns past it hold stale values that every softmax path drops (col >= hi).
-inline int64_t score_cols(const Chunk &c) { return std::min<int64_t>(KC, (c.hi + W - 1) / W * W); }
+inline int64_t score_cols(const Chunk &c) { return std::min<int64_t>(KC, whole_vectors(c.hi)); }
 
 // A block's running sums (Scratch rows [0, rows)): emptied, gathered SUPER chunks at a
 // time (o += o_blk, l += l_blk), and at the end normalised into out and lse.
@@ -1500,15 +1503,17 @@ bool keys_as_rows(const Args &a, const Operands &ops, const Chunk &c, int64_t b,
   if (a.dtype != DT_F32 || !ops.in_item || ops.v16 || a.pages || a.mod_forward || a.rel)
     return false;
   if (rows < KEYS_AS_ROWS_MIN || rows > KEYS_AS_ROWS_MAX || !(a.scale > 0)) return false;
-  if (3 * ((rows + W - 1) / W * W - rows) > rows) return false;  // (padding)
+  if (3 * (whole_vectors(rows) - rows) > rows) return false;  // (padding)
   if (c.band || c.keep || c.gen || c.lo != 0 || c.hi != KC || c.r0 != 0 || c.r1 != rows)
     return false;
   return !a.mask || Masker(a, c, b, h).mask_keeps_all(i0);
 }
 
-// The block's query rows q (stride sq_t) as Q^T (D x nrp, rows past nr zero).
-void pack_query_t(const Args &a, const float *q, int64_t nr, int64_t nrp, float *qt) {
-  std::fill(qt, qt + a.D * nrp, 0.0f);
+// The block's nr query rows q (stride sq_t) as Q^T into qt (D x nr rounded up to whole
+// vectors, the rows past nr zero).
+void pack_query_t(const Args &a, const float *q, int64_t nr, std::vector<float> &qt) {
+  const int64_t nrp = whole_vectors(nr);
+  qt.assign(size_t(a.D * nrp), 0.0f);
   for (int64_t r = 0; r < nr; ++r)
     for (int64_t k = 0; k < a.D; ++k) qt[k * nrp + r] = q[r * a.sq_t + k];
 }
@@ -1518,7 +1523,7 @@ void pack_query_t(const Args &a, const float *q, int64_t nr, int64_t nrp, float 
 // column sums the rows' path adds, in its order: into lt (lt_rows: the block's rows) and
 // back (before a chunk of the rows' path, and before the block's sums are gathered).
 void sums_to_lt(const Args &a, int64_t nr, Scratch &w) {
-  const int64_t nrp = (nr + W - 1) / W * W;
+  const int64_t nrp = whole_vectors(nr);
   w.lt.assign(size_t(W * nrp), 0.0f);
   for (int64_t r = 0; r < nr; ++r)
     for (int k = 0; k < W; ++k) w.lt[k * nrp + r] = w.l_blk[r * W + k];
@@ -1527,7 +1532,7 @@ void sums_to_lt(const Args &a, int64_t nr, Scratch &w) {
 
 void sums_from_lt(Scratch &w) {
   if (!w.lt_rows) return;
-  const int64_t nr = w.lt_rows, nrp = (nr + W - 1) / W * W;
+  const int64_t nr = w.lt_rows, nrp = whole_vectors(nr);
   for (int64_t r = 0; r < nr; ++r)
     for (int k = 0; k < W; ++k) w.l_blk[r * W + k] = w.lt[k * nrp + r];
   w.lt_rows = 0;
@@ -1538,7 +1543,7 @@ void sums_from_lt(Scratch &w) {
 // not finite (a NaN or an infinite score): the rows' path then takes the chunk.
 bool chunk_keys_as_rows(const Args &a, const Chunk &c, int64_t nr, const float *kh,
                         const float *vh, Scratch &w) {
-  const int64_t nrp = (nr + W - 1) / W * W, nv = nrp / W;
+  const int64_t nrp = whole_vectors(nr), nv = nrp / W;
   w.st.resize(size_t(KC * nrp));
   float *st = w.st.data(), *m = w.m.data(), *alpha = w.alpha.data();
   simd::gemm<false>(st, nrp, KC, nrp, kh + c.c0 * a.sk_t, a.sk_t, 1, w.qt.data(), nrp, a.D,
@@ -1654,10 +1659,7 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
     }
 #endif
     if (keys_as_rows(a, ops, c, b, h, i0, rows)) {
-      if (w.qt.empty()) {  // (Q^T: once a block)
-        w.qt.resize(size_t(a.D * ((rows + W - 1) / W * W)));
-        pack_query_t(a, qh + i0 * a.sq_t, rows, (rows + W - 1) / W * W, w.qt.data());
-      }
+      if (w.qt.empty()) pack_query_t(a, qh + i0 * a.sq_t, rows, w.qt);  // (once a block)
       if (chunk_keys_as_rows(a, c, rows, a.k + b * a.sk_b + hk * a.sk_h, vh, w)) {
         if (++seen % SUPER == 0) block_gather(a, rows, w);
         return;
