@@ -35,7 +35,7 @@ per request, p prefix keys, s suffix keys (padded to the longest when
 from __future__ import annotations
 
 import math
-from typing import Literal, overload
+from typing import Literal, cast, overload
 
 import torch
 
@@ -450,19 +450,17 @@ def _lane_key(
     """The cascade lane's key of a call, or None where the lane does not take it."""
     from attnkit.backends.blockwise import native, plan_cache
 
-    given = (query, prefix_key, prefix_value, suffix_key, suffix_value)
-    tensors = [x for x in given if type(x) is torch.Tensor]
-    if len(tensors) != len(given):
-        return None  # (a subclass may run anything: the full path)
     if type(return_lse) is not bool or type(backend) is not str:
         return None
-    if torch.compiler.is_compiling():
+    given = (query, prefix_key, prefix_value, suffix_key, suffix_value)
+    tensors = fast_lane.signature(*given, strides=True)
+    if tensors is None:
         return None
-    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+    grad = torch.is_grad_enabled()
+    if grad and any(x.requires_grad for x in cast(tuple[torch.Tensor, ...], given)):
         return None  # (a gradient wanted: the kernel runs none)
     return (
-        *((x.shape, x.stride(), x.dtype, x.device) for x in tensors),
-        backend, native.KV_SPLITS, native.BLOCK_Q,  # (what the kept arguments hold besides)
+        *tensors, backend, native.KV_SPLITS, native.BLOCK_Q,  # (what kept arguments hold)
         *plan_cache.process_key(),
     )  # fmt: skip
 

@@ -268,19 +268,14 @@ def _lane_key(
     """The paged lane's key of a plain call, or None where the lane does not take it."""
     from attnkit.backends.blockwise import plan_cache
 
-    if any(type(x) is not torch.Tensor for x in (query, k_pages, v_pages, page_table)):
-        return None  # (a subclass may run anything: the full path)
     if type(key_len) is not int or type(causal) is not bool or type(backend) is not str:
         return None
-    if torch.compiler.is_compiling():
+    tensors = fast_lane.signature(query, k_pages, v_pages, page_table)
+    if tensors is None:
         return None
-    q, kp, vp, table = query, k_pages, v_pages, page_table
+    q, kp, vp = query, k_pages, v_pages
     grad = torch.is_grad_enabled() and (q.requires_grad or kp.requires_grad or vp.requires_grad)
-    return (
-        q.shape, q.dtype, q.device, kp.shape, kp.dtype, kp.device, vp.shape, vp.dtype,
-        vp.device, table.shape, table.dtype, table.device, key_len, causal, backend, grad,
-        *plan_cache.process_key(),
-    )  # fmt: skip
+    return (*tensors, key_len, causal, backend, grad, *plan_cache.process_key())
 
 
 def _check_pages(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:

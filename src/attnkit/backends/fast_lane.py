@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +47,7 @@ from attnkit.backends.blockwise.autograd import forward as blockwise_forward
 from attnkit.backends.blockwise.plan import NATIVE_CPU, TilePlan
 from attnkit.masks import is_top_left_triangle
 
-__all__ = ["MAX_KEYS", "clear", "key", "known", "put", "remember", "run"]
+__all__ = ["MAX_KEYS", "clear", "key", "known", "put", "remember", "run", "signature"]
 
 #: The most call keys remembered (the oldest forgotten first).
 MAX_KEYS = 256
@@ -87,6 +88,25 @@ _kept: dict[tuple, _Sdpa | _Native | None] = {}  # (read without the lock: one d
 _lock = threading.Lock()
 
 
+def signature(*tensors: object, strides: bool = False) -> tuple | None:
+    """Each tensor's shape, dtype and device (and strides, with ``strides``), flat: the
+    part of a lane's key that names its tensors (``paged_attention``'s and the cascade's,
+    :mod:`attnkit.cascade`; :func:`key` writes the same checks out); None where one is not
+    exactly a ``torch.Tensor`` (a subclass may run anything: the full path) or
+    ``torch.compile`` is tracing."""
+    for x in tensors:
+        if type(x) is not torch.Tensor:
+            return None
+    if torch.compiler.is_compiling():
+        return None
+    named: list = []  # (flat: a key of nested tuples took longer to hash)
+    for x in cast(tuple[torch.Tensor, ...], tensors):
+        named += (
+            (x.shape, x.stride(), x.dtype, x.device) if strides else (x.shape, x.dtype, x.device)
+        )
+    return tuple(named)
+
+
 def key(
     query: object, key_: object, value: object, causal: object, backend: str, *, plain: bool
 ) -> tuple | None:
@@ -94,6 +114,8 @@ def key(
     caller found every argument but ``backend`` at its default)."""
     if not plain or type(causal) is not bool or backend not in BACKENDS:
         return None
+    # (signature()'s checks written out: this key is made on every plain attention() call,
+    # and the generic one cost about 1 us more a call on the Xeon of session 29)
     if type(query) is not torch.Tensor or type(key_) is not torch.Tensor:
         return None
     if type(value) is not torch.Tensor or query.dim() != 4:
@@ -149,7 +171,8 @@ def remember(
 
 def put(store: dict, lane_key: tuple, outcome: object) -> None:
     """``store[lane_key] = outcome`` under the lanes' lock, at most :data:`MAX_KEYS` keys
-    kept, the oldest forgotten first (this lane's store, and ``paged_attention``'s)."""
+    kept, the oldest forgotten first (this lane's store, ``paged_attention``'s and the
+    cascade's)."""
     with _lock:
         while len(store) >= MAX_KEYS:
             store.pop(next(iter(store)))
