@@ -35,7 +35,7 @@ per request, p prefix keys, s suffix keys (padded to the longest when
 from __future__ import annotations
 
 import math
-from typing import Literal, cast, overload
+from typing import TYPE_CHECKING, Literal, cast, overload
 
 import torch
 
@@ -43,6 +43,9 @@ from attnkit._validate import check_bool, check_float
 from attnkit.attention import attention, check_sinks
 from attnkit.backends import fast_lane
 from attnkit.backends.blockwise.merge import add_sinks, merge_partials
+
+if TYPE_CHECKING:
+    from attnkit.backends.blockwise.plan import TilePlan
 
 __all__ = ["cascade_attention"]
 
@@ -332,11 +335,10 @@ def fused_native(
                 return None
             if key is not None:
                 plan_cache.put(("one pass", *key), one)
-        out, lse = native.forward(one, rows, k_all, v_all, suffix_mask=suffix_mask)
+        out, lse = _run_one_pass(one, query, k_all, v_all, suffix_mask)
         if lane is not None and key is not None and _as_given(given, (pk, pv, query, sk, sv)):
             fast_lane.put(_lane, lane, ("one pass", one))
-        n, h_q = query.shape[:2]  # (1, h_kv, g*t) rows are (1, h_q, t): the same memory
-        return out.view(n, h_q, t, d_v), lse.view(n, h_q, t)
+        return out, lse
     pre = None if key is None else plan_cache.get(("prefix", *key), None)
     suf = None if key is None else plan_cache.get(("suffix", *key), None)
     if pre is not None and suf is not None:
@@ -488,10 +490,25 @@ def run_lane(
     k_all, v_all = joined_view(prefix_key, suffix_key), joined_view(prefix_value, suffix_value)
     if k_all is None or v_all is None:
         return None
-    n, h_q, t, d = query.shape
-    rows = query.reshape(1, prefix_key.shape[1], -1, d)  # (1, h_kv, g*t, d): n is 1
-    out, lse = native.forward(kept[1], rows, k_all, v_all, suffix_mask=stacked_mask)
-    return out.view(n, h_q, t, -1), lse.view(n, h_q, t)
+    return _run_one_pass(kept[1], query, k_all, v_all, stacked_mask)
+
+
+def _run_one_pass(
+    one: TilePlan,
+    query: torch.Tensor,
+    k_all: torch.Tensor,
+    v_all: torch.Tensor,
+    suffix_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out (1, h_q, t, d_v), lse (1, h_q, t))`` of one request's ONE pass ``one`` over
+    ``prefix ++ suffix`` (``k_all``, ``v_all``: :func:`joined_view`), its rows stacked per
+    kv head (:func:`_stacked_rows`, a view of the query)."""
+    from attnkit.backends.blockwise import native
+
+    n, h_q, t, _ = query.shape
+    rows = _stacked_rows(query, k_all.shape[1])  # (1, h_kv, g*t, d)
+    out, lse = native.forward(one, rows, k_all, v_all, suffix_mask=suffix_mask)
+    return out.view(n, h_q, t, -1), lse.view(n, h_q, t)  # (the same memory as rows)
 
 
 def _cache_key(
