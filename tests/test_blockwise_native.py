@@ -179,6 +179,24 @@ def test_few_rows_scored_keys_as_rows_give_the_rows_paths_bits(lq, lk, q_scale, 
     assert err <= 2 * plain_err + EPS[torch.float32], (err, plain_err)
 
 
+def test_keys_as_rows_reads_expanded_keys_and_values(calls):
+    """Keys and values expanded over the batch (stride 0) are read in place by keys as
+    rows: each batch row gives the bits of the same call on contiguous copies, and
+    float64's numbers by the 2x rule."""
+    q, _, _ = _qkv(3, 2, 2, 32, 300, 64, 64, seed=14)
+    _, k, v = _qkv(1, 2, 2, 32, 300, 64, 64, seed=15)
+    k3, v3 = k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1)
+    got = attention(q, k3, v3, backend="blockwise")
+    same = attention(q, k3.contiguous(), v3.contiguous(), backend="blockwise")
+    assert torch.equal(got, same)
+    keep = ref_band_keep(32, 300, None, None)
+    want = ref_attention_lse(q, k3, v3, keep=keep)[0]
+    plain = plain_attention(q, k3, v3, keep).double()
+    err, plain_err = ((x - want).abs().max().item() for x in (got.double(), plain))
+    assert err <= 2 * plain_err + EPS[torch.float32], (err, plain_err)
+    assert len(calls) == 2
+
+
 def test_a_nan_key_under_keys_as_rows_makes_every_row_nan(calls):
     """A NaN key makes a chunk's scores NaN for every row: that chunk goes the rows' path
     (keys as rows hands it back), and every row that sees the key is NaN, as the GQA call's."""
