@@ -227,3 +227,45 @@ def test_blockwise_calls_the_lane_does_not_take():
         attention(q, k, v, backend="blockwise-flash")  # (another blockwise backend)
         attention(q, k, v, return_lse=True, backend="blockwise")
     assert fast_lane._kept == {}
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_native_lane_reuses_its_arguments_only_for_the_same_strides(monkeypatch, dtype):
+    """A kept native call keeps the kernel's arguments for the strides it ran with; a call
+    of the same key and strides only repoints a copy at its tensors (no `_args`), one of
+    other strides (keys laid out (b, s, h, d), the same shape) builds them anew: each the
+    full path's bits and float64's numbers by flash-attn's rule."""
+    monkeypatch.setenv("ATTNKIT_NATIVE_SPEED", "fast")
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 4, 1, 64, generator=gen).to(dtype)
+    k = torch.randn(1, 4, 300, 64, generator=gen).to(dtype)
+    v = torch.randn(1, 4, 300, 64, generator=gen).to(dtype)
+    k_t = torch.randn(1, 300, 4, 64, generator=gen).to(dtype).transpose(1, 2)  # other strides
+    v_t = torch.randn(1, 300, 4, 64, generator=gen).to(dtype).transpose(1, 2)
+    with torch.no_grad():
+        attention(q, k, v, backend="blockwise")  # the full path, remembered
+        [kept] = fast_lane._kept.values()
+        outs = {}
+        for name, (kk, vv) in {"first": (k, v), "other": (k_t, v_t), "again": (k_t, v_t)}.items():
+            with monkeypatch.context() as m:
+                _full_path_refused(m)
+                if name == "again":  # the strides just kept: no arguments built
+                    m.setattr(native, "_args", _refuse)
+                outs[name] = attention(q, kk, vv, backend="blockwise")
+            assert kept.kept[0][:3] == (q.stride(), kk.stride(), vv.stride())
+        fast_lane.clear()
+        full = {"first": attention(q, k, v, backend="blockwise")}
+        fast_lane.clear()
+        full["other"] = full["again"] = attention(q, k_t, v_t, backend="blockwise")
+    for name, out in outs.items():
+        kk, vv = (k, v) if name == "first" else (k_t, v_t)
+        assert torch.equal(out, full[name]), name
+        ref = ref_attention(q.double(), kk.double(), vv.double())[0]
+        plain = attention(q, kk, vv, backend="reference")
+        err = (out.double() - ref).abs().max().item()
+        assert err <= 2 * (plain.double() - ref).abs().max().item() + 1e-6, name
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("the kernel's arguments were built anew")

@@ -30,13 +30,13 @@ def kernel_calls(monkeypatch) -> list[str]:
     seen: list[str] = []
     forward, forward_paged = native.forward, native.forward_paged
 
-    def spy(plan, *args):
+    def spy(plan, *args, **kwargs):
         seen.append("contiguous")
-        return forward(plan, *args)
+        return forward(plan, *args, **kwargs)
 
-    def spy_paged(plan, *args):
+    def spy_paged(plan, *args, **kwargs):
         seen.append("paged")
-        return forward_paged(plan, *args)
+        return forward_paged(plan, *args, **kwargs)
 
     monkeypatch.setattr(native, "forward", spy)
     monkeypatch.setattr(native, "forward_paged", spy_paged)

@@ -27,9 +27,9 @@ def paged_calls(monkeypatch) -> list[tuple]:
     seen: list[tuple] = []
     original = native.forward_paged
 
-    def spy(plan, q, *args):
+    def spy(plan, q, *args, **kwargs):
         seen.append((plan.t, plan.s))
-        return original(plan, q, *args)
+        return original(plan, q, *args, **kwargs)
 
     monkeypatch.setattr(native, "forward_paged", spy)
     return seen
@@ -341,3 +341,39 @@ def test_a_plain_call_repeated_takes_the_lane(paged_calls, monkeypatch):
     qg = q.clone().requires_grad_()
     paged_attention(qg, k_pages, v_pages, table, 70).sum().backward()  # (gathered, autograd)
     assert len(module._lane) == 1 and qg.grad is not None
+
+
+def test_the_lane_reuses_its_arguments_for_other_tables_and_only_the_same_strides(
+    paged_calls, monkeypatch
+):
+    """The paged lane keeps the kernel's arguments for the strides of the call that filled
+    it: a call with another page table (the same shape) and other pages only repoints a copy
+    (no `_args`), one whose pages have other strides builds them anew; each matches the
+    float64 reference of the keys its own table names."""
+    import sys
+
+    module = sys.modules["attnkit.paged_attention"]
+    monkeypatch.setattr(module, "_lane", {})
+    q, _, _, k_pages, v_pages, table = _case(1, 2, 2, 1, 70, 32, 16, seed=8)
+    q2, k2, v2, k_pages2, v_pages2, table2 = _case(1, 2, 2, 1, 70, 32, 16, seed=9)
+    # the second pool laid out (pages, page_size, h_kv, d): the same shape, other strides
+    k_pages3 = k_pages2.transpose(1, 2).contiguous().transpose(1, 2)
+    v_pages3 = v_pages2.transpose(1, 2).contiguous().transpose(1, 2)
+    keep = torch.ones(1, 70, dtype=torch.bool)
+    with torch.no_grad():
+        paged_attention(q, k_pages, v_pages, table, 70)  # the full path, kept
+        with monkeypatch.context() as m:
+            m.setattr(native, "_args", _refuse)  # the kept arguments, repointed
+            same = paged_attention(q2, k_pages2, v_pages2, table2, 70)
+        other = paged_attention(q2, k_pages3, v_pages3, table2, 70)  # built anew
+        with monkeypatch.context() as m:
+            m.setattr(native, "_args", _refuse)
+            again = paged_attention(q2, k_pages3, v_pages3, table2, 70)
+    assert len(module._lane) == 1 and len(paged_calls) == 4
+    for out in (same, other, again):
+        _check(out, q2, k2, v2, keep)
+    assert torch.equal(same, other) and torch.equal(other, again)
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("the kernel's arguments were built anew")

@@ -141,9 +141,9 @@ def paged_attention(
         _lane_key(query, k_pages, v_pages, page_table, key_len, causal, backend) if plain else None
     )
     if lane is not None:
-        plan = _lane.get(lane)
-        if plan is not None and k_pages.stride(-1) == 1 and v_pages.stride(-1) == 1:
-            return _native(plan, query, k_pages, v_pages, page_table, sinks=None, return_lse=False)
+        kept = _lane.get(lane)
+        if kept is not None and k_pages.stride(-1) == 1 and v_pages.stride(-1) == 1:
+            return _lane_call(kept, query, k_pages, v_pages, page_table)
     _check_pages(query, k_pages, v_pages)
     key_len = check_int(key_len, "key_len")
     _check_page_table(page_table, query.shape[0], k_pages.shape[2], key_len)
@@ -166,7 +166,9 @@ def paged_attention(
     plan, _ = _route(query, k_pages, v_pages, key_len, backend, **kwargs)
     if plan is not None:  # (the kernel checks the page ids it reads)
         if lane is not None:
-            fast_lane.put(_lane, lane, plan)
+            kept = (plan, [])
+            fast_lane.put(_lane, lane, kept)
+            return _lane_call(kept, query, k_pages, v_pages, page_table)
         return _native(plan, query, k_pages, v_pages, page_table, None, **kwargs)
     check_page_ids(page_table, key_len, k_pages.shape[2], k_pages.shape[0])
     k, v = gather_pages(k_pages, v_pages, page_table, key_len)  # (b, h_kv, s, d)
@@ -253,7 +255,31 @@ def paged_decode(
 # caches), and at L=4096 they had become most of what a paged step costs over a contiguous
 # one, whose attention() call has a lane of its own (backends/fast_lane.py, whose bound
 # this lane's keys share: fast_lane.put).
-_lane: dict[tuple, TilePlan] = {}  # (read without a lock: one dict lookup)
+# A key keeps its plan and, for the strides of the call that filled it, the kernel's
+# arguments (native.forward_paged's reuse: a later call of those strides only points a
+# copy at its tensors).
+_lane: dict[tuple, tuple[TilePlan, list]] = {}  # (read without a lock: one dict lookup)
+
+
+def _lane_call(
+    kept: tuple[TilePlan, list],
+    query: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+) -> torch.Tensor:
+    """A plain call of the lane (``kept``: its key's plan and ``[strides, reuse]``): the
+    same kernel call as :func:`_native`'s, its arguments reused where the strides match."""
+    from attnkit.backends.blockwise import native
+
+    plan, args = kept
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    strides = (query.stride(), k_pages.stride(), v_pages.stride())
+    if not args or args[0] != strides:
+        args[:] = [strides, []]
+    out, _ = native.forward_paged(plan, query, k_pages, v_pages, page_table, reuse=args[1])
+    return out if out.dtype == query.dtype else out.to(query.dtype)
 
 
 def _lane_key(

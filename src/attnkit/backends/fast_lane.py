@@ -34,7 +34,7 @@ other backend, outcome or call. At most :data:`MAX_KEYS` keys are kept.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -42,8 +42,9 @@ import torch.nn.functional as F
 
 from attnkit import trace
 from attnkit.backends import registry
-from attnkit.backends.blockwise import blockwise_attention, plan_cache, planned
+from attnkit.backends.blockwise import blockwise_attention, native, plan_cache, planned
 from attnkit.backends.blockwise.autograd import forward as blockwise_forward
+from attnkit.backends.blockwise.flash_cpu import engine_views
 from attnkit.backends.blockwise.plan import NATIVE_CPU, TilePlan
 from attnkit.masks import is_top_left_triangle
 
@@ -71,12 +72,33 @@ class _Sdpa:
 @dataclass(frozen=True)
 class _Native:
     """The blockwise forward of ``plan`` (its forward engine the native kernel), cast to
-    the query's dtype: what the blockwise backend runs for a call wanting no gradient."""
+    the query's dtype: what the blockwise backend runs for a call wanting no gradient.
+
+    Where the engine reads the tensors as they come (no copy, cast or reshape), the
+    kernel's arguments are kept for their strides (``kept``: ``[strides, reuse]``,
+    :func:`attnkit.backends.blockwise.native.forward`'s ``reuse``) and a call of the same
+    strides only points a copy of them at its own tensors: the same kernel call."""
 
     plan: TilePlan
+    kept: list = field(default_factory=list, compare=False)
 
     def __call__(self, query: torch.Tensor, key_: torch.Tensor, value: torch.Tensor):
-        out, _ = blockwise_forward(self.plan, query, key_, value, None)  # (b, h, l_q, d_v)
+        plan = self.plan
+        strides = (query.stride(), key_.stride(), value.stride(), native.KV_SPLITS)
+        kept = self.kept
+        if kept and kept[0] == strides:
+            out, _ = native.forward(plan, query, key_, value, reuse=kept[1])
+        else:
+            engines = plan.engines
+            upcast = engines is None or not engines.bf16
+            views = engine_views(plan, query, key_, value, upcast=upcast)
+            if views[0] is query and views[1] is key_ and views[2] is value:
+                reuse: list = []
+                out, _ = native.forward(plan, query, key_, value, reuse=reuse)
+                if reuse:
+                    kept[:] = [strides, reuse]
+            else:
+                out, _ = blockwise_forward(plan, query, key_, value, None)  # (b, h, l_q, d_v)
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
 

@@ -30,12 +30,12 @@ recently used dropped first; :func:`clear` empties the cache.
 from __future__ import annotations
 
 import copy
-import os
 import threading
 from collections import OrderedDict
 
 import torch
 
+from attnkit import _env
 from attnkit.backends.blockwise import flash_cpu, native
 from attnkit.backends.blockwise import plan as plan_module
 from attnkit.backends.blockwise.native import build, calibrate
@@ -87,7 +87,7 @@ def process_key() -> tuple:
     isa = build.selected_isa()
     return (
         torch.get_num_threads(),
-        os.environ.get("ATTNKIT_NATIVE"), os.environ.get("ATTNKIT_NATIVE_SPEED"), isa,
+        _env.get("ATTNKIT_NATIVE"), _env.get("ATTNKIT_NATIVE_SPEED"), isa,
         build._state.get(isa or ""),  # (library, status) of that build, None before it
         id(calibrate._cache), len(calibrate._cache),  # a new measurement, or a new cache
         _knobs(),

@@ -490,7 +490,13 @@ def _set_mask(args: abi.Args, mask: torch.Tensor, column0: int) -> torch.Tensor:
 
 
 def forward(
-    plan: TilePlan, q, k, v, *, suffix_mask: torch.Tensor | None = None
+    plan: TilePlan,
+    q,
+    k,
+    v,
+    *,
+    suffix_mask: torch.Tensor | None = None,
+    reuse: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out (b, h, t, d_v) float32, lse (b, h, t))`` of a plan :func:`why_not` accepts,
     ``q``, ``k``, ``v`` the engine's ``(b, heads, len, d)`` views.
@@ -498,10 +504,23 @@ def forward(
     ``suffix_mask``: a mask ``(b|1, h|1, t, n)`` over the last ``n`` keys, every key
     before them kept, for a plan of no mask of its own: a draft tree's stacked rows over
     ``cache ++ tree`` (:func:`attnkit.tree_attention`), the cache's chunks run unmasked,
-    without a mask as wide as the cache."""
+    without a mask as wide as the cache.
+
+    ``reuse``: as :func:`cascade`'s, a list the caller keeps for calls of this plan whose
+    tensors have the same shapes and strides (and ``torch.get_num_threads()``): empty, it
+    is given the call's arguments where they point at nothing but the three tensors, out
+    and lse; filled, the call copies those and points them at its own tensors (the fast
+    lane's repeated decode steps: 10-30 us of Python a call, after a long step has pushed
+    the interpreter's data out of the caches)."""
     out = torch.empty(plan.b, plan.h, plan.t, v.shape[-1], dtype=torch.float32)
     lse = torch.empty(plan.b, plan.h, plan.t, dtype=torch.float32)
+    if reuse:
+        args = _pointed(reuse, q, k, v, out, lse)
+        _check_code(reuse[1](ctypes.byref(args)))
+        return out, lse
     args, keep_alive = _args(plan, q, k, v, out, lse)
+    if reuse is not None and suffix_mask is None and not keep_alive:
+        reuse[:] = [abi.Args.from_buffer_copy(args), _kernel("attnkit_forward")]
     if suffix_mask is not None:
         if plan.mask is not None or not 0 < suffix_mask.shape[-1] <= plan.s:
             raise ValueError(
@@ -577,6 +596,8 @@ def forward_paged(
     v_pages: torch.Tensor,
     page_table: torch.Tensor,
     key_lens: torch.Tensor | None = None,
+    *,
+    reuse: list | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`forward` with keys and values read through a page table (the forward only).
 
@@ -591,11 +612,18 @@ def forward_paged(
         key_lens: int64 ``(b,)``, row ``i`` attending to its first ``key_lens[i] <= s``
             keys: a decode step of sequences of different lengths (one query row per kv
             head and few heads a group, no band); None = every row to ``s``.
+        reuse: as :func:`forward`'s, for calls of no ``key_lens`` whose query, pages and
+            page table have the same shapes and strides (the paged lane's).
     """
     out = torch.empty(plan.b, plan.h, plan.t, v_pages.shape[-1], dtype=torch.float32)
     lse = torch.empty(plan.b, plan.h, plan.t, dtype=torch.float32)
-    args, keep_alive = _args(plan, q, k_pages, v_pages, out, lse)
     table = _int64_cpu(page_table)
+    if reuse and key_lens is None:
+        args = _pointed(reuse, q, k_pages, v_pages, out, lse)
+        args.pages = table.data_ptr()
+        _check_paged(reuse[1](ctypes.byref(args)), plan, table, key_lens, k_pages)
+        return out, lse
+    args, keep_alive = _args(plan, q, k_pages, v_pages, out, lse)
     keep_alive.append(table)
     # _args read the pages' strides as (b, h, t): the first is a page's stride here
     args.sk_page, args.sv_page, args.sk_b, args.sv_b = args.sk_b, args.sv_b, 0, 0
@@ -607,13 +635,30 @@ def forward_paged(
         args.key_lens = key_lens.data_ptr()
     if plan.b * plan.h * plan.t * plan.s * (q.shape[-1] + v_pages.shape[-1]) < PAGED_ONE_THREAD:
         args.threads = 1  # a short decode step: waking a thread costs more than it saves
-    code = _kernel("attnkit_forward")(ctypes.byref(args))
-    if code == abi.BAD_PAGE:  # (the kernel checked every id a row reads before reading)
+    kernel = _kernel("attnkit_forward")
+    _check_paged(kernel(ctypes.byref(args)), plan, table, key_lens, k_pages)
+    if reuse is not None and key_lens is None and len(keep_alive) == 1:  # (the table alone)
+        reuse[:] = [abi.Args.from_buffer_copy(args), kernel]
+    del keep_alive
+    return out, lse
+
+
+def _check_paged(code: int, plan: TilePlan, table, key_lens, k_pages: torch.Tensor) -> None:
+    """A paged call's return: a bad page id named (the kernel checked every id a row
+    reads before reading), any other failure raised."""
+    if code == abi.BAD_PAGE:
         lens = plan.s if key_lens is None else key_lens
         check_page_ids(table, lens, k_pages.shape[2], k_pages.shape[0])
     _check_code(code)
-    del keep_alive
-    return out, lse
+
+
+def _pointed(reuse: list, q, k, v, out, lse) -> abi.Args:
+    """A copy of the arguments kept in ``reuse`` (``[Args, kernel function]``: see
+    :func:`forward`) pointed at this call's tensors."""
+    args = abi.Args.from_buffer_copy(reuse[0])
+    args.q, args.k, args.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
+    args.out, args.lse = out.data_ptr(), lse.data_ptr()
+    return args
 
 
 def _int64_cpu(x: torch.Tensor) -> torch.Tensor:

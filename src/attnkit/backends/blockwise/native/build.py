@@ -46,6 +46,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+from attnkit import _env
 from attnkit.backends.blockwise.native import abi, threads
 
 SOURCE = Path(__file__).with_name("attention.cpp")
@@ -171,7 +172,7 @@ def _amx_permitted() -> bool:
 
 def selected_isa() -> str | None:
     """The build this process uses: ``ATTNKIT_NATIVE_ISA`` if set, else the best one."""
-    forced = os.environ.get("ATTNKIT_NATIVE_ISA")
+    forced = _env.get("ATTNKIT_NATIVE_ISA")
     if forced:
         return forced
     isas = _host_isas()
