@@ -278,7 +278,9 @@ def _lane_call(
     strides = (query.stride(), k_pages.stride(), v_pages.stride())
     if not args or args[0] != strides:
         args[:] = [strides, []]
-    out, _ = native.forward_paged(plan, query, k_pages, v_pages, page_table, reuse=args[1])
+    out, _ = native.forward_paged(
+        plan, query, k_pages, v_pages, page_table, reuse=args[1], with_lse=False
+    )
     return out if out.dtype == query.dtype else out.to(query.dtype)
 
 

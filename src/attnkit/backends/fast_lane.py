@@ -87,14 +87,14 @@ class _Native:
         strides = (query.stride(), key_.stride(), value.stride(), native.KV_SPLITS)
         kept = self.kept
         if kept and kept[0] == strides:
-            out, _ = native.forward(plan, query, key_, value, reuse=kept[1])
+            out, _ = native.forward(plan, query, key_, value, reuse=kept[1], with_lse=False)
         else:
             engines = plan.engines
             upcast = engines is None or not engines.bf16
             views = engine_views(plan, query, key_, value, upcast=upcast)
             if views[0] is query and views[1] is key_ and views[2] is value:
                 reuse: list = []
-                out, _ = native.forward(plan, query, key_, value, reuse=reuse)
+                out, _ = native.forward(plan, query, key_, value, reuse=reuse, with_lse=False)
                 if reuse:
                     kept[:] = [strides, reuse]
             else:

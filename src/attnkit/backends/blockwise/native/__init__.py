@@ -37,6 +37,7 @@ docs/serving.md).
 from __future__ import annotations
 
 import ctypes
+from typing import Literal, overload
 
 import torch
 
@@ -423,7 +424,8 @@ def _args(
     out_strides = out.stride()[:3] if out is not None else (0, 0, 0)
     args = abi.Args(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), 0 if out is None else out.data_ptr(),
-        lse.data_ptr(), *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out_strides,
+        0 if lse is None else lse.data_ptr(), *q.stride()[:3], *k.stride()[:3],
+        *v.stride()[:3], *out_strides,
         b, h, plan.h_kv, t, s, q.shape[-1], v.shape[-1],
         plan.scale, band_lo, band_hi, block_q,
     )  # fmt: skip
@@ -489,6 +491,7 @@ def _set_mask(args: abi.Args, mask: torch.Tensor, column0: int) -> torch.Tensor:
     return mask
 
 
+@overload
 def forward(
     plan: TilePlan,
     q,
@@ -497,7 +500,29 @@ def forward(
     *,
     suffix_mask: torch.Tensor | None = None,
     reuse: list | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_lse: Literal[True] = True,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def forward(
+    plan: TilePlan,
+    q,
+    k,
+    v,
+    *,
+    suffix_mask: torch.Tensor | None = None,
+    reuse: list | None = None,
+    with_lse: Literal[False],
+) -> tuple[torch.Tensor, None]: ...
+def forward(
+    plan: TilePlan,
+    q,
+    k,
+    v,
+    *,
+    suffix_mask: torch.Tensor | None = None,
+    reuse: list | None = None,
+    with_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(out (b, h, t, d_v) float32, lse (b, h, t))`` of a plan :func:`why_not` accepts,
     ``q``, ``k``, ``v`` the engine's ``(b, heads, len, d)`` views.
 
@@ -511,14 +536,18 @@ def forward(
     is given the call's arguments where they point at nothing but the three tensors, out
     and lse; filled, the call copies those and points them at its own tensors (the fast
     lane's repeated decode steps: 10-30 us of Python a call, after a long step has pushed
-    the interpreter's data out of the caches)."""
-    out = torch.empty(plan.b, plan.h, plan.t, v.shape[-1], dtype=torch.float32)
-    lse = torch.empty(plan.b, plan.h, plan.t, dtype=torch.float32)
+    the interpreter's data out of the caches).
+
+    ``with_lse=False``: ``(out, None)``, ``out`` in ``q``'s dtype where that is bf16 (the
+    kernel rounds it as ``.to(torch.bfloat16)`` does: no float32 output, lse or cast made
+    here), float32 otherwise."""
+    out, lse = _outputs(plan, q, v, with_lse)
     if reuse:
         args = _pointed(reuse, q, k, v, out, lse)
         _check_code(reuse[1](ctypes.byref(args)))
         return out, lse
     args, keep_alive = _args(plan, q, k, v, out, lse)
+    _point_outputs(args, out, lse)
     if reuse is not None and suffix_mask is None and not keep_alive:
         reuse[:] = [abi.Args.from_buffer_copy(args), _kernel("attnkit_forward")]
     if suffix_mask is not None:
@@ -589,6 +618,7 @@ def cascade(
     return out, lse
 
 
+@overload
 def forward_paged(
     plan: TilePlan,
     q: torch.Tensor,
@@ -598,7 +628,31 @@ def forward_paged(
     key_lens: torch.Tensor | None = None,
     *,
     reuse: list | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    with_lse: Literal[True] = True,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+@overload
+def forward_paged(
+    plan: TilePlan,
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    key_lens: torch.Tensor | None = None,
+    *,
+    reuse: list | None = None,
+    with_lse: Literal[False],
+) -> tuple[torch.Tensor, None]: ...
+def forward_paged(
+    plan: TilePlan,
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    page_table: torch.Tensor,
+    key_lens: torch.Tensor | None = None,
+    *,
+    reuse: list | None = None,
+    with_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`forward` with keys and values read through a page table (the forward only).
 
     Args:
@@ -614,9 +668,9 @@ def forward_paged(
             head and few heads a group, no band); None = every row to ``s``.
         reuse: as :func:`forward`'s, for calls of no ``key_lens`` whose query, pages and
             page table have the same shapes and strides (the paged lane's).
+        with_lse: as :func:`forward`'s.
     """
-    out = torch.empty(plan.b, plan.h, plan.t, v_pages.shape[-1], dtype=torch.float32)
-    lse = torch.empty(plan.b, plan.h, plan.t, dtype=torch.float32)
+    out, lse = _outputs(plan, q, v_pages, with_lse)
     table = _int64_cpu(page_table)
     if reuse and key_lens is None:
         args = _pointed(reuse, q, k_pages, v_pages, out, lse)
@@ -624,6 +678,7 @@ def forward_paged(
         _check_paged(reuse[1](ctypes.byref(args)), plan, table, key_lens, k_pages)
         return out, lse
     args, keep_alive = _args(plan, q, k_pages, v_pages, out, lse)
+    _point_outputs(args, out, lse)
     keep_alive.append(table)
     # _args read the pages' strides as (b, h, t): the first is a page's stride here
     args.sk_page, args.sv_page, args.sk_b, args.sv_b = args.sk_b, args.sv_b, 0, 0
@@ -652,12 +707,34 @@ def _check_paged(code: int, plan: TilePlan, table, key_lens, k_pages: torch.Tens
     _check_code(code)
 
 
+def _outputs(
+    plan: TilePlan, q: torch.Tensor, v: torch.Tensor, with_lse: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A forward's ``out (b, h, t, d_v)`` and ``lse (b, h, t)`` (None without
+    ``with_lse``), as :func:`forward` returns them (bf16 ``out`` only without
+    ``with_lse``, for a bf16 ``q``)."""
+    dtype = torch.bfloat16 if not with_lse and q.dtype == torch.bfloat16 else torch.float32
+    out = torch.empty(plan.b, plan.h, plan.t, v.shape[-1], dtype=dtype)
+    lse = torch.empty(plan.b, plan.h, plan.t, dtype=torch.float32) if with_lse else None
+    return out, lse
+
+
+def _point_outputs(args: abi.Args, out: torch.Tensor, lse: torch.Tensor | None) -> None:
+    """Point ``args`` at ``out`` (a bf16 one through ``out16``) and ``lse`` (None: the
+    kernel keeps its own)."""
+    if out.dtype == torch.bfloat16:
+        args.out, args.out16 = None, out.data_ptr()
+    else:
+        args.out, args.out16 = out.data_ptr(), None
+    args.lse = None if lse is None else lse.data_ptr()
+
+
 def _pointed(reuse: list, q, k, v, out, lse) -> abi.Args:
     """A copy of the arguments kept in ``reuse`` (``[Args, kernel function]``: see
     :func:`forward`) pointed at this call's tensors."""
     args = abi.Args.from_buffer_copy(reuse[0])
     args.q, args.k, args.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
-    args.out, args.lse = out.data_ptr(), lse.data_ptr()
+    _point_outputs(args, out, lse)
     return args
 
 

@@ -16,8 +16,8 @@ __all__ = ["ABI_VERSION", "CODES", "DT_BF16", "DT_F32", "Args", "Grads", "check"
 #: ``ABI_VERSION`` of attention.cpp: bumped whenever ``Args``, ``Grads`` or the exported
 #: functions change (9: ``attnkit_cascade``; 10: ``num_pages``, page ids checked; 11:
 #: ``mask_c0``; 12: ``attnkit_cascade`` gathers the prefix pass's rows from the queries;
-#: 13: ``attnkit_linear``).
-ABI_VERSION = 13
+#: 13: ``attnkit_linear``; 14: ``out16``, and ``lse`` may be null).
+ABI_VERSION = 14
 
 #: attention.cpp's return codes (``enum Code``) that the binding treats apart.
 OK, BAD_SHAPE, NO_MEMORY, BAD_PAGE = 0, 1, 4, 9
@@ -85,6 +85,9 @@ class Args(ctypes.Structure):
         # PARTIAL tiles made row by row, no stored tile
         ("mask_row", _P),
         ("mask_ctx", _P),
+        # the output as the caller keeps it: bf16 (out16 set, `out` unused); lse null: not
+        # written (attnkit_forward only)
+        ("out16", _P),
     ]
 
 

@@ -97,7 +97,7 @@ struct TileScope {};
 
 // Bumped whenever Args, Grads or the exported functions change; native/__init__.py checks
 // it and the sizes at load.
-constexpr int64_t ABI_VERSION = 13;
+constexpr int64_t ABI_VERSION = 14;
 
 enum Code : int {
   OK = 0,
@@ -180,6 +180,10 @@ struct Args {
   // query i of (b, h) may attend to keys c0 .. c0 + KC (the traced mask_mod, generated).
   void (*mask_row)(const void *, int64_t, int64_t, int64_t, int64_t, uint8_t *);
   const void *mask_ctx;
+  // -- the output as the caller keeps it (attnkit_forward, feature "own out") --
+  // out16 set: the output is written there in bf16 (at so_b, so_h, so_t; `out` is not
+  // used), rounded as torch rounds. lse null: not written.
+  uint16_t *out16;
 };
 
 // The gradients' tensors (contiguous: (B, H, T, DV), (B, H, T), (B, H, T, D),
@@ -2580,6 +2584,43 @@ Code cascade_call(const Args &pre_, const Args &suf) {
 
 }  // namespace
 
+// (feature "own out") A forward whose caller wants its output in bf16 (Args.out16) or no
+// log-sum-exps (lse null) runs into buffers of its own (out contiguous (B, H, T, DV),
+// lse (B, H, T)), and the output is then rounded into out16: what torch's `.to(bfloat16)`
+// gives (to nearest even; NaN as 0x7FC0), without the caller's float32 output, its lse
+// and the cast (three tensor ops of a decode step, each several microseconds after the
+// kernel's reads have pushed the interpreter's data out of the caches).
+inline uint16_t bf16_of(float x) {
+  if (x != x) return 0x7FC0;
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return uint16_t((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
+
+template <class Run>
+int own_out(const Args &a, Run run) {
+  if (!a.out16 && a.lse) return int(run(a));
+  Args f = a;
+  const int64_t rows = a.B * a.H * a.T;
+  size_t out_bytes = a.out16 ? size_t(rows * a.DV) * sizeof(float) : 1;
+  size_t lse_bytes = a.lse ? 1 : size_t(rows) * sizeof(float);
+  const reuse::Mem out = reuse::allocate(out_bytes), lse = reuse::allocate(lse_bytes);
+  if (a.out16) {
+    f.out = reinterpret_cast<float *>(out.get());
+    f.so_b = a.H * a.T * a.DV, f.so_h = a.T * a.DV, f.so_t = a.DV;
+  }
+  if (!a.lse) f.lse = reinterpret_cast<float *>(lse.get());
+  const Code err = run(f);
+  if (err || !a.out16) return int(err);
+  for (int64_t r = 0; r < rows; ++r) {  // (b, h, t) of the call's rows
+    const float *src = f.out + r * a.DV;
+    uint16_t *dst = a.out16 + (r / (a.H * a.T)) * a.so_b + (r / a.T % a.H) * a.so_h +
+                    (r % a.T) * a.so_t;
+    for (int64_t d = 0; d < a.DV; ++d) dst[d] = bf16_of(src[d]);
+  }
+  return OK;
+}
+
 #define ATTNKIT_EXPORT __attribute__((visibility("default")))
 
 extern "C" {
@@ -2616,10 +2657,10 @@ ATTNKIT_EXPORT int attnkit_forward(const Args *args) {
   if (a.nseq > 0) {
     if (Code bad = check_varlen(a)) return bad;
     auto varlen = [](const Args &f, const Bf16InPlace *) { return forward_varlen(f); };
-    return guarded([&] { return int(read_as_float32(a, varlen)); });
+    return guarded([&] { return own_out(a, [&](const Args &f) { return read_as_float32(f, varlen); }); });
   }
   if (Code bad = check(a)) return bad;
-  return guarded([&] { return int(read_as_float32(a, forward_call)); });
+  return guarded([&] { return own_out(a, [](const Args &f) { return read_as_float32(f, forward_call); }); });
 }
 
 // A shared-prefix cascade (cascade_call): `suf`'s out and lse receive the whole result.
