@@ -36,7 +36,9 @@
 // float32 softmax and sums; other builds convert a bf16 forward to float32 once, its keys
 // as they are packed, feature "bf16 read"). Threads come from one persistent pool
 // (rebuilt in a forked child), a call's large buffers from a per-thread cache (feature
-// "reuse"). Errors inside (out of memory, no thread) become return codes, never an abort.
+// "reuse"). A caller that wants its output in bf16, or no log-sum-exps, has the kernel
+// write into buffers of its own and round the output itself (feature "own out"). Errors
+// inside (out of memory, no thread) become return codes, never an abort.
 
 #include <algorithm>
 #include <atomic>
