@@ -505,3 +505,63 @@ def test_a_decode_step_the_kernel_cannot_take_is_never_measured(uncalibrated, mo
         monkeypatch.setattr(native, "available", lambda: False)
         attention(q, k, v)
     assert q.grad is not None and measured == []
+
+
+def test_a_paged_step_reads_a_head_at_a_time_where_that_measured_faster(uncalibrated, monkeypatch):
+    """calibrate.heads_apart: measured once (kept under a key of its own), a head at a time
+    only where it was faster by more than TIE; forced speeds keep the page walk without
+    measuring; forward_paged hands the kernel what was decided (float32 only) unless told.
+    And the measurement itself runs both ways (a small real one)."""
+    files: dict[tuple, object] = {}
+    monkeypatch.setattr(calibrate, "_cache_file", lambda key: files.setdefault(key, None))
+    ratios = iter([0.9, 0.99])
+    asked: list[float] = []
+
+    def fake():
+        asked.append(next(ratios))
+        return asked[-1], asked[-1], False
+
+    real = calibrate._time_walk
+    monkeypatch.setattr(calibrate, "_time_walk", fake)
+    assert calibrate.heads_apart() and calibrate.heads_apart()  # 0.9: apart, kept
+    assert len(asked) == 1 and [key[-2:] for key in files] == [
+        ("float32-paged-heads-apart", calibrate.WALK_CASE[1])
+    ]
+    monkeypatch.setattr(calibrate, "_cache", {})
+    assert not calibrate.heads_apart()  # 0.99: a tie, the walk stays
+    monkeypatch.setenv("ATTNKIT_NATIVE_SPEED", "fast")
+    assert not calibrate.heads_apart() and len(asked) == 2
+    monkeypatch.delenv("ATTNKIT_NATIVE_SPEED")
+
+    seen: list[int] = []  # what the kernel was handed
+    forward = native._kernel("attnkit_forward")
+    monkeypatch.setattr(
+        native,
+        "_kernel",
+        lambda name: lambda args: seen.append(args._obj.page_heads_apart) or forward(args),
+    )
+    q = torch.randn(1, 2, 1, 16)
+    pages = torch.randn(4, 2, 16, 16)
+    table = torch.tensor([[2, 0, 3]])
+    plan = _paged_plan(q, 40)
+    for dtype, told, want in (
+        (torch.float32, None, 0),  # (the 0.99 kept above: the walk)
+        (torch.float32, True, 1),
+        (torch.bfloat16, None, 0),  # (bf16 reads a head at a time whatever the field)
+    ):
+        x, p = q.to(dtype), pages.to(dtype)
+        native.forward_paged(plan, x, p, p, table, heads_apart=told)
+        assert seen[-1] == want
+    monkeypatch.setattr(calibrate, "WALK_CASE", (4, 256, 16, 32))
+    ratio, same, loaded = real()
+    assert 0 < ratio < 100 and same == ratio and loaded in (True, False)
+
+
+def _paged_plan(q, keys):
+    from attnkit.backends.blockwise.plan import NATIVE_CPU, build_plan
+
+    k = torch.empty(q.shape[0], q.shape[1], keys, q.shape[-1])
+    return build_plan(
+        q, k, scale=0.25, causal=None, window=None, mask=None, mask_mod=None,
+        score_mod=None, block_mask=None, engine=NATIVE_CPU,
+    )  # fmt: skip

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from attnkit import create_block_mask
 from attnkit import masks as M
 from attnkit.backends.blockwise import native
+from attnkit.backends.blockwise.native import calibrate
 from attnkit.paged_attention import native_reason, paged_attention, paged_decode
 from tests.reference import plain_attention, ref_attention_lse, ref_band_keep
 from tests.test_paged_kv_cache import _table, _to_pages
@@ -248,12 +249,13 @@ def test_a_decode_step_of_sequences_of_different_lengths(paged_calls, groups, dt
     "h_kv, groups, padded", [(12, 1, False), (6, 2, True), (4, 1, False), (3, 1, True)]
 )
 def test_heads_walked_together_give_the_bits_of_one_head_at_a_time(
-    paged_calls, dtype, h_kv, groups, padded
+    paged_calls, monkeypatch, dtype, h_kv, groups, padded
 ):
     """A paged decode step walks several kv heads of a row per work item, page by page
     (attention.cpp, "page walk"); how many depends on the thread count (1 thread: every
     head; 5 threads on 12 heads: one at a time, the layout of every other call). Each
-    head's sums are its own, so every thread count gives the same bits, and they meet the
+    head's sums are its own, so every thread count gives the same bits, and so does a
+    float32 step that reads a head at a time (``calibrate.heads_apart``); they meet the
     float64 reference: with split-KV ranges (2100 keys), GQA heads sharing kv heads (a mask
     keeps them apart: no folding), and a padding mask."""
     length, ps, d = 2100, 16, 32
@@ -266,13 +268,15 @@ def test_heads_walked_together_give_the_bits_of_one_head_at_a_time(
     mask = keep if padded else None
     outs = []
     try:
-        for threads in (1, 2, 3, 5):
-            torch.set_num_threads(threads)
-            with torch.no_grad():
-                outs.append(paged_attention(q, k_pages, v_pages, table, length, mask=mask))
+        for apart in (False, True):  # (float32: each page walked whole, or a head at a time)
+            monkeypatch.setattr(calibrate, "heads_apart", lambda apart=apart: apart)
+            for threads in (1, 2, 3, 5):
+                torch.set_num_threads(threads)
+                with torch.no_grad():
+                    outs.append(paged_attention(q, k_pages, v_pages, table, length, mask=mask))
     finally:
         torch.set_num_threads(1)
-    assert paged_calls == [(1, length)] * 4  # the kernel read the pages each time
+    assert paged_calls == [(1, length)] * 8  # the kernel read the pages each time
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
     _check(outs[0], q, k, v, keep[0, 0].expand(1, length))

@@ -628,6 +628,7 @@ def forward_paged(
     key_lens: torch.Tensor | None = None,
     *,
     reuse: list | None = None,
+    heads_apart: bool | None = None,
     with_lse: Literal[True] = True,
 ) -> tuple[torch.Tensor, torch.Tensor]: ...
 @overload
@@ -640,6 +641,7 @@ def forward_paged(
     key_lens: torch.Tensor | None = None,
     *,
     reuse: list | None = None,
+    heads_apart: bool | None = None,
     with_lse: Literal[False],
 ) -> tuple[torch.Tensor, None]: ...
 def forward_paged(
@@ -651,6 +653,7 @@ def forward_paged(
     key_lens: torch.Tensor | None = None,
     *,
     reuse: list | None = None,
+    heads_apart: bool | None = None,
     with_lse: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`forward` with keys and values read through a page table (the forward only).
@@ -669,6 +672,9 @@ def forward_paged(
         reuse: as :func:`forward`'s, for calls of no ``key_lens`` whose query, pages and
             page table have the same shapes and strides (the paged lane's).
         with_lse: as :func:`forward`'s.
+        heads_apart: whether a float32 decode step's work items read a head at a time
+            rather than walking each page's heads together (None: what this machine
+            measured faster, :func:`.calibrate.heads_apart`).
     """
     out, lse = _outputs(plan, q, v_pages, with_lse)
     table = _int64_cpu(page_table)
@@ -679,6 +685,8 @@ def forward_paged(
         return out, lse
     args, keep_alive = _args(plan, q, k_pages, v_pages, out, lse)
     _point_outputs(args, out, lse)
+    if args.dtype == abi.DT_F32:
+        args.page_heads_apart = calibrate.heads_apart() if heads_apart is None else heads_apart
     keep_alive.append(table)
     # _args read the pages' strides as (b, h, t): the first is a page's stride here
     args.sk_page, args.sv_page, args.sk_b, args.sv_b = args.sk_b, args.sv_b, 0, 0

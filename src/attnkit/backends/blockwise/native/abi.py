@@ -16,8 +16,9 @@ __all__ = ["ABI_VERSION", "CODES", "DT_BF16", "DT_F32", "Args", "Grads", "check"
 #: ``ABI_VERSION`` of attention.cpp: bumped whenever ``Args``, ``Grads`` or the exported
 #: functions change (9: ``attnkit_cascade``; 10: ``num_pages``, page ids checked; 11:
 #: ``mask_c0``; 12: ``attnkit_cascade`` gathers the prefix pass's rows from the queries;
-#: 13: ``attnkit_linear``; 14: ``out16``, and ``lse`` may be null).
-ABI_VERSION = 14
+#: 13: ``attnkit_linear``; 14: ``out16``, and ``lse`` may be null; 15:
+#: ``page_heads_apart``).
+ABI_VERSION = 15
 
 #: attention.cpp's return codes (``enum Code``) that the binding treats apart.
 OK, BAD_SHAPE, NO_MEMORY, BAD_PAGE = 0, 1, 4, 9
@@ -88,6 +89,9 @@ class Args(ctypes.Structure):
         # the output as the caller keeps it: bf16 (out16 set, `out` unused); lse null: not
         # written (attnkit_forward only)
         ("out16", _P),
+        # a float32 paged decode step's items read a head at a time instead of walking
+        # each page whole (what this machine measured faster: calibrate.heads_apart)
+        ("page_heads_apart", _I),
     ]
 
 

@@ -99,7 +99,7 @@ struct TileScope {};
 
 // Bumped whenever Args, Grads or the exported functions change; native/__init__.py checks
 // it and the sizes at load.
-constexpr int64_t ABI_VERSION = 14;
+constexpr int64_t ABI_VERSION = 15;
 
 enum Code : int {
   OK = 0,
@@ -186,6 +186,10 @@ struct Args {
   // out16 set: the output is written there in bf16 (at so_b, so_h, so_t; `out` is not
   // used), rounded as torch rounds. lse null: not written.
   uint16_t *out16;
+  // A float32 paged decode step's work item reads a head at a time (1) instead of walking
+  // each page whole (0; feature "page walk": which is faster depends on the machine,
+  // native/calibrate.py measures it).
+  int64_t page_heads_apart;
 };
 
 // The gradients' tensors (contiguous: (B, H, T, DV), (B, H, T), (B, H, T, D),
@@ -1723,7 +1727,10 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
 // interleaved A/B) paged / contiguous went 1.38 -> 1.03 on 1 thread at L=4096 and 1.18 ->
 // 1.10, 1.26 -> 1.18 on 2 threads at L=4096 and 16384; from cache (L=1024, 1 thread)
 // 1.01 -> 0.99. bf16 steps measured slower walked that way (1 thread, L=4096: 1.13-1.16 ->
-// 1.24-1.26; 2 threads up to 1.70) and keep a head at a time.
+// 1.24-1.26; 2 threads up to 1.70) and keep a head at a time. On the Xeon of session 30
+// (its L3 holds such a cache) the walk was the slower one in float32 too (paged /
+// contiguous, C ABI, L=4096 x 12 heads: 1.08-1.14 walked, 0.97-1.00 a head at a time),
+// so Args.page_heads_apart lets the caller choose what this machine measured.
 // ---------------------------------------------------------------------------------------
 
 // Heads an item walks together (1: none), given the items `per_head` of each head (key
@@ -1815,7 +1822,7 @@ void forward_heads(const Args &a, int64_t b, int64_t h0, int64_t h1, int64_t i0,
   // (the chunks of every head are those of h0: no block mask, the one thing they depend on)
   ws[h1 - h0 - 1];  // (every head's scratch made)
   for_each_chunk(a, b, h0, i0, i1, cmin, cmax, nullptr, [&](const Chunk &c) {
-    if (a.dtype == DT_BF16) {  // a head at a time (see above)
+    if (a.dtype == DT_BF16 || a.page_heads_apart) {  // a head at a time (see above)
       for (int64_t h = h0; h < h1; ++h) decode_step_chunk(a, as_float32, b, h, i0, c, ws[h - h0]);
     } else {
       decode_heads_chunk<float>(a, a, b, h0, h1, i0, c, ws.w);

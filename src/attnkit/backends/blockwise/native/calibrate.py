@@ -70,7 +70,7 @@ import torch
 
 from attnkit.backends.blockwise.native import build
 
-__all__ = ["Speed", "decode_pays", "speed"]
+__all__ = ["Speed", "decode_pays", "heads_apart", "speed"]
 
 #: The measured case: (batch, heads, tokens, head size), causal.
 CASE = (1, 4, 1024, 64)
@@ -186,6 +186,29 @@ def decode_pays(dtype: torch.dtype, grouped: bool, work: int) -> bool:
         if _kept(key, functools.partial(_time_decode, dtype, grouped, keys)).forward_ok:
             return True
     return False
+
+
+#: The paged step :func:`heads_apart` is decided by: (heads, keys, page size, head size),
+#: float32, pages in shuffled order (GPT-2-small's heads; 25 MB of keys and values).
+WALK_CASE = (12, 4096, 16, 64)
+
+
+def heads_apart() -> bool:
+    """Whether a float32 paged decode step reads a head at a time here, rather than walking
+    each page's heads together (attention.cpp's feature "page walk",
+    ``Args.page_heads_apart``): measured once (:data:`WALK_CASE`, both ways through
+    :func:`attnkit.backends.blockwise.native.forward_paged`), kept as the other
+    measurements are; True only where a head at a time was faster by more than
+    :data:`TIE` (the walk, measured better on the AMD EPYCs of sessions 16-17, stays the
+    default). ``ATTNKIT_NATIVE_SPEED=fast|slow`` keeps the default without measuring.
+
+    Session 30, the Xeon (2 threads, C ABI, L=4096 x 12 heads, shuffled pages), paged over
+    contiguous: 1.08-1.14 walked, 0.97-1.00 a head at a time; session 17, a Zen 4 (1
+    thread): 1.03 walked, 1.38 a head at a time."""
+    if forced() is not None:
+        return False
+    key = (*cache_key(torch.float32)[:-2], "float32-paged-heads-apart", WALK_CASE[1])
+    return _kept(key, _time_walk).forward_ok
 
 
 def _decode_key(dtype: torch.dtype, grouped: bool, keys: int) -> tuple:
@@ -374,6 +397,31 @@ def _time_case(
 
     backward, loaded_backward = _best_ratio(native_step, torch_step)
     return forward, backward, loaded or loaded_backward
+
+
+def _time_walk() -> tuple[float, float, bool]:
+    """(ratio, ratio, loaded): a float32 paged step's time read a head at a time over its
+    time walking each page whole (:func:`heads_apart`)."""
+    from attnkit.backends.blockwise import native
+    from attnkit.backends.blockwise.plan import NATIVE_CPU, build_plan
+
+    h, keys, page_size, d = WALK_CASE
+    g = torch.Generator().manual_seed(0)
+    n = keys // page_size
+    q = torch.randn(1, h, 1, d, generator=g)
+    k_pages, v_pages = (torch.randn(n, h, page_size, d, generator=g) for _ in range(2))
+    table = torch.randperm(n, generator=g)[None]  # (1, n)
+    plan = build_plan(
+        q, torch.empty(1, h, keys, d), scale=d**-0.5, causal=None, window=None, mask=None,
+        mask_mod=None, score_mod=None, block_mask=None, engine=NATIVE_CPU,
+    )  # fmt: skip
+
+    def step(apart: bool):
+        return lambda: native.forward_paged(plan, q, k_pages, v_pages, table, heads_apart=apart)
+
+    with torch.no_grad():
+        ratio, loaded = _best_ratio(step(True), step(False))
+    return ratio, ratio, loaded
 
 
 def _time_decode(dtype: torch.dtype, grouped: bool, keys: int) -> tuple[float, float, bool]:
