@@ -1219,3 +1219,43 @@ def test_a_suffix_mask_is_checked():
     native._set_mask(args, mask, 6)
     assert forward(ctypes.byref(args)) == abi.OK
     del keep_alive
+
+
+def test_kept_arguments_are_reused_only_for_a_suffix_mask_of_the_same_layout(monkeypatch):
+    """`native.forward(reuse=)` keeps a call's arguments with its suffix mask's shape,
+    strides and dtype: a later call with no mask, a mask laid out otherwise, or one read
+    through a copy (float64) makes them anew; each call gives the bits of the same call
+    made fresh (no reuse)."""
+    from attnkit.backends.blockwise.plan import NATIVE_CPU, build_plan
+
+    q, k, v = _qkv(1, 2, 2, 8, 40, 16, 16, seed=5)
+    plan = build_plan(
+        q, k, scale=0.25, causal=None, window=None, mask=None, mask_mod=None,
+        score_mod=None, block_mask=None, engine=NATIVE_CPU,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(6)
+    keep = torch.rand(1, 2, 8, 10, generator=gen) > 0.4
+    keep[..., 0] = True
+    other = keep.transpose(-1, -2).contiguous().transpose(-1, -2)  # (same values, sm_s = t)
+    flipped = ~keep
+    flipped[..., 0] = True
+    bias = torch.randn(1, 2, 8, 10, generator=gen, dtype=torch.float64)
+    made: list = []  # each call that made its arguments
+    original = native._args
+    monkeypatch.setattr(native, "_args", lambda *a, **k: made.append(1) or original(*a, **k))
+    reuse: list = []
+    native.forward(plan, q, k, v, suffix_mask=keep, reuse=reuse)
+    assert reuse[2] == (keep.shape, keep.stride(), torch.bool)
+    # (kept: the first; None and `other` replace it; the float64 copy keeps `other`'s)
+    for mask, kept_layout in ((flipped, keep), (None, keep), (other, None), (bias, other),
+                              (other, other), (keep, other)):  # fmt: skip
+        made.clear()
+        got, _ = native.forward(plan, q, k, v, suffix_mask=mask, reuse=reuse)
+        reused = not made
+        fresh, _ = native.forward(plan, q, k, v, suffix_mask=mask)
+        assert torch.equal(got, fresh)
+        layout = None if kept_layout is None else (kept_layout.shape, kept_layout.stride())
+        same = (
+            mask is not None and layout == (mask.shape, mask.stride()) and mask.dtype == torch.bool
+        )
+        assert reused == same, (mask is None, reused)

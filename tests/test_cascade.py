@@ -588,7 +588,9 @@ def test_the_cascade_lane_leaves_other_calls_to_the_full_path(isa, monkeypatch):
     q, pk, pv, sk, sv = (x.float() for x in _inputs(3, 4, 2, 1, 130, 9, 16, 16, seed=3)[:5])
     ran: list[str] = []
     real = cascade.run_lane
-    monkeypatch.setattr(cascade, "run_lane", lambda kept, *a: ran.append(kept[0]) or real(kept, *a))
+    monkeypatch.setattr(
+        cascade, "run_lane", lambda kept, *a, **k: ran.append(kept[0]) or real(kept, *a, **k)
+    )
     cascade._lane.clear()
     cascade_attention(q, pk, pv, sk, sv)
     # the query a slice of a wider tensor: the same shape, other strides, another key

@@ -493,3 +493,48 @@ def test_a_repeated_tree_over_its_cache_runs_in_the_lane(isa, monkeypatch, nativ
 
 def _fails(*args, **kwargs):
     raise AssertionError("the lane ran the full path")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lane_reuses_its_one_pass_arguments_with_each_trees_mask(isa, monkeypatch, dtype):
+    """(feature "cascade lane", session 30) From the lane's second call on, the one pass's
+    kernel arguments are kept and pointed at each call's tensors and its tree's mask
+    (`native.forward(reuse=)` with a suffix mask of the same shape, strides and dtype): no
+    arguments made from the third call on, yet every tree, alternating, gives the bits of
+    its own call through the full path (bf16: the kernel's own rounding, no lse made) and
+    float64's numbers."""
+    import attnkit.cascade as cascade_module
+
+    hq, hkv, L, n, d = 8, 2, 150, 7, 32
+    trees = [
+        build_tree([-1, 0, 1, 2, 3, 4, 5]),
+        build_tree([-1, 0, 0, 1, 1, 2, 2]),
+        build_tree([-1, 0, 0, 0, 1, 4, 4]),
+    ]
+
+    def inputs(seed):
+        gen = torch.Generator().manual_seed(seed)
+        q = torch.randn(1, hq, n, d, generator=gen).to(dtype)
+        keys, values = (torch.randn(1, hkv, L + n, d, generator=gen).to(dtype) for _ in "kv")
+        return q, keys[:, :, :L], values[:, :, :L], keys[:, :, L:], values[:, :, L:]
+
+    calls = [(inputs(seed), trees[seed % 3]) for seed in range(6)]
+    want = []
+    with torch.no_grad():
+        for x, tree in calls:
+            cascade_module._lane.clear()
+            want.append(tree_attention(*x, tree))  # the full path alone
+        cascade_module._lane.clear()
+        got = []
+        with monkeypatch.context() as m:
+            for i, (x, tree) in enumerate(calls):
+                if i == 2:  # (kept by now: the arguments are never made again)
+                    m.setattr(native, "_args", _fails)
+                got.append(tree_attention(*x, tree))
+    [(route, _, reuse)] = cascade_module._lane.values()
+    assert route == "one pass" and reuse[2][2] == torch.bool
+    for out, full, (x, tree) in zip(got, want, calls, strict=True):
+        assert out.dtype == dtype and torch.equal(out, full)
+        ref, _ = _reference(*(t.double() for t in x), tree.parents, None)
+        err = (out.double() - ref).abs().max().item()
+        assert err < (1e-5 if dtype == torch.float32 else 2e-2), err

@@ -146,12 +146,12 @@ def cascade_attention(
     if lane is not None and (kept := _lane.get(lane)) is not None:
         pk = prefix_key if prefix_key.dim() == 4 else prefix_key[None]
         pv = prefix_value if prefix_value.dim() == 4 else prefix_value[None]
-        ran = run_lane(kept, query, pk, pv, suffix_key, suffix_value)  # type: ignore[arg-type]
+        ran = run_lane(kept, query, pk, pv, suffix_key, suffix_value, with_lse=return_lse)  # type: ignore[arg-type]
         if ran is not None:
             out, lse = ran
             if out.dtype != query.dtype:
                 out = out.to(query.dtype)
-            return (out, lse) if return_lse else out
+            return (out, cast(torch.Tensor, lse)) if return_lse else out
     prefix_key, prefix_value = _check(query, prefix_key, prefix_value, suffix_key, suffix_value)
     return_lse = check_bool(return_lse, "return_lse")
     check_sinks(sinks, query)
@@ -337,8 +337,8 @@ def fused_native(
                 plan_cache.put(("one pass", *key), one)
         out, lse = _run_one_pass(one, query, k_all, v_all, suffix_mask)
         if lane is not None and key is not None and _as_given(given, (pk, pv, query, sk, sv)):
-            fast_lane.put(_lane, lane, ("one pass", one))
-        return out, lse
+            fast_lane.put(_lane, lane, ("one pass", one, []))
+        return out, cast(torch.Tensor, lse)  # (made: with_lse)
     pre = None if key is None else plan_cache.get(("prefix", *key), None)
     suf = None if key is None else plan_cache.get(("suffix", *key), None)
     if pre is not None and suf is not None:
@@ -475,11 +475,14 @@ def run_lane(
     suffix_key: torch.Tensor,
     suffix_value: torch.Tensor,
     stacked_mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+    with_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """``(out, lse)`` (float32) of a call whose lane key holds ``kept`` (prefix ``(1,
     h_kv, p, d)``; ``stacked_mask`` as :func:`fused_native`'s), by the route its first
     call took; None where that route no longer applies (one pass, for a suffix that no
-    longer follows the prefix in memory): the full path then runs it."""
+    longer follows the prefix in memory): the full path then runs it. ``with_lse=False``:
+    the one pass makes no lse (None) and a bf16 call's output comes in bf16
+    (:func:`attnkit.backends.blockwise.native.forward`'s)."""
     from attnkit.backends.blockwise import native
 
     if kept[0] == "two passes":
@@ -490,7 +493,9 @@ def run_lane(
     k_all, v_all = joined_view(prefix_key, suffix_key), joined_view(prefix_value, suffix_value)
     if k_all is None or v_all is None:
         return None
-    return _run_one_pass(kept[1], query, k_all, v_all, stacked_mask)
+    return _run_one_pass(
+        kept[1], query, k_all, v_all, stacked_mask, reuse=kept[2], with_lse=with_lse
+    )
 
 
 def _run_one_pass(
@@ -499,16 +504,24 @@ def _run_one_pass(
     k_all: torch.Tensor,
     v_all: torch.Tensor,
     suffix_mask: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    *,
+    reuse: list | None = None,
+    with_lse: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(out (1, h_q, t, d_v), lse (1, h_q, t))`` of one request's ONE pass ``one`` over
     ``prefix ++ suffix`` (``k_all``, ``v_all``: :func:`joined_view`), its rows stacked per
-    kv head (:func:`_stacked_rows`, a view of the query)."""
+    kv head (:func:`_stacked_rows`, a view of the query); ``reuse`` and ``with_lse`` as
+    :func:`attnkit.backends.blockwise.native.forward`'s (the lane's: its tensors' strides
+    are in its key)."""
     from attnkit.backends.blockwise import native
 
     n, h_q, t, _ = query.shape
     rows = _stacked_rows(query, k_all.shape[1])  # (1, h_kv, g*t, d)
-    out, lse = native.forward(one, rows, k_all, v_all, suffix_mask=suffix_mask)
-    return out.view(n, h_q, t, -1), lse.view(n, h_q, t)  # (the same memory as rows)
+    out, lse = native.forward(
+        one, rows, k_all, v_all, suffix_mask=suffix_mask, reuse=reuse, with_lse=with_lse
+    )
+    # (the same memory as rows)
+    return out.view(n, h_q, t, -1), None if lse is None else lse.view(n, h_q, t)
 
 
 def _cache_key(

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, overload
+from typing import Any, Literal, cast, overload
 
 import torch
 
@@ -452,12 +452,14 @@ def tree_attention(
     )
     if lane is not None and (kept := cascade._lane.get(lane)) is not None:
         stacked = tree._stacked_mask(query.shape[1] // key.shape[1], query.device)  # type: ignore[union-attr]
-        ran = cascade.run_lane(kept, query, key, value, tree_key, tree_value, stacked)
+        ran = cascade.run_lane(
+            kept, query, key, value, tree_key, tree_value, stacked, with_lse=return_lse is True
+        )
         if ran is not None:
             out, lse = ran
             if out.dtype != query.dtype:
                 out = out.to(query.dtype)
-            return (out, lse) if return_lse else out
+            return (out, cast(torch.Tensor, lse)) if return_lse else out
     return_lse = check_bool(return_lse, "return_lse")
     if isinstance(tree, DraftTree):
         mask = tree.mask if tree.mask.device == query.device else tree.mask.to(query.device)

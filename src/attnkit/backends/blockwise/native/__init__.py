@@ -513,6 +513,17 @@ def forward(
     reuse: list | None = None,
     with_lse: Literal[False],
 ) -> tuple[torch.Tensor, None]: ...
+@overload
+def forward(
+    plan: TilePlan,
+    q,
+    k,
+    v,
+    *,
+    suffix_mask: torch.Tensor | None = None,
+    reuse: list | None = None,
+    with_lse: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 def forward(
     plan: TilePlan,
     q,
@@ -533,31 +544,45 @@ def forward(
 
     ``reuse``: as :func:`cascade`'s, a list the caller keeps for calls of this plan whose
     tensors have the same shapes and strides (and ``torch.get_num_threads()``): empty, it
-    is given the call's arguments where they point at nothing but the three tensors, out
-    and lse; filled, the call copies those and points them at its own tensors (the fast
-    lane's repeated decode steps: 10-30 us of Python a call, after a long step has pushed
-    the interpreter's data out of the caches).
+    is given the call's arguments where they point at nothing but the three tensors, out,
+    lse and a suffix mask read in place (bool or float32); filled, a call whose suffix
+    mask (or none) has the same shape, strides and dtype copies those and points them at
+    its own tensors (the fast lane's repeated decode steps, a draft tree's: 10-30 us of
+    Python a call, after a long step has pushed the interpreter's data out of the
+    caches).
 
     ``with_lse=False``: ``(out, None)``, ``out`` in ``q``'s dtype where that is bf16 (the
     kernel rounds it as ``.to(torch.bfloat16)`` does: no float32 output, lse or cast made
     here), float32 otherwise."""
     out, lse = _outputs(plan, q, v, with_lse)
-    if reuse:
+    mask = (
+        None
+        if suffix_mask is None
+        else (suffix_mask.shape, suffix_mask.stride(), suffix_mask.dtype)
+    )
+    if reuse and reuse[2] == mask:
         args = _pointed(reuse, q, k, v, out, lse)
+        if suffix_mask is not None:  # (bool read as bytes, float32 as it is: no copy)
+            args.mask = suffix_mask.data_ptr()
         _check_code(reuse[1](ctypes.byref(args)))
         return out, lse
     args, keep_alive = _args(plan, q, k, v, out, lse)
     _point_outputs(args, out, lse)
-    if reuse is not None and suffix_mask is None and not keep_alive:
-        reuse[:] = [abi.Args.from_buffer_copy(args), _kernel("attnkit_forward")]
     if suffix_mask is not None:
         if plan.mask is not None or not 0 < suffix_mask.shape[-1] <= plan.s:
             raise ValueError(
                 f"suffix_mask must cover 1..{plan.s} keys of a plan without a mask, got "
                 f"{tuple(suffix_mask.shape)}"
             )
-        keep_alive.append(_set_mask(args, suffix_mask, plan.s - suffix_mask.shape[-1]))
-    _check_code(_kernel("attnkit_forward")(ctypes.byref(args)))
+        read = _set_mask(args, suffix_mask, plan.s - suffix_mask.shape[-1])
+        if read.data_ptr() == suffix_mask.data_ptr():  # (read in place: no copy to keep)
+            keep_alive.append(read)
+        else:
+            keep_alive += [read, "a copy"]  # (not reusable: the copy is this call's)
+    kernel = _kernel("attnkit_forward")
+    _check_code(kernel(ctypes.byref(args)))
+    if reuse is not None and len(keep_alive) == (suffix_mask is not None):
+        reuse[:] = [abi.Args.from_buffer_copy(args), kernel, mask]
     del keep_alive
     return out, lse
 
@@ -701,7 +726,7 @@ def forward_paged(
     kernel = _kernel("attnkit_forward")
     _check_paged(kernel(ctypes.byref(args)), plan, table, key_lens, k_pages)
     if reuse is not None and key_lens is None and len(keep_alive) == 1:  # (the table alone)
-        reuse[:] = [abi.Args.from_buffer_copy(args), kernel]
+        reuse[:] = [abi.Args.from_buffer_copy(args), kernel, None]
     del keep_alive
     return out, lse
 
@@ -738,8 +763,9 @@ def _point_outputs(args: abi.Args, out: torch.Tensor, lse: torch.Tensor | None) 
 
 
 def _pointed(reuse: list, q, k, v, out, lse) -> abi.Args:
-    """A copy of the arguments kept in ``reuse`` (``[Args, kernel function]``: see
-    :func:`forward`) pointed at this call's tensors."""
+    """A copy of the arguments kept in ``reuse`` (``[Args, kernel function, the suffix
+    mask's shape, strides and dtype or None]``: see :func:`forward`) pointed at this
+    call's tensors."""
     args = abi.Args.from_buffer_copy(reuse[0])
     args.q, args.k, args.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
     _point_outputs(args, out, lse)
