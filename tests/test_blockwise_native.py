@@ -1245,7 +1245,7 @@ def test_kept_arguments_are_reused_only_for_a_suffix_mask_of_the_same_layout(mon
     monkeypatch.setattr(native, "_args", lambda *a, **k: made.append(1) or original(*a, **k))
     reuse: list = []
     native.forward(plan, q, k, v, suffix_mask=keep, reuse=reuse)
-    assert reuse[2] == (keep.shape, keep.stride(), torch.bool)
+    assert reuse[0][2] == (keep.shape, keep.stride(), torch.bool)
     # (kept: the first; None and `other` replace it; the float64 copy keeps `other`'s)
     for mask, kept_layout in ((flipped, keep), (None, keep), (other, None), (bias, other),
                               (other, other), (keep, other)):  # fmt: skip

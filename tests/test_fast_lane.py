@@ -253,7 +253,7 @@ def test_the_native_lane_reuses_its_arguments_only_for_the_same_strides(monkeypa
                 if name == "again":  # the strides just kept: no arguments built
                     m.setattr(native, "_args", _refuse)
                 outs[name] = attention(q, kk, vv, backend="blockwise")
-            assert kept.kept[0][:3] == (q.stride(), kk.stride(), vv.stride())
+            assert kept.kept[0][0][:3] == (q.stride(), kk.stride(), vv.stride())
         fast_lane.clear()
         full = {"first": attention(q, k, v, backend="blockwise")}
         fast_lane.clear()
@@ -269,3 +269,37 @@ def test_the_native_lane_reuses_its_arguments_only_for_the_same_strides(monkeypa
 
 def _refuse(*args, **kwargs):
     raise AssertionError("the kernel's arguments were built anew")
+
+
+@needs_native
+def test_a_kept_entry_is_read_once_so_another_threads_replacement_cannot_mix_in(monkeypatch):
+    """Another thread may replace a lane's kept arguments between two reads of them (a
+    call of the same key with other strides). Each call reads the entry once: here the
+    entry is swapped for the other layout's right after the call's first read (as such a
+    thread would), and the call still runs its own layout's arguments: its full path's
+    bits. (Read twice, it would run the rows-layout tensors with the heads layout's
+    strides.)"""
+    monkeypatch.setenv("ATTNKIT_NATIVE_SPEED", "fast")
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(1, 4, 1, 64, generator=gen)
+    rows = (torch.randn(1, 4, 200, 64, generator=gen), torch.randn(1, 4, 200, 64))
+    heads = tuple(torch.randn(1, 200, 4, 64, generator=gen).transpose(1, 2) for _ in "kv")
+    with torch.no_grad():
+        want = attention(q, *rows, backend="blockwise")
+        fast_lane.clear()
+        attention(q, *heads, backend="blockwise")  # the full path: the key kept
+        attention(q, *heads, backend="blockwise")  # the heads layout's arguments kept
+        [native_call] = fast_lane._kept.values()
+        heads_entry = native_call.kept[0]
+        attention(q, *rows, backend="blockwise")  # the rows layout's, replacing them
+        rows_entry = native_call.kept[0]
+
+        class Swapped(list):  # its first read returns the rows entry, then holds the heads one
+            def __getitem__(self, i):
+                got = super().__getitem__(i)
+                super().__setitem__(0, heads_entry)
+                return got
+
+        object.__setattr__(native_call, "kept", Swapped([rows_entry]))  # (a frozen dataclass)
+        got = attention(q, *rows, backend="blockwise")
+    assert torch.equal(got, want)

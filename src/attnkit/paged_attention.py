@@ -268,18 +268,21 @@ def _lane_call(
     v_pages: torch.Tensor,
     page_table: torch.Tensor,
 ) -> torch.Tensor:
-    """A plain call of the lane (``kept``: its key's plan and ``[strides, reuse]``): the
-    same kernel call as :func:`_native`'s, its arguments reused where the strides match."""
+    """A plain call of the lane (``kept``: its key's plan and a list of one ``(strides,
+    reuse)``, replaced whole): the same kernel call as :func:`_native`'s, its arguments
+    reused where the strides match."""
     from attnkit.backends.blockwise import native
 
-    plan, args = kept
+    plan, entries = kept
     if query.stride(-1) != 1:
         query = query.contiguous()
     strides = (query.stride(), k_pages.stride(), v_pages.stride())
-    if not args or args[0] != strides:
-        args[:] = [strides, []]
+    entry = entries[0] if entries else None  # (one read: another thread may replace it)
+    if entry is None or entry[0] != strides:
+        entry = (strides, [])
+        entries[:] = [entry]
     out, _ = native.forward_paged(
-        plan, query, k_pages, v_pages, page_table, reuse=args[1], with_lse=False
+        plan, query, k_pages, v_pages, page_table, reuse=entry[1], with_lse=False
     )
     return out if out.dtype == query.dtype else out.to(query.dtype)
 

@@ -75,9 +75,10 @@ class _Native:
     the query's dtype: what the blockwise backend runs for a call wanting no gradient.
 
     Where the engine reads the tensors as they come (no copy, cast or reshape), the
-    kernel's arguments are kept for their strides (``kept``: ``[strides, reuse]``,
-    :func:`attnkit.backends.blockwise.native.forward`'s ``reuse``) and a call of the same
-    strides only points a copy of them at its own tensors: the same kernel call."""
+    kernel's arguments are kept for their strides (``kept``: one entry ``(strides,
+    reuse)``, :func:`attnkit.backends.blockwise.native.forward`'s ``reuse``, replaced
+    whole, read once) and a call of the same strides only points a copy of them at its
+    own tensors: the same kernel call."""
 
     plan: TilePlan
     kept: list = field(default_factory=list, compare=False)
@@ -85,8 +86,8 @@ class _Native:
     def __call__(self, query: torch.Tensor, key_: torch.Tensor, value: torch.Tensor):
         plan = self.plan
         strides = (query.stride(), key_.stride(), value.stride(), native.KV_SPLITS)
-        kept = self.kept
-        if kept and kept[0] == strides:
+        kept = self.kept[0] if self.kept else None  # (one read: another thread may replace it)
+        if kept is not None and kept[0] == strides:
             out, _ = native.forward(plan, query, key_, value, reuse=kept[1], with_lse=False)
         else:
             engines = plan.engines
@@ -96,7 +97,7 @@ class _Native:
                 reuse: list = []
                 out, _ = native.forward(plan, query, key_, value, reuse=reuse, with_lse=False)
                 if reuse:
-                    kept[:] = [strides, reuse]
+                    self.kept[:] = [(strides, reuse)]
             else:
                 out, _ = blockwise_forward(plan, query, key_, value, None)  # (b, h, l_q, d_v)
         return out if out.dtype == query.dtype else out.to(query.dtype)

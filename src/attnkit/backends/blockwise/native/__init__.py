@@ -560,11 +560,12 @@ def forward(
         if suffix_mask is None
         else (suffix_mask.shape, suffix_mask.stride(), suffix_mask.dtype)
     )
-    if reuse and reuse[2] == mask:
-        args = _pointed(reuse, q, k, v, out, lse)
+    kept = reuse[0] if reuse else None  # (one read: another thread may replace it)
+    if kept is not None and kept[2] == mask:
+        args = _pointed(kept, q, k, v, out, lse)
         if suffix_mask is not None:  # (bool read as bytes, float32 as it is: no copy)
             args.mask = suffix_mask.data_ptr()
-        _check_code(reuse[1](ctypes.byref(args)))
+        _check_code(kept[1](ctypes.byref(args)))
         return out, lse
     args, keep_alive = _args(plan, q, k, v, out, lse)
     _point_outputs(args, out, lse)
@@ -582,7 +583,7 @@ def forward(
     kernel = _kernel("attnkit_forward")
     _check_code(kernel(ctypes.byref(args)))
     if reuse is not None and len(keep_alive) == (suffix_mask is not None):
-        reuse[:] = [abi.Args.from_buffer_copy(args), kernel, mask]
+        reuse[:] = [(abi.Args.from_buffer_copy(args), kernel, mask)]
     del keep_alive
     return out, lse
 
@@ -703,10 +704,11 @@ def forward_paged(
     """
     out, lse = _outputs(plan, q, v_pages, with_lse)
     table = _int64_cpu(page_table)
-    if reuse and key_lens is None:
-        args = _pointed(reuse, q, k_pages, v_pages, out, lse)
+    kept = reuse[0] if reuse and key_lens is None else None  # (one read, as forward's)
+    if kept is not None:
+        args = _pointed(kept, q, k_pages, v_pages, out, lse)
         args.pages = table.data_ptr()
-        _check_paged(reuse[1](ctypes.byref(args)), plan, table, key_lens, k_pages)
+        _check_paged(kept[1](ctypes.byref(args)), plan, table, key_lens, k_pages)
         return out, lse
     args, keep_alive = _args(plan, q, k_pages, v_pages, out, lse)
     _point_outputs(args, out, lse)
@@ -726,7 +728,7 @@ def forward_paged(
     kernel = _kernel("attnkit_forward")
     _check_paged(kernel(ctypes.byref(args)), plan, table, key_lens, k_pages)
     if reuse is not None and key_lens is None and len(keep_alive) == 1:  # (the table alone)
-        reuse[:] = [abi.Args.from_buffer_copy(args), kernel, None]
+        reuse[:] = [(abi.Args.from_buffer_copy(args), kernel, None)]
     del keep_alive
     return out, lse
 
@@ -762,11 +764,12 @@ def _point_outputs(args: abi.Args, out: torch.Tensor, lse: torch.Tensor | None) 
     args.lse = None if lse is None else lse.data_ptr()
 
 
-def _pointed(reuse: list, q, k, v, out, lse) -> abi.Args:
-    """A copy of the arguments kept in ``reuse`` (``[Args, kernel function, the suffix
-    mask's shape, strides and dtype or None]``: see :func:`forward`) pointed at this
-    call's tensors."""
-    args = abi.Args.from_buffer_copy(reuse[0])
+def _pointed(kept: tuple, q, k, v, out, lse) -> abi.Args:
+    """A copy of the arguments a ``reuse`` list keeps (its one entry ``(Args, kernel
+    function, the suffix mask's shape, strides and dtype or None)``: see :func:`forward`;
+    never changed once made, so a reader that took it holds one consistent entry) pointed
+    at this call's tensors."""
+    args = abi.Args.from_buffer_copy(kept[0])
     args.q, args.k, args.v = q.data_ptr(), k.data_ptr(), v.data_ptr()
     _point_outputs(args, out, lse)
     return args
