@@ -696,7 +696,8 @@ def forward_paged(
             keys: a decode step of sequences of different lengths (one query row per kv
             head and few heads a group, no band); None = every row to ``s``.
         reuse: as :func:`forward`'s, for calls of no ``key_lens`` whose query, pages and
-            page table have the same shapes and strides (the paged lane's).
+            page table have the same shapes and strides (the paged lane's); a kept call
+            runs with the choices its first call made (``heads_apart`` included).
         with_lse: as :func:`forward`'s.
         heads_apart: whether a float32 decode step's work items read a head at a time
             rather than walking each page's heads together (None: what this machine

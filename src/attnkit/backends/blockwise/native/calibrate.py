@@ -43,7 +43,9 @@ machine and is the same in every later process.
 Decode steps (a query row or a few per key/value head, keys read in place) are measured
 apart, by :func:`decode_pays`: native against SDPA at a few cache lengths, with and
 without grouped query heads, each length on a call's first need; the same rules of
-samples, ties and keeping apply.
+samples, ties and keeping apply. So is the way a float32 paged decode step reads its
+pages (:func:`heads_apart`: a page's heads walked together, or a head at a time), the
+two ways timed against each other.
 
 Where the ratio is not below 1 - TIE, the native kernel does not run dense plans of that
 dtype and length class (no
