@@ -278,6 +278,56 @@ bool cascade(const char *name, int64_t n, int64_t H, int64_t HKV, int64_t t, int
   return within(name, "out", err, plain_err) & within(name, "lse", lse_err, lse_plain);
 }
 
+// x rounded to the nearest bf16, a tie to the even one (finite x): the two bf16 around x
+// compared in double, not the kernel's bit trick.
+uint16_t nearest_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  const uint32_t lo = u & 0xFFFF0000u, hi = lo + 0x10000u;
+  float flo, fhi;
+  std::memcpy(&flo, &lo, 4);
+  std::memcpy(&fhi, &hi, 4);
+  const double dlo = std::fabs(double(x) - flo), dhi = std::fabs(double(fhi) - x);
+  if (dlo != dhi) return uint16_t((dlo < dhi ? lo : hi) >> 16);
+  return uint16_t((((lo >> 16) & 1) ? hi : lo) >> 16);
+}
+
+// The kernel's own bf16 output (Args.out16, lse null) on ties: one query of scores 0 over
+// two keys whose values differ by one bf16 step, so each output, their mean, lies exactly
+// halfway between two bf16 numbers (and must go to the even one), beside plain values.
+bool own_out_ties() {
+  const int64_t D = 16;
+  std::vector<float> q(D, 0.0f), k(2 * D, 0.5f), v(2 * D), want(D);
+  for (int64_t d = 0; d < D; ++d) {
+    uint32_t bits = 0x3F800000u + (uint32_t(d) << 16);  // 1, 1 + 2^-7, 1 + 2^-6, ...
+    std::memcpy(&v[d], &bits, 4);
+    bits += 0x10000u;  // the next bf16 up
+    std::memcpy(&v[D + d], &bits, 4);
+  }
+  Args a{};
+  std::vector<float> lse(1);
+  a.q = q.data(), a.k = k.data(), a.v = v.data(), a.out = want.data(), a.lse = lse.data();
+  a.sq_b = a.sq_h = a.sq_t = D, a.sk_b = a.sk_h = a.sv_b = a.sv_h = 2 * D;
+  a.sk_t = a.sv_t = D, a.so_b = a.so_h = a.so_t = D;
+  a.B = a.H = a.HKV = a.T = 1, a.S = 2, a.D = a.DV = D;
+  a.scale = 0.25, a.band_lo = -NONE, a.band_hi = NONE, a.bq = 128, a.threads = 1;
+  bool ok = attnkit_forward(&a) == 0;
+  std::vector<uint16_t> out16(D);
+  Args oa = a;
+  oa.out = nullptr, oa.lse = nullptr, oa.out16 = out16.data();
+  ok &= attnkit_forward(&oa) == 0;
+  int ties = 0;
+  for (int64_t d = 0; d < D; ++d) {
+    uint32_t u;
+    std::memcpy(&u, &want[d], 4);
+    ties += (u & 0xFFFFu) == 0x8000u;
+    ok &= out16[d] == nearest_bf16(want[d]);
+  }
+  ok &= ties == D;  // (every mean a tie: the rounding rule is what is checked)
+  std::printf("  %-22s %d ties rounded to even: %s\n", "own bf16 output", ties, ok ? "ok" : "FAILED");
+  return ok;
+}
+
 // A paged decode step (Args.pages): the keys and values of B rows scattered over a pool of
 // shuffled pages, a page's kv heads side by side, (P, HKV, ps, D). Read on 1 and 2 threads
 // (the heads of a row walked together, all or some: attention.cpp's "page walk"), each
@@ -320,14 +370,21 @@ bool paged(const char *name, int64_t B, int64_t H, int64_t HKV, int64_t S, int64
   pa.sk_b = pa.sv_b = 0, pa.sk_h = pa.sv_h = ps * D;
   pa.sk_page = pa.sv_page = HKV * ps * D;
   pa.pages = table.data(), pa.pages_sb = n, pa.page_size = ps, pa.num_pages = P;
-  for (int64_t threads : {1, 2}) {
-    pa.threads = threads;
-    std::fill(out.begin(), out.end(), NAN);
-    ok &= attnkit_forward(&pa) == 0 && std::memcmp(out.data(), want.data(), out.size() * 4) == 0;
-  }
+  for (int64_t apart : {0, 1})  // float32 pages walked whole, or a head at a time
+    for (int64_t threads : {1, 2}) {
+      pa.threads = threads, pa.page_heads_apart = apart;
+      std::fill(out.begin(), out.end(), NAN);
+      ok &= attnkit_forward(&pa) == 0 && std::memcmp(out.data(), want.data(), out.size() * 4) == 0;
+    }
+  // the kernel's own output: bf16 rounded to nearest (ties to even), no lse asked for
+  std::vector<uint16_t> out16(out.size());
+  Args oa = pa;
+  oa.out = nullptr, oa.lse = nullptr, oa.out16 = out16.data();
+  ok &= attnkit_forward(&oa) == 0;
+  for (size_t i = 0; i < out.size(); ++i) ok &= out16[i] == nearest_bf16(want[i]);
   table[B * n - 1] = P;  // a page outside the pool
   ok &= attnkit_forward(&pa) == BAD_PAGE;
-  std::printf("  %-22s same bits as contiguous on 1 and 2 threads, bad id refused: %s\n",
+  std::printf("  %-22s same bits as contiguous, walked or not, 1 and 2 threads; bf16 out; bad id refused: %s\n",
               name, ok ? "ok" : "FAILED");
   const Case c{name, B, H, HKV, 1, S, D, D, -NONE, NONE, false};
   const std::vector<uint8_t> none;
@@ -541,6 +598,7 @@ int main() {
   // paged decode steps: heads walked together (12 of them), GQA folded, odd page sizes
   (paged("paged, 12 heads", 2, 12, 12, 700, 16, 64, rng) ? passed : failed) += 1;
   (paged("paged, GQA, pages of 5", 3, 8, 2, 1300, 5, 32, rng) ? passed : failed) += 1;
+  (own_out_ties() ? passed : failed) += 1;
   (exp2_accuracy() ? passed : failed) += 1;
   (skinny_linear(rng) ? passed : failed) += 1;
 #if defined(ATTNKIT_BF16)
