@@ -381,3 +381,26 @@ def test_the_lane_reuses_its_arguments_for_other_tables_and_only_the_same_stride
 
 def _refuse(*args, **kwargs):
     raise AssertionError("the kernel's arguments were built anew")
+
+
+def test_the_lanes_kept_arguments_follow_the_key_split(paged_calls, monkeypatch):
+    """`native.KV_SPLITS` (a module setting the kernel's arguments hold) changed between two
+    calls of one lane key: the kept arguments are not reused for the other split; each
+    call has the bits of the same call made fresh with its own split."""
+    import sys
+
+    module = sys.modules["attnkit.paged_attention"]
+    monkeypatch.setattr(module, "_lane", {})
+    q, k, v, k_pages, v_pages, table = _case(1, 2, 1, 1, 2100, 32, 16, seed=11)
+    fresh = {}
+    with torch.no_grad():
+        for splits in (1, 7):
+            monkeypatch.setattr(native, "KV_SPLITS", splits)
+            module._lane.clear()
+            fresh[splits] = paged_attention(q, k_pages, v_pages, table, 2100)
+        assert not torch.equal(fresh[1], fresh[7])  # (the split shows in the bits)
+        module._lane.clear()
+        for splits in (1, 1, 7, 7, 1):
+            monkeypatch.setattr(native, "KV_SPLITS", splits)
+            assert torch.equal(paged_attention(q, k_pages, v_pages, table, 2100), fresh[splits])
+    _check(fresh[7], q, k, v, torch.ones(1, 2100, dtype=torch.bool))

@@ -39,6 +39,7 @@ from attnkit.attention import (
     check_sinks,
 )
 from attnkit.backends import fast_lane
+from attnkit.backends.blockwise import native, plan_cache
 from attnkit.block_mask import BlockMask
 from attnkit.masks import MaskMod, ScoreMod, normalize_causal
 from attnkit.paged_kv_cache import check_page_ids, gather_pages
@@ -222,8 +223,6 @@ def paged_decode(
         return_lse=False,
     )
     lengths = torch.tensor(lens, dtype=torch.int64, device=query.device)
-    from attnkit.backends.blockwise import native
-
     # rows of different lengths: only a decode step (the kernel reads keys and values in
     # place for up to native.DIRECT_ROWS query rows a kv head, float32 or bf16)
     direct = query.shape[1] // k_pages.shape[1] <= native.DIRECT_ROWS
@@ -270,13 +269,12 @@ def _lane_call(
 ) -> torch.Tensor:
     """A plain call of the lane (``kept``: its key's plan and a list of one ``(strides,
     reuse)``, replaced whole): the same kernel call as :func:`_native`'s, its arguments
-    reused where the strides match."""
-    from attnkit.backends.blockwise import native
-
+    reused where the strides (and ``native.KV_SPLITS``) match."""
     plan, entries = kept
     if query.stride(-1) != 1:
         query = query.contiguous()
-    strides = (query.stride(), k_pages.stride(), v_pages.stride())
+    # (and the split of the keys the kept arguments hold, a module setting)
+    strides = (query.stride(), k_pages.stride(), v_pages.stride(), native.KV_SPLITS)
     entry = entries[0] if entries else None  # (one read: another thread may replace it)
     if entry is None or entry[0] != strides:
         entry = (strides, [])
@@ -316,14 +314,8 @@ def _lane_key(
     grad = torch.is_grad_enabled() and (q.requires_grad or kp.requires_grad or vp.requires_grad)
     return (
         q.shape, kp.shape, vp.shape, table.shape, q.dtype, kp.dtype, vp.dtype, table.dtype,
-        key_len, causal, backend, grad, *_process_key(),
+        key_len, causal, backend, grad, *plan_cache.process_key(),
     )  # fmt: skip
-
-
-def _process_key() -> tuple:
-    from attnkit.backends.blockwise import plan_cache  # (the core imports this module)
-
-    return plan_cache.process_key()
 
 
 def _check_pages(query: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor) -> None:
@@ -394,8 +386,6 @@ def _route(
     **kwargs,
 ) -> tuple[TilePlan | None, str | None]:
     """``(the native plan, None)``, or ``(None, why the kernel does not run the call)``."""
-    from attnkit.backends.blockwise import native, plan_cache
-
     why = _refusal(query, k_pages, v_pages, backend, **kwargs)
     if why is not None:
         return None, why
@@ -419,8 +409,6 @@ def _cache_key(
     """The :mod:`~attnkit.backends.blockwise.plan_cache` key of a call with no mask, mod or
     block mask, whose plan is a function of its sizes and options alone (None for any
     other: planned every time). (_refusal has passed: no gradient is wanted.)"""
-    from attnkit.backends.blockwise import plan_cache
-
     if any(kwargs[name] is not None for name in ("mask", "mask_mod", "score_mod", "block_mask")):
         return None
     if torch.compiler.is_compiling():
@@ -456,8 +444,6 @@ def _refusal(
 def _dtype_refusal(dtype: torch.dtype) -> str | None:
     """Why the loaded build does not read ``dtype`` (asked where a call is planned: a kept
     plan's key holds the dtype and the build)."""
-    from attnkit.backends.blockwise import native
-
     if not (dtype == torch.float32 or (dtype == torch.bfloat16 and native.reads_bf16())):
         return f"{dtype} (the kernel reads float32 and bf16)"
     return None
@@ -496,7 +482,6 @@ def _native(
     key_lens: torch.Tensor | None = None,
     **kwargs,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    from attnkit.backends.blockwise import native
     from attnkit.backends.blockwise.merge import add_sinks
 
     q = query if query.stride(-1) == 1 else query.contiguous()
