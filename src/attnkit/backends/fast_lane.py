@@ -44,7 +44,7 @@ from attnkit import trace
 from attnkit.backends import registry
 from attnkit.backends.blockwise import blockwise_attention, native, plan_cache, planned
 from attnkit.backends.blockwise.autograd import forward as blockwise_forward
-from attnkit.backends.blockwise.flash_cpu import engine_views
+from attnkit.backends.blockwise.flash_cpu import native_views
 from attnkit.backends.blockwise.plan import NATIVE_CPU, TilePlan
 from attnkit.masks import is_top_left_triangle
 
@@ -90,9 +90,7 @@ class _Native:
         if kept is not None and kept[0] == strides:
             out, _ = native.forward(plan, query, key_, value, reuse=kept[1], with_lse=False)
         else:
-            engines = plan.engines
-            upcast = engines is None or not engines.bf16
-            views = engine_views(plan, query, key_, value, upcast=upcast)
+            views = native_views(plan, query, key_, value)
             if views[0] is query and views[1] is key_ and views[2] is value:
                 reuse: list = []
                 out, _ = native.forward(plan, query, key_, value, reuse=reuse, with_lse=False)

@@ -53,8 +53,7 @@ def engine_backward(
     engines = plan.engines
     chosen = engines.backward if engines is not None else TORCH_TILES
     if engines is not None and chosen == NATIVE_CPU:
-        # bf16 products read bf16 inputs as they are; anything else is upcast
-        q4, k4, v4 = flash_cpu.engine_views(plan, q, k, v, upcast=not engines.bf16)
+        q4, k4, v4 = flash_cpu.native_views(plan, q, k, v)
         mod_grads: dict[int, torch.Tensor] = {}
         grads = native.backward(plan, q4, k4, v4, out, lse, grad_out, grad_lse, mod_grads)
         dq, dk, dv = (g.to(x.dtype).reshape(x.shape) for g, x in zip(grads, (q, k, v), strict=True))

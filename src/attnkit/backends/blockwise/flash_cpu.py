@@ -82,6 +82,16 @@ def engine_views(
     return fix(q, plan.t, plan.h), fix(k, plan.s, plan.h_kv), fix(v, plan.s, plan.h_kv)
 
 
+def native_views(
+    plan: TilePlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`engine_views` as the native kernel reads them: bf16 inputs as they are where
+    the plan's engines compute with bf16 products (``engines.bf16``), anything else
+    upcast (its forward, its backward and the fast lane's kept calls alike)."""
+    engines = plan.engines
+    return engine_views(plan, q, k, v, upcast=engines is None or not engines.bf16)
+
+
 def _kernel_mask(
     plan: TilePlan, q0: int, q1: int, tile: Tile, dtype: torch.dtype, device
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -265,8 +275,7 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     acc = acc_dtype(q.dtype)
     engines = plan.engines
     if engines is not None and engines.forward == NATIVE_CPU:
-        # bf16 products read bf16 inputs as they are; anything else is upcast
-        return native.forward(plan, *engine_views(plan, q, k, v, upcast=not engines.bf16))
+        return native.forward(plan, *native_views(plan, q, k, v))
     q, k, v = engine_views(plan, q, k, v)
     b, h, dv = plan.b, plan.h, v.shape[-1]
     layout = toeplitz.layout(plan)
