@@ -42,6 +42,7 @@ import torch
 from attnkit._validate import check_bool, check_float
 from attnkit.attention import attention, check_sinks
 from attnkit.backends import fast_lane
+from attnkit.backends.blockwise import native, plan_cache
 from attnkit.backends.blockwise.merge import add_sinks, merge_partials
 
 if TYPE_CHECKING:
@@ -291,7 +292,6 @@ def fused_native(
     instead of two dispatches and a merge was faster in every case measured, 1 to 32
     requests decoding and 4-8 prefilling, fp32 and bf16 (0.56-1.01x of the two passes'
     time, 2-core Zen 3; docs/serving.md)."""
-    from attnkit.backends.blockwise import native, plan_cache
     from attnkit.backends.blockwise.native import calibrate
     from attnkit.backends.blockwise.plan import NATIVE_CPU, build_plan
 
@@ -450,8 +450,6 @@ def _lane_key(
     backend: object,
 ) -> tuple | None:
     """The cascade lane's key of a call, or None where the lane does not take it."""
-    from attnkit.backends.blockwise import native, plan_cache
-
     if type(return_lse) is not bool or type(backend) is not str:
         return None
     given = (query, prefix_key, prefix_value, suffix_key, suffix_value)
@@ -483,8 +481,6 @@ def run_lane(
     longer follows the prefix in memory): the full path then runs it. ``with_lse=False``:
     the one pass makes no lse (None) and a bf16 call's output comes in bf16
     (:func:`attnkit.backends.blockwise.native.forward`'s)."""
-    from attnkit.backends.blockwise import native
-
     if kept[0] == "two passes":
         pre, suf, reuse = kept[1:]
         return native.cascade(
@@ -513,8 +509,6 @@ def _run_one_pass(
     kv head (:func:`_stacked_rows`, a view of the query); ``reuse`` and ``with_lse`` as
     :func:`attnkit.backends.blockwise.native.forward`'s (the lane's: its tensors' strides
     are in its key)."""
-    from attnkit.backends.blockwise import native
-
     n, h_q, t, _ = query.shape
     rows = _stacked_rows(query, k_all.shape[1])  # (1, h_kv, g*t, d)
     out, lse = native.forward(
@@ -534,8 +528,6 @@ def _cache_key(
     """The :mod:`~attnkit.backends.blockwise.plan_cache` key of a cascade (the prefix's
     length and value size in ``prefix_value``'s shape, the suffix's in ``suffix_key``'s; the
     rest of the shapes :func:`_check` ties to these; the suffix mask's shape and dtype)."""
-    from attnkit.backends.blockwise import plan_cache
-
     return (
         "cascade", query.shape, query.dtype, query.device, prefix_value.shape,
         suffix_key.shape, scale, None if mask is None else (mask.shape, mask.dtype),
