@@ -2611,14 +2611,18 @@ int own_out(const Args &a, Run run) {
   if (!a.out16 && a.lse) return int(run(a));
   Args f = a;
   const int64_t rows = a.B * a.H * a.T;
-  size_t out_bytes = a.out16 ? size_t(rows * a.DV) * sizeof(float) : 1;
-  size_t lse_bytes = a.lse ? 1 : size_t(rows) * sizeof(float);
-  const reuse::Mem out = reuse::allocate(out_bytes), lse = reuse::allocate(lse_bytes);
+  reuse::Mem out, lse;  // (the buffers the caller did not give)
   if (a.out16) {
+    size_t bytes = std::max<size_t>(1, size_t(rows * a.DV) * sizeof(float));  // (malloc(0))
+    out = reuse::allocate(bytes);
     f.out = reinterpret_cast<float *>(out.get());
     f.so_b = a.H * a.T * a.DV, f.so_h = a.T * a.DV, f.so_t = a.DV;
   }
-  if (!a.lse) f.lse = reinterpret_cast<float *>(lse.get());
+  if (!a.lse) {
+    size_t bytes = std::max<size_t>(1, size_t(rows) * sizeof(float));
+    lse = reuse::allocate(bytes);
+    f.lse = reinterpret_cast<float *>(lse.get());
+  }
   const Code err = run(f);
   if (err || !a.out16) return int(err);
   for (int64_t r = 0; r < rows; ++r) {  // (b, h, t) of the call's rows
