@@ -147,3 +147,33 @@ def test_the_backward_forward_rate_is_read_round_by_round(monkeypatch):
     rows = native_kernel.causal_rows(64, reps=3, peak_all=100.0)
     assert rows["bwd/fwd FLOP rate"] == pytest.approx(2.5 / 4)  # 2.5 f / (5 f - f)
     assert rows["native/sdpa fwd+bwd"] == pytest.approx(5 / 6)
+
+
+def test_the_forward_share_of_peak_is_read_round_by_round(monkeypatch):
+    """The forward's share of the peak pairs each forward with the FMA probe timed in its
+    own round: on a machine running 1x, 2x and 4x slower from round to round (both slowed
+    alike), with the forward's middle round 1.5x slower still, the rounds read 1/2, 1/3 and
+    1/2 of the peak: 50%, where the two medians would give 33%; a probe of the peak made
+    before, at full speed, reads less."""
+    from attnkit.bench import native_kernel
+
+    t = 64
+    fwd_flops = 4 * 1 * 4 * t * t * 64 / 2
+    probe_flops = 1e9
+    monkeypatch.setattr(native_kernel, "fma_probe", lambda threads: (lambda: None, probe_flops))
+
+    def fake_interleaved(fns, reps, min_sample=0.0):
+        slow = [1.0, 2.0, 4.0]
+        if "fma probe" in fns:  # the forward's rounds: at half the probe's rate each round
+            assert "native fwd" not in fns
+            probe = [1.0 * s for s in slow]  # 1 GFLOP/s at full speed
+            fwd = [
+                2 * fwd_flops / probe_flops * p * j for p, j in zip(probe, [1, 1.5, 1], strict=True)
+            ]
+            return {"native": fwd, "sdpa": fwd, "fma probe": probe}
+        return {name: [0.01] * 3 for name in fns}
+
+    monkeypatch.setattr(native_kernel, "interleaved", fake_interleaved)
+    rows = native_kernel.causal_rows(t, reps=3, peak_all=1.0)  # GFLOP/s, probed before
+    assert rows["fwd % of peak, same rounds"] == pytest.approx(50.0)
+    assert rows["fwd % of peak"] == pytest.approx(100 / 6)  # the median round: 3x slow

@@ -9,7 +9,8 @@ kernels runs in a child process with torch held to its instruction set, see
 * the machine: fp32 FMA peak (the kernel's own probe: independent FMA chains at the
   build's vector width) and memory bandwidth (a large copy), on 1 thread and on all;
 * the kernel: causal forward and forward+backward against SDPA (T=8192, B=1, H=4, d=64,
-  fp32), the forward's FLOP rate as a share of the measured peak, the backward's FLOP
+  fp32), the forward's FLOP rate as a share of the measured peak (and of the probe timed
+  in the forward's own rounds: ``fwd % of peak, same rounds``), the backward's FLOP
   rate over the forward's (flash-attn's convention: the backward does 2.5x the forward's
   FLOPs), and on builds with bf16 products (avx512-bf16, avx512-amx) the bf16 forward
   over the float32 one;
@@ -55,20 +56,24 @@ def _best(
     return {name: spread(ts)[0] for name, ts in interleaved(fns, reps, min_sample).items()}
 
 
+def fma_probe(threads: int) -> tuple[Callable[[], float], float] | None:
+    """The loaded build's FMA probe on ``threads`` (about 0.1 s a call) as a closure, and
+    the FLOPs one call does; None without a build."""
+    lib = build.library()
+    if lib is None:
+        return None
+    iters = 20_000_000 // max(1, threads)
+    flops = lib.attnkit_fma_probe(iters // 10, threads) * 10  # (and a warm-up: clocks, pool)
+    return (lambda: lib.attnkit_fma_probe(iters, threads)), flops
+
+
 def machine_peak(threads: int) -> dict[str, float]:
     """fp32 FMA GFLOP/s of the loaded build's probe and copy bandwidth GB/s on ``threads``."""
-    lib = build.library()
     gflops = float("nan")
-    if lib is not None:
-        iters = 20_000_000 // max(1, threads)
-        lib.attnkit_fma_probe(iters // 10, threads)  # warm up (clocks, the pool)
-        best = float("inf")
-        flops = 0.0
-        for _ in range(3):
-            t0 = time.perf_counter()
-            flops = lib.attnkit_fma_probe(iters, threads)
-            best = min(best, time.perf_counter() - t0)
-        gflops = flops / best / 1e9
+    probe = fma_probe(threads)
+    if probe is not None:
+        call, flops = probe
+        gflops = flops / min(_timed(call) for _ in range(3)) / 1e9
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -89,22 +94,31 @@ def _timed(fn: Callable[[], object]) -> float:
 
 def causal_rows(t: int, reps: int, peak_all: float, min_sample: float = 0.0) -> dict[str, float]:
     """Native causal fwd and fwd+bwd against SDPA, % of peak, backward/forward FLOP rate.
-    A ratio is the median of the per-round ratios (:func:`.timing.paired_ratio`), the
+    The forward's share of the peak is given twice: against the build's peak probed before
+    (``peak_all``), and as the median of its per-round shares of the same probe timed in
+    the forward's rounds (``same rounds``: a machine whose clock drifts between the probe
+    and the forward, as this Xeon's did from 429 to 492 GFLOP/s from one session to the
+    next, moves both alike). A ratio is the median of the per-round ratios (:func:`.timing.paired_ratio`), the
     backward/forward FLOP rate too (the forward timed again in the fwd+bwd rounds: from
     the two phases' medians a drift of the machine's speed between them read 0.46 and 1.93
     on the Xeon of session 27); the forward's FLOP rate comes from its median time."""
     out: dict[str, float] = {}
     fwd_flops = 4 * SHAPE[0] * SHAPE[1] * t * t * SHAPE[2] / 2  # QK^T and PV, half (causal)
     seconds: dict[str, float] = {}
+    probe = fma_probe(torch.get_num_threads())
     for backward in (False, True):
         fns = _causal_fns(*inputs(t, backward), backward)
         if backward:  # the forward alone, in the same rounds
             fns["native fwd"] = _native(*inputs(t, False), False)
+        elif probe is not None:  # the peak, in the same rounds as the forward
+            fns["fma probe"] = probe[0]
         with env(ATTNKIT_NATIVE_SPEED="fast"):  # the kernel itself, whatever calibration says
             times = interleaved(fns, reps, min_sample)
         key = "fwd+bwd" if backward else "fwd"
         out[f"native/sdpa {key}"] = paired_ratio(times["native"], times["sdpa"])[0]
         seconds[key] = spread(times["native"])[0]
+        if not backward and probe is not None:  # rate / peak = (F / t) / (P / t_probe)
+            share = paired_ratio(times["fma probe"], times["native"])[0] * fwd_flops / probe[1]
         if backward:  # rate ratio = 2.5 fwd / (fwd+bwd - fwd), round by round
             backward_only = [
                 max(fb - f, 1e-9)
@@ -122,6 +136,8 @@ def causal_rows(t: int, reps: int, peak_all: float, min_sample: float = 0.0) -> 
     fwd_rate = fwd_flops / seconds["fwd"]
     out["fwd GFLOP/s"] = fwd_rate / 1e9
     out["fwd % of peak"] = 100 * fwd_rate / 1e9 / peak_all
+    if probe is not None:
+        out["fwd % of peak, same rounds"] = 100 * share
     out["bwd/fwd FLOP rate"] = rate
     return out
 
