@@ -179,6 +179,30 @@ def test_few_rows_scored_keys_as_rows_give_the_rows_paths_bits(lq, lk, q_scale, 
     assert err <= 2 * plain_err + EPS[torch.float32], (err, plain_err)
 
 
+def test_a_masked_chunk_held_for_a_pair_runs_before_keys_as_rows(calls):
+    """(feature "pv2") A chunk a mask tensor touches takes the rows' path and may be held to
+    run its P V with the next chunk's; when that next chunk is plain and scored keys as
+    rows, the held one runs first. The MHA call (keys as rows from chunk 2 on, after masked
+    chunks 0-1 held as a pair, and chunk 3 masked again: held, then run alone) gives the
+    bits of the GQA call (the rows' path throughout), with maxima that move late, and
+    float64's numbers by the 2x rule."""
+    lq, lk = 32, 400
+    q, k, v = _qkv(1, 4, 2, lq, lk, 64, 64, seed=16)
+    q = q * 4.0
+    k[:, :, 300] *= 8.0  # (a late key that moves many rows' max)
+    keep = torch.ones(lq, lk, dtype=torch.bool)
+    keep[:, 3:100:7] = False  # chunks 0 and 1
+    keep[::3, 200] = False  # chunk 3
+    gqa = attention(q, k, v, mask=keep, backend="blockwise")
+    mha = attention(q[:, ::2], k, v, mask=keep, backend="blockwise")
+    assert len(calls) == 2
+    assert torch.equal(mha, gqa[:, ::2])
+    want = ref_attention_lse(q[:, ::2], k, v, keep=keep)[0]
+    plain = plain_attention(q[:, ::2], k, v, keep).double()
+    err, plain_err = ((x - want).abs().max().item() for x in (mha.double(), plain))
+    assert err <= 2 * plain_err + EPS[torch.float32], (err, plain_err)
+
+
 def test_keys_as_rows_reads_expanded_keys_and_values(calls):
     """Keys and values expanded over the batch (stride 0) are read in place by keys as
     rows: each batch row gives the bits of the same call on contiguous copies, and

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from attnkit import create_block_mask
+from attnkit import attention, create_block_mask
 from attnkit import masks as M
 from attnkit.backends.blockwise import native
 from attnkit.backends.blockwise.native import calibrate
@@ -404,3 +404,24 @@ def test_the_lanes_kept_arguments_follow_the_key_split(paged_calls, monkeypatch)
             monkeypatch.setattr(native, "KV_SPLITS", splits)
             assert torch.equal(paged_attention(q, k_pages, v_pages, table, 2100), fresh[splits])
     _check(fresh[7], q, k, v, torch.ones(1, 2100, dtype=torch.bool))
+
+
+@pytest.mark.parametrize(("past", "window"), [(1500, None), (1090, None), (1500, 1301)])
+def test_a_paged_prefill_has_the_bits_of_a_contiguous_one(past, window):
+    """A float32 prefill over the same keys, through pages (each chunk's P V run alone) and
+    contiguous (two chunks' P V in one pass, attention.cpp's "pv2"): the same bits, with
+    scores rising along the keys so that most chunks move their rows' max (the held
+    chunk's weights rescaled by the next one's), over more than 16 chunks (a gather
+    of the sums after 16), 150 query rows (two blocks), both parities of chunk counts, and
+    a window whose first chunk is cut (no pair for it: the pairs that follow end on the
+    gather's chunk, which must then run alone)."""
+    t = 150
+    q, k, v, k_pages, v_pages, table = _case(1, 2, 2, t, past + t, 64, 16, seed=5)
+    q = q.abs()
+    ramp = 0.004 * torch.arange(past + t, dtype=torch.float32)[:, None]  # (s, 1)
+    k, k_pages = k + ramp, _to_pages(k + ramp, table, k_pages.shape[0], 16, None)
+    with torch.no_grad():
+        paged = paged_attention(q, k_pages, v_pages, table, past + t, window=window)
+        whole = attention(q, k, v, causal="bottom_right", window=window, backend="blockwise")
+    assert torch.equal(paged, whole)
+    _check(whole, q, k, v, ref_band_keep(t, past + t, "bottom_right", window))

@@ -864,6 +864,7 @@ struct Masker {
 // a row) and O's rescale for this chunk.
 struct Scratch {
   std::vector<float> s, o, o_blk, m, l, l_blk, alpha;
+  std::vector<float> s2, alpha2;  // (pv2) a held chunk's weights and O's rescale
   std::vector<uint8_t> keep;  // a chunk's assembled block-mask rows
   std::vector<uint16_t> p16;  // bf16 calls: the chunk's weights rounded to bf16
   std::vector<float> mx;      // (kfwd) each row's max raw score in the chunk
@@ -880,7 +881,7 @@ struct Scratch {
   // writes W rows at a time)
   Scratch(const Args &a, int64_t rows)
       : s(rows * KC), o(rows * a.DV), o_blk(rows * a.DV), m(rows + W), l(rows * W),
-        l_blk(rows * W), alpha(rows + W), keep(rows * KC),
+        l_blk(rows * W), alpha(rows + W), s2(rows * KC), alpha2(rows + W), keep(rows * KC),
         p16(a.dtype == DT_BF16 ? rows * KC : 0), mx(rows + W),
         smod(a.mod_forward ? rows * KC : 0) {}
 };
@@ -1617,6 +1618,31 @@ bool chunk_keys_as_rows(const Args &a, const Chunk &c, int64_t nr, const float *
 
 // One block of query rows [i0, i1) of batch b, head h.
 // (Split-KV: only the key chunks [cmin, cmax], normalised over them.)
+// (feature "pv2") A float32 chunk's P V over all KC keys may be held back and run with the
+// next chunk's in one pass over O (simd::gemm_pair), which loads and stores each register
+// tile of O once for both: the first chunk's weights wait in w.s2, its O rescale in
+// w.alpha2. The second chunk's rescale alpha' then applies to the first's weights and to
+// O's: O = (alpha alpha') O + (alpha' P) V + P' V'. Each rescale is a power of 2 or 1 (m
+// moves by M_STEP steps: see softmax_plain), so the scaled products round as the unscaled
+// ones: the bits of running the two products one after the other (where nothing
+// underflows to a subnormal). A chunk is held where the next one may pair with it: the
+// rows' path without pages, every row taking every column (no short rows, lo = 0, hi = KC),
+// and no gather of SUPER chunks due after it.
+struct Held {
+  bool on = false;
+  int64_t r0 = 0, r1 = 0;
+  const void *v = nullptr;  // the chunk's values (float32, or bf16 where ops.v16)
+};
+
+template <class TV>
+void held_pv(const Args &a, Held &held, Scratch &w) {
+  if (!held.on) return;
+  held.on = false;
+  simd::gemm<true>(w.o_blk.data() + held.r0 * a.DV, a.DV, held.r1 - held.r0, a.DV,
+                   w.s2.data() + held.r0 * KC, KC, 1, static_cast<const TV *>(held.v),
+                   a.sv_t, KC, w.alpha2.data() + held.r0);
+}
+
 void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int64_t i0,
                    int64_t i1, Scratch &w, int64_t cmin, int64_t cmax) {
   const int64_t rows = i1 - i0;
@@ -1624,6 +1650,8 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
   const float *qh = a.q + b * a.sq_b + h * a.sq_h;
   const float *vh = a.v + b * a.sv_b + hk * a.sv_h;
   const uint16_t *vh16 = reinterpret_cast<const uint16_t *>(a.v) + b * a.sv_b + hk * a.sv_h;
+  Held held;
+  auto flush = [&] { return ops.v16 ? held_pv<uint16_t>(a, held, w) : held_pv<float>(a, held, w); };
   block_begin(a, rows, w);
   w.qt.clear(), w.lt_rows = 0;  // (keys as rows: the block's Q^T, made on its first chunk)
   int64_t seen = 0;
@@ -1669,6 +1697,7 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
     }
 #endif
     if (keys_as_rows(a, ops, c, b, h, i0, rows)) {
+      flush();
       if (w.qt.empty()) pack_query_t(a, qh + i0 * a.sq_t, rows, w.qt);  // (once a block)
       if (chunk_keys_as_rows(a, c, rows, a.k + b * a.sk_b + hk * a.sk_h, vh, w)) {
         if (++seen % SUPER == 0) block_gather(a, rows, w);
@@ -1690,21 +1719,51 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
                                a.sq_t, 1, kt, KC, a.D, nullptr, row_max);
     });
     softmax(a, b, h, i0, c, w);
-    if (a.pages)
-      paged_pv(a, b, hk, c, c.r1 - c.r0, w.s.data() + c.r0 * KC, w);
-    else
-      chunk_pv(c, split, [&](int64_t r0, int64_t r1, int64_t hi) {
-        float *o = w.o_blk.data() + r0 * a.DV, *alpha = w.alpha.data() + r0;
-        const float *p = w.s.data() + r0 * KC + c.lo;
-        if (ops.v16)
-          simd::gemm<true>(o, a.DV, r1 - r0, a.DV, p, KC, 1, vh16 + (c.c0 + c.lo) * a.sv_t,
-                           a.sv_t, hi - c.lo, alpha);
-        else
-          simd::gemm<true>(o, a.DV, r1 - r0, a.DV, p, KC, 1, vh + (c.c0 + c.lo) * a.sv_t,
-                           a.sv_t, hi - c.lo, alpha);
-      });
+    const bool whole = !a.pages && split == c.r0 && c.lo == 0 && c.hi == KC;
+    const void *vc = ops.v16 ? static_cast<const void *>(vh16 + c.c0 * a.sv_t)
+                             : vh + c.c0 * a.sv_t;  // (pv2: the chunk's values, either type)
+    if (whole && held.on && held.r0 == c.r0 && held.r1 == c.r1) {  // (pv2) the pair's P V
+      float *al = w.alpha.data(), *al2 = w.alpha2.data();
+      for (int64_t r = c.r0; r < c.r1; ++r) {
+        if (al[r] == 1.0f) continue;
+        const vf x = simd::splat(al[r]);  // the second chunk's rescale, on the first's weights
+        float *p = w.s2.data() + r * KC;
+        for (int vv = 0; vv < NV; ++vv) simd::store(p + W * vv, simd::load(p + W * vv) * x);
+        al2[r] *= al[r];
+      }
+      held.on = false;
+      float *o = w.o_blk.data() + c.r0 * a.DV;
+      const float *p2 = w.s2.data() + c.r0 * KC, *p = w.s.data() + c.r0 * KC;
+      if (ops.v16)
+        simd::gemm_pair(o, a.DV, c.r1 - c.r0, a.DV, p2, p, KC,
+                        static_cast<const uint16_t *>(held.v), static_cast<const uint16_t *>(vc),
+                        a.sv_t, KC, al2 + c.r0);
+      else
+        simd::gemm_pair(o, a.DV, c.r1 - c.r0, a.DV, p2, p, KC, static_cast<const float *>(held.v),
+                        static_cast<const float *>(vc), a.sv_t, KC, al2 + c.r0);
+    } else {
+      flush();
+      if (whole && (seen + 1) % SUPER != 0) {  // (pv2) held for the next chunk
+        std::swap(w.s, w.s2), std::swap(w.alpha, w.alpha2);
+        held = Held{true, c.r0, c.r1, vc};
+      } else if (a.pages) {
+        paged_pv(a, b, hk, c, c.r1 - c.r0, w.s.data() + c.r0 * KC, w);
+      } else {
+        chunk_pv(c, split, [&](int64_t r0, int64_t r1, int64_t hi) {
+          float *o = w.o_blk.data() + r0 * a.DV, *alpha = w.alpha.data() + r0;
+          const float *p = w.s.data() + r0 * KC + c.lo;
+          if (ops.v16)
+            simd::gemm<true>(o, a.DV, r1 - r0, a.DV, p, KC, 1, vh16 + (c.c0 + c.lo) * a.sv_t,
+                             a.sv_t, hi - c.lo, alpha);
+          else
+            simd::gemm<true>(o, a.DV, r1 - r0, a.DV, p, KC, 1, vh + (c.c0 + c.lo) * a.sv_t,
+                             a.sv_t, hi - c.lo, alpha);
+        });
+      }
+    }
     if (++seen % SUPER == 0) block_gather(a, rows, w);
   });
+  flush();
   block_end(a, b, h, i0, rows, w);
 }
 

@@ -397,17 +397,18 @@ inline void tile_row_max(const V (&acc)[R][NC], float *row_max, int nr, bool fol
   hmax_rows<R>(x, row_max, nr, fold);
 }
 
-template <int R, int NC, bool ACC, class TB = float>
+// PAIR (feature "pv2"): then C += A2 B2 over kn more k, in the same registers (a2, b2: A's
+// and B's second parts, at the same strides).
+template <int R, int NC, bool ACC, class TB = float, bool PAIR = false>
 inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int64_t aks,
                  const TB *b, int64_t ldb, int64_t kn, const float *alpha,
-                 float *row_max = nullptr, bool fold = false) {
+                 float *row_max = nullptr, bool fold = false, const float *a2 = nullptr,
+                 const TB *b2 = nullptr) {
   vf acc[R][NC];
-  const float *ar[R];
   alpha = ACC ? rescaled(alpha, nr) : nullptr;
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     const int rr = r < nr ? r : nr - 1;
-    ar[r] = a + rr * ars;
     if (ACC) {
       const vf al = splat(alpha ? alpha[rr] : 1.0f);
       for (int v = 0; v < NC; ++v) acc[r][v] = alpha ? load(c + rr * ldc + W * v) * al
@@ -416,15 +417,22 @@ inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int
       for (int v = 0; v < NC; ++v) acc[r][v] = vf{};
     }
   }
-  for (int64_t k = 0; k < kn; ++k) {
-    vf bv[NC];
-#pragma GCC unroll 4
-    for (int v = 0; v < NC; ++v) bv[v] = load_b(b + k * ldb + W * v);
+  for (int part = 0; part < (PAIR ? 2 : 1); ++part) {
+    const float *ap = part ? a2 : a;
+    const TB *bp = part ? b2 : b;
+    const float *ar[R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const vf av = splat(ar[r][k * aks]);
+    for (int r = 0; r < R; ++r) ar[r] = ap + (r < nr ? r : nr - 1) * ars;
+    for (int64_t k = 0; k < kn; ++k) {
+      vf bv[NC];
 #pragma GCC unroll 4
-      for (int v = 0; v < NC; ++v) acc[r][v] += av * bv[v];
+      for (int v = 0; v < NC; ++v) bv[v] = load_b(bp + k * ldb + W * v);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const vf av = splat(ar[r][k * aks]);
+#pragma GCC unroll 4
+        for (int v = 0; v < NC; ++v) acc[r][v] += av * bv[v];
+      }
     }
   }
   // (kfwd2) every index known at compile time: a loop to nr kept acc in memory (zeroed,
@@ -452,13 +460,14 @@ inline void by_height(int nr, F f) {
 }
 
 // tile() of nr rows (by_height).
-template <int NC, bool ACC, class TB = float>
+template <int NC, bool ACC, class TB = float, bool PAIR = false>
 inline void tile_n(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int64_t aks,
                    const TB *b, int64_t ldb, int64_t kn, const float *alpha,
-                   float *row_max = nullptr, bool fold = false) {
+                   float *row_max = nullptr, bool fold = false, const float *a2 = nullptr,
+                   const TB *b2 = nullptr) {
   by_height(nr, [&](auto rows) {
-    tile<decltype(rows)::value, NC, ACC, TB>(c, ldc, nr, a, ars, aks, b, ldb, kn, alpha,
-                                             row_max, fold);
+    tile<decltype(rows)::value, NC, ACC, TB, PAIR>(c, ldc, nr, a, ars, aks, b, ldb, kn, alpha,
+                                                   row_max, fold, a2, b2);
   });
 }
 
@@ -506,6 +515,40 @@ inline bool gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float 
     }
   }
   return row_max != nullptr;
+}
+
+// (feature "pv2") C (rows x cols, a multiple of W) = alpha (.) C + A B + A2 B2, A and A2
+// rows x kn (row stride ars), B and B2 kn x cols (row stride ldb): two chunks' P V in one
+// pass over C, each register tile of C loaded and stored once for both (the products in
+// the order of gemm<true>(A, B) then gemm<true>(A2, B2)).
+template <class TB = float>
+inline void gemm_pair(float *c, int64_t ldc, int64_t rows, int64_t cols, const float *a,
+                      const float *a2, int64_t ars, const TB *b, const TB *b2, int64_t ldb,
+                      int64_t kn, const float *alpha) {
+  for (int64_t c0 = 0; c0 < cols; c0 += TILE_C * W) {
+    const int64_t nv = (cols - c0) / W < TILE_C ? (cols - c0) / W : TILE_C;
+    for (int64_t r0 = 0, nr = 0; r0 < rows; r0 += nr) {
+      nr = tile_rows(rows - r0);
+      float *cc = c + r0 * ldc + c0;
+      const float *aa = a + r0 * ars, *aa2 = a2 + r0 * ars;
+      const float *al = alpha ? alpha + r0 : nullptr;
+      switch (nv) {
+#define ATTNKIT_CASE(n)                                                                   \
+  case n:                                                                                 \
+    if constexpr (n <= TILE_C)                                                            \
+      tile_n<n, true, TB, true>(cc, ldc, int(nr), aa, ars, 1, b + c0, ldb, kn, al, nullptr, \
+                                false, aa2, b2 + c0);                                     \
+    break;
+        ATTNKIT_CASE(4)
+        ATTNKIT_CASE(3)
+        ATTNKIT_CASE(2)
+        default:
+          tile_n<1, true, TB, true>(cc, ldc, int(nr), aa, ars, 1, b + c0, ldb, kn, al, nullptr,
+                                    false, aa2, b2 + c0);
+#undef ATTNKIT_CASE
+      }
+    }
+  }
 }
 
 #if defined(ATTNKIT_BF16)
