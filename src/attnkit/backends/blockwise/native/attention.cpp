@@ -1651,7 +1651,9 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
   const float *vh = a.v + b * a.sv_b + hk * a.sv_h;
   const uint16_t *vh16 = reinterpret_cast<const uint16_t *>(a.v) + b * a.sv_b + hk * a.sv_h;
   Held held;
-  auto flush = [&] { return ops.v16 ? held_pv<uint16_t>(a, held, w) : held_pv<float>(a, held, w); };
+  auto flush = [&] {  // (pv2) the held chunk's P V, alone
+    return ops.v16 ? held_pv<uint16_t>(a, held, w) : held_pv<float>(a, held, w);
+  };
   block_begin(a, rows, w);
   w.qt.clear(), w.lt_rows = 0;  // (keys as rows: the block's Q^T, made on its first chunk)
   int64_t seen = 0;
