@@ -1616,8 +1616,6 @@ bool chunk_keys_as_rows(const Args &a, const Chunk &c, int64_t nr, const float *
   return true;
 }
 
-// One block of query rows [i0, i1) of batch b, head h.
-// (Split-KV: only the key chunks [cmin, cmax], normalised over them.)
 // (feature "pv2") A float32 chunk's P V over all KC keys may be held back and run with the
 // next chunk's in one pass over O (simd::gemm_pair), which loads and stores each register
 // tile of O once for both: the first chunk's weights wait in w.s2, its O rescale in
@@ -1643,6 +1641,8 @@ void held_pv(const Args &a, Held &held, Scratch &w) {
                    a.sv_t, KC, w.alpha2.data() + held.r0);
 }
 
+// One block of query rows [i0, i1) of batch b, head h.
+// (Split-KV: only the key chunks [cmin, cmax], normalised over them.)
 void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int64_t i0,
                    int64_t i1, Scratch &w, int64_t cmin, int64_t cmax) {
   const int64_t rows = i1 - i0;
