@@ -405,10 +405,12 @@ inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int
                  float *row_max = nullptr, bool fold = false, const float *a2 = nullptr,
                  const TB *b2 = nullptr) {
   vf acc[R][NC];
+  const float *ar[R];
   alpha = ACC ? rescaled(alpha, nr) : nullptr;
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     const int rr = r < nr ? r : nr - 1;
+    ar[r] = a + rr * ars;
     if (ACC) {
       const vf al = splat(alpha ? alpha[rr] : 1.0f);
       for (int v = 0; v < NC; ++v) acc[r][v] = alpha ? load(c + rr * ldc + W * v) * al
@@ -417,12 +419,7 @@ inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int
       for (int v = 0; v < NC; ++v) acc[r][v] = vf{};
     }
   }
-  for (int part = 0; part < (PAIR ? 2 : 1); ++part) {
-    const float *ap = part ? a2 : a;
-    const TB *bp = part ? b2 : b;
-    const float *ar[R];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) ar[r] = ap + (r < nr ? r : nr - 1) * ars;
+  auto products = [&](const TB *bp) {
     for (int64_t k = 0; k < kn; ++k) {
       vf bv[NC];
 #pragma GCC unroll 4
@@ -434,6 +431,12 @@ inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int
         for (int v = 0; v < NC; ++v) acc[r][v] += av * bv[v];
       }
     }
+  };
+  products(b);
+  if constexpr (PAIR) {
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) ar[r] = a2 + (r < nr ? r : nr - 1) * ars;
+    products(b2);
   }
   // (kfwd2) every index known at compile time: a loop to nr kept acc in memory (zeroed,
   // stored and reloaded around the products: 3 extra stores or loads per accumulator)
