@@ -98,10 +98,11 @@ def causal_rows(t: int, reps: int, peak_all: float, min_sample: float = 0.0) -> 
     (``peak_all``), and as the median of its per-round shares of the same probe timed in
     the forward's rounds (``same rounds``: a machine whose clock drifts between the probe
     and the forward, as this Xeon's did from 429 to 492 GFLOP/s from one session to the
-    next, moves both alike). A ratio is the median of the per-round ratios (:func:`.timing.paired_ratio`), the
-    backward/forward FLOP rate too (the forward timed again in the fwd+bwd rounds: from
-    the two phases' medians a drift of the machine's speed between them read 0.46 and 1.93
-    on the Xeon of session 27); the forward's FLOP rate comes from its median time."""
+    next, moves both alike). A ratio is the median of the per-round ratios
+    (:func:`.timing.paired_ratio`), the backward/forward FLOP rate too (the forward timed
+    again in the fwd+bwd rounds: from the two phases' medians a drift of the machine's
+    speed between them read 0.46 and 1.93 on the Xeon of session 27); the forward's FLOP
+    rate comes from its median time."""
     out: dict[str, float] = {}
     fwd_flops = 4 * SHAPE[0] * SHAPE[1] * t * t * SHAPE[2] / 2  # QK^T and PV, half (causal)
     seconds: dict[str, float] = {}

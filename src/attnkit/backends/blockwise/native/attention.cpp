@@ -1617,7 +1617,7 @@ bool chunk_keys_as_rows(const Args &a, const Chunk &c, int64_t nr, const float *
 }
 
 // (feature "pv2") A float32 chunk's P V over all KC keys may be held back and run with the
-// next chunk's in one pass over O (simd::gemm_pair), which loads and stores each register
+// next chunk's in one pass over O (simd::gemm, PAIR), which loads and stores each register
 // tile of O once for both: the first chunk's weights wait in w.s2, its O rescale in
 // w.alpha2. The second chunk's rescale alpha' then applies to the first's weights and to
 // O's: O = (alpha alpha') O + (alpha' P) V + P' V'. Each rescale is a power of 2 or 1 (m
@@ -1737,12 +1737,14 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       float *o = w.o_blk.data() + c.r0 * a.DV;
       const float *p2 = w.s2.data() + c.r0 * KC, *p = w.s.data() + c.r0 * KC;
       if (ops.v16)
-        simd::gemm_pair(o, a.DV, c.r1 - c.r0, a.DV, p2, p, KC,
-                        static_cast<const uint16_t *>(held.v), static_cast<const uint16_t *>(vc),
-                        a.sv_t, KC, al2 + c.r0);
+        simd::gemm<true, uint16_t, true>(o, a.DV, c.r1 - c.r0, a.DV, p2, KC, 1,
+                                         static_cast<const uint16_t *>(held.v), a.sv_t, KC,
+                                         al2 + c.r0, nullptr, p,
+                                         static_cast<const uint16_t *>(vc));
       else
-        simd::gemm_pair(o, a.DV, c.r1 - c.r0, a.DV, p2, p, KC, static_cast<const float *>(held.v),
-                        static_cast<const float *>(vc), a.sv_t, KC, al2 + c.r0);
+        simd::gemm<true, float, true>(o, a.DV, c.r1 - c.r0, a.DV, p2, KC, 1,
+                                      static_cast<const float *>(held.v), a.sv_t, KC,
+                                      al2 + c.r0, nullptr, p, static_cast<const float *>(vc));
     } else {
       flush();
       if (whole && (seen + 1) % SUPER != 0) {  // (pv2) held for the next chunk

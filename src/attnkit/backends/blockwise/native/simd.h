@@ -488,70 +488,44 @@ inline float *tiles_row_max(int64_t cols, float *row_max) {
   return ACC || cols % (TILE_C * W) != 0 ? nullptr : row_max;
 }
 
-template <bool ACC, class TB = float>
+// PAIR (feature "pv2", ACC): C = alpha (.) C + A B + A2 B2, A2 and B2 at A's and B's
+// strides: two chunks' P V in one pass over C, each register tile of C loaded and stored
+// once for both (the products in the order of gemm(A, B) then gemm(A2, B2)).
+template <bool ACC, class TB = float, bool PAIR = false>
 inline bool gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float *a,
                  int64_t ars, int64_t aks, const TB *b, int64_t ldb, int64_t kn,
-                 const float *alpha, float *row_max = nullptr) {
+                 const float *alpha, float *row_max = nullptr, const float *a2 = nullptr,
+                 const TB *b2 = nullptr) {
+  static_assert(ACC || !PAIR, "a pair accumulates");
   row_max = tiles_row_max<ACC>(cols, row_max);
   for (int64_t c0 = 0; c0 < cols; c0 += TILE_C * W) {
     const int64_t nv = (cols - c0) / W < TILE_C ? (cols - c0) / W : TILE_C;
+    const TB *bb2 = PAIR ? b2 + c0 : nullptr;
     for (int64_t r0 = 0, nr = 0; r0 < rows; r0 += nr) {
       nr = tile_rows(rows - r0);
       float *cc = c + r0 * ldc + c0;
-      const float *aa = a + r0 * ars;
+      const float *aa = a + r0 * ars, *aa2 = PAIR ? a2 + r0 * ars : nullptr;
       const float *al = alpha ? alpha + r0 : nullptr;
       float *mx = row_max ? row_max + r0 : nullptr;
       const bool fold = c0 > 0;
       switch (nv) {
-#define ATTNKIT_CASE(n)                                                                \
-  case n:                                                                              \
-    if constexpr (n <= TILE_C)                                                         \
-      tile_n<n, ACC, TB>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al, mx, fold); \
+#define ATTNKIT_CASE(n)                                                                 \
+  case n:                                                                               \
+    if constexpr (n <= TILE_C)                                                          \
+      tile_n<n, ACC, TB, PAIR>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al, mx, \
+                               fold, aa2, bb2);                                         \
     break;
         ATTNKIT_CASE(4)
         ATTNKIT_CASE(3)
         ATTNKIT_CASE(2)
         default:
-          tile_n<1, ACC, TB>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al);
+          tile_n<1, ACC, TB, PAIR>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al,
+                                   nullptr, false, aa2, bb2);
 #undef ATTNKIT_CASE
       }
     }
   }
   return row_max != nullptr;
-}
-
-// (feature "pv2") C (rows x cols, a multiple of W) = alpha (.) C + A B + A2 B2, A and A2
-// rows x kn (row stride ars), B and B2 kn x cols (row stride ldb): two chunks' P V in one
-// pass over C, each register tile of C loaded and stored once for both (the products in
-// the order of gemm<true>(A, B) then gemm<true>(A2, B2)).
-template <class TB = float>
-inline void gemm_pair(float *c, int64_t ldc, int64_t rows, int64_t cols, const float *a,
-                      const float *a2, int64_t ars, const TB *b, const TB *b2, int64_t ldb,
-                      int64_t kn, const float *alpha) {
-  for (int64_t c0 = 0; c0 < cols; c0 += TILE_C * W) {
-    const int64_t nv = (cols - c0) / W < TILE_C ? (cols - c0) / W : TILE_C;
-    for (int64_t r0 = 0, nr = 0; r0 < rows; r0 += nr) {
-      nr = tile_rows(rows - r0);
-      float *cc = c + r0 * ldc + c0;
-      const float *aa = a + r0 * ars, *aa2 = a2 + r0 * ars;
-      const float *al = alpha ? alpha + r0 : nullptr;
-      switch (nv) {
-#define ATTNKIT_CASE(n)                                                                   \
-  case n:                                                                                 \
-    if constexpr (n <= TILE_C)                                                            \
-      tile_n<n, true, TB, true>(cc, ldc, int(nr), aa, ars, 1, b + c0, ldb, kn, al, nullptr, \
-                                false, aa2, b2 + c0);                                     \
-    break;
-        ATTNKIT_CASE(4)
-        ATTNKIT_CASE(3)
-        ATTNKIT_CASE(2)
-        default:
-          tile_n<1, true, TB, true>(cc, ldc, int(nr), aa, ars, 1, b + c0, ldb, kn, al, nullptr,
-                                    false, aa2, b2 + c0);
-#undef ATTNKIT_CASE
-      }
-    }
-  }
 }
 
 #if defined(ATTNKIT_BF16)
