@@ -64,6 +64,24 @@ def test_split_equals_unsplit_and_threads_agree_bitwise(monkeypatch):
     torch.testing.assert_close(forced[0], results[0][0], atol=1e-6, rtol=1e-5)
 
 
+def test_units_of_several_query_blocks_merge_on_any_thread_with_the_same_bits():
+    """Each (head, query block) unit is merged by whichever item finishes its last key
+    range: 3 query blocks x 2 heads x 4 ranges give the same bits on 1, 2 and 3 threads,
+    and float64's values."""
+    t, length = 2 * native.BLOCK_Q + 11, 5000
+    q, k, v = decode_case(t, 2, 2, length)
+    results = []
+    for threads in (1, 2, 3):
+        torch.set_num_threads(threads)
+        results.append(attention(q, k, v, causal=True, backend="blockwise", return_lse=True))
+    torch.set_num_threads(1)
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+    ref_out, ref_lse = ref_attention_lse(q, k, v, ref_band_keep(t, length, "bottom_right", None))
+    torch.testing.assert_close(results[0][0].double(), ref_out, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(results[0][1].double(), ref_lse, atol=2e-6, rtol=2e-5)
+
+
 def test_split_decode_nan_and_dead_rows():
     """A NaN key reaches its rows as NaN through the merge; a row no key reaches gets zeros
     and -inf."""
