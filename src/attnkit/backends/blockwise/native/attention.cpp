@@ -2249,11 +2249,11 @@ int64_t kv_splits(const Args &a, int64_t work, int64_t chunks) {
   return std::max<int64_t>(1, std::min(splits, chunks));
 }
 
-// Row `row` of the call ((b, h, i) flat) merged from the ranges' partial rows (po: each
-// range's rows x DV, pl: their lse) into a.out and a.lse, in range order.
-void merge_row(const Args &a, int64_t splits, const float *po, const float *pl, int64_t row) {
-  const int64_t rows = a.B * a.H * a.T;
-  const int64_t b = row / (a.H * a.T), h = (row / a.T) % a.H, i = row % a.T;
+// Row i of (b, h) merged from the ranges' partial rows (po: each range's (B, H, T, DV),
+// pl: their lse (B, H, T)) into a.out and a.lse, in range order.
+void merge_row(const Args &a, int64_t splits, const float *po, const float *pl, int64_t b,
+               int64_t h, int64_t i) {
+  const int64_t rows = a.B * a.H * a.T, row = (b * a.H + h) * a.T + i;
   float *o = a.out + b * a.so_b + h * a.so_h + i * a.so_t;
   float m = NEG_INF;
   bool nan = false;
@@ -2306,7 +2306,7 @@ Code forward_split(const Args &a, const Operands &ops, int64_t nq, int64_t split
     if (done[u].fetch_add(1, std::memory_order_acq_rel) != splits - 1) return;
     for (int64_t h = h0; h < h1; ++h)
       for (int64_t i = i0; i < i1; ++i)
-        merge_row(a, splits, po.get(), pl.get(), (b * a.H + h) * a.T + i);
+        merge_row(a, splits, po.get(), pl.get(), b, h, i);
   };
   if (hg > 1)
     return parallel<HeadsScratch>(a, splits * work, [&](HeadsScratch &w, int64_t it) {
