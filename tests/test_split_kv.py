@@ -64,6 +64,20 @@ def test_split_equals_unsplit_and_threads_agree_bitwise(monkeypatch):
     torch.testing.assert_close(forced[0], results[0][0], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 900])
+def test_more_ranges_than_the_merge_weighs_on_its_stack(monkeypatch, window):
+    """A split forced past the 32 partials the kernel's merge weighs on its stack (40
+    ranges; with a window most of them hold no key) still gives float64's values."""
+    monkeypatch.setattr(native, "KV_SPLITS", 40)
+    q, k, v = decode_case(1, 2, 1, 40 * native.KEY_CHUNK + 17)
+    out, lse = attention(q, k, v, causal=True, window=window, backend="blockwise",
+                         return_lse=True)  # fmt: skip
+    keep = ref_band_keep(1, k.shape[2], "bottom_right", window)
+    ref_out, ref_lse = ref_attention_lse(q, k, v, keep, None, None)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-6, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=2e-6, rtol=2e-5)
+
+
 def test_units_of_several_query_blocks_merge_on_any_thread_with_the_same_bits(monkeypatch):
     """Each (head, query block) unit is merged by whichever item finishes its last key
     range: 3 query blocks x 2 heads x 4 ranges give the same bits on 1, 2 and 3 threads,

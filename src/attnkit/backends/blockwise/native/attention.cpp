@@ -2233,7 +2233,7 @@ Code pack_forward(const Args &a, Operands &ops, const Bf16InPlace *k16 = nullptr
 // or a few queries against a long cache) has fewer work items than cores: its key chunks
 // are cut into `splits` ranges, each (batch, head, query block, range) is one work item
 // normalised over its own keys, and the partial rows are merged by their log-sum-exps in
-// range order (the merge of backends/blockwise/merge.py, written out per row). The number
+// range order (merge_parts: the merge of backends/blockwise/merge.py). The number
 // of ranges depends on the shapes alone, never on the threads: every thread count gives
 // the same bits.
 // ---------------------------------------------------------------------------------------
@@ -2249,37 +2249,60 @@ int64_t kv_splits(const Args &a, int64_t work, int64_t chunks) {
   return std::max<int64_t>(1, std::min(splits, chunks));
 }
 
-// Row i of (b, h) merged from the ranges' partial rows (po: each range's (B, H, T, DV),
-// pl: their lse (B, H, T)) into a.out and a.lse, in range order.
-void merge_row(const Args &a, int64_t splits, const float *po, const float *pl, int64_t b,
-               int64_t h, int64_t i) {
-  const int64_t rows = a.B * a.H * a.T, row = (b * a.H + h) * a.T + i;
-  float *o = a.out + b * a.so_b + h * a.so_h + i * a.so_t;
+// The kernel's one merge (backends/blockwise/merge.py's, for any number of partials): the
+// row `o` (DV floats) and its log-sum-exp `*lse` from `parts` partial rows, part r's row
+// part_out(r), normalised over its own keys, with log-sum-exp part_lse(r); the parts are
+// read in their order (the order of their keys), so the bits do not depend on which thread
+// merges. A part with lse -inf (no key) adds nothing; none with a key gives zeros and
+// -inf; a NaN lse gives a NaN row. `o` may be one of the parts' rows: each element is
+// read from every part before it is written. (Split-KV ranges, forward_split; a
+// cascade's prefix and suffix passes, cascade_call.)
+template <class PartOut, class PartLse>
+void merge_parts(int64_t parts, PartOut part_out, PartLse part_lse, int64_t DV, float *o,
+                 float *lse) {
+  constexpr int64_t MOST = 32;  // parts weighed on the stack (more: Args.kv_splits asked so)
+  float few[MOST];
+  std::vector<float> many(parts > MOST ? size_t(parts) : 0);
+  float *e = parts > MOST ? many.data() : few;
   float m = NEG_INF;
   bool nan = false;
-  for (int64_t r = 0; r < splits; ++r) {
-    const float x = pl[r * rows + row];
+  for (int64_t r = 0; r < parts; ++r) {
+    const float x = part_lse(r);
     nan |= std::isnan(x);
     m = std::max(m, x);
   }
   if (nan || m == NEG_INF) {  // a NaN stays NaN; no key anywhere: zeros and -inf
     const float fill = nan ? std::numeric_limits<float>::quiet_NaN() : 0.0f;
-    std::fill(o, o + a.DV, fill);
-    a.lse[row] = nan ? fill : NEG_INF;
+    std::fill(o, o + DV, fill);
+    *lse = nan ? fill : NEG_INF;
     return;
   }
   float l = 0.0f;
-  std::fill(o, o + a.DV, 0.0f);
-  for (int64_t r = 0; r < splits; ++r) {
-    const float e = std::exp(pl[r * rows + row] - m);  // 0 for an empty range
-    if (e == 0.0f) continue;
-    l += e;
-    const float *src = po + (r * rows + row) * a.DV;
-    for (int64_t d = 0; d < a.DV; ++d) o[d] += e * src[d];
-  }
+  for (int64_t r = 0; r < parts; ++r) l += (e[r] = std::exp(part_lse(r) - m));  // 0: empty
   const float inv = 1.0f / l;
-  for (int64_t d = 0; d < a.DV; ++d) o[d] *= inv;
-  a.lse[row] = m + std::log(l);
+  constexpr int64_t SPAN = 64;  // elements summed at once (every part read, then o written)
+  for (int64_t d0 = 0; d0 < DV; d0 += SPAN) {
+    const int64_t n = std::min(SPAN, DV - d0);
+    float sum[SPAN] = {};
+    for (int64_t r = 0; r < parts; ++r) {
+      if (e[r] == 0.0f) continue;
+      const float *src = part_out(r) + d0, er = e[r];
+      for (int64_t d = 0; d < n; ++d) sum[d] += er * src[d];
+    }
+    for (int64_t d = 0; d < n; ++d) o[d0 + d] = sum[d] * inv;
+  }
+  *lse = m + std::log(l);
+}
+
+// Row i of (b, h) merged from the ranges' partial rows (po: each range's (B, H, T, DV),
+// pl: their lse (B, H, T)) into a.out and a.lse, in range order.
+void merge_row(const Args &a, int64_t splits, const float *po, const float *pl, int64_t b,
+               int64_t h, int64_t i) {
+  const int64_t rows = a.B * a.H * a.T, row = (b * a.H + h) * a.T + i;
+  merge_parts(
+      splits, [&](int64_t r) { return po + (r * rows + row) * a.DV; },
+      [&](int64_t r) { return pl[r * rows + row]; }, a.DV,
+      a.out + b * a.so_b + h * a.so_h + i * a.so_t, a.lse + row);
 }
 
 // (feature "merge in item") Each unit of work (a batch row's heads and query block) is
@@ -2614,8 +2637,8 @@ Code read_as_float32(const Args &a, Run run) {
 // suffix pass's queries: `pre.q` and its strides are not read), its partial rows kept here; the
 // suffix pass is an ordinary call, `suf` = (n, H, t) x (n, HKV, s), writing the caller's
 // out and lse; then each row of out is merged with its prefix partial by their
-// log-sum-exps (the merge of backends/blockwise/merge.py, written out as forward_split's).
-// One call: no partial crosses the boundary, and the caller makes one call, not two
+// log-sum-exps (merge_parts, split-KV's merge: the prefix's partial first, as its keys
+// come first; until session 34 a two-way merge of its own). One call: no partial crosses the boundary, and the caller makes one call, not two
 // dispatches and a merge of its own.
 // ---------------------------------------------------------------------------------------
 
@@ -2659,19 +2682,10 @@ Code cascade_call(const Args &pre_, const Args &suf) {
     const int64_t r = row / (H * t), h = (row / t) % H, i = row % t;  // suf's (b, h, i)
     const int64_t at = (h / g) * pre.T + (r * g + h % g) * t + i;     // its prefix row
     float *o = suf.out + r * suf.so_b + h * suf.so_h + i * suf.so_t;
-    const float *op = po.get() + at * DV;
-    const float ls = suf.lse[row], lp = pl[at];
-    if (std::isnan(ls) || std::isnan(lp)) {  // a NaN stays NaN
-      std::fill(o, o + DV, std::numeric_limits<float>::quiet_NaN());
-      suf.lse[row] = std::numeric_limits<float>::quiet_NaN();
-      return;
-    }
-    const float m = std::max(ls, lp);
-    if (m == NEG_INF) return;  // no key in either: zeros and -inf, as the suffix left them
-    const float es = std::exp(ls - m), ep = std::exp(lp - m), inv = 1.0f / (es + ep);
-    const float ws = es * inv, wp = ep * inv;  // (0 for a pass that kept no key)
-    for (int64_t d = 0; d < DV; ++d) o[d] = ws * o[d] + wp * op[d];
-    suf.lse[row] = m + std::log(es + ep);
+    const float *op = po.get() + at * DV;  // the prefix's partial row, then the suffix's
+    merge_parts(
+        2, [&](int64_t r) -> const float * { return r == 0 ? op : o; },
+        [&](int64_t r) { return r == 0 ? pl[at] : suf.lse[row]; }, DV, o, suf.lse + row);
   });
 }
 
