@@ -1,4 +1,5 @@
-"""``attnkit train`` / ``attnkit generate``: a short run, resume, and one-line errors."""
+"""``attnkit train`` / ``attnkit generate`` / ``attnkit serve --checkpoint``: a short run,
+resume, serving its prompts together, and one-line errors."""
 
 from __future__ import annotations
 
@@ -219,3 +220,51 @@ def test_two_train_processes_on_one_out(tmp_path):
         holder.wait()
     assert r.returncode == 2 and "in use by another process" in r.stderr
     assert r.stderr.count("\n") == 1, r.stderr
+
+
+def test_serve_gives_each_prompt_what_generate_gives_it(trained, tmp_path, capsys):
+    """Served together (continuous batching, 2 at once on pages of 2 tokens), every prompt
+    gets the continuation `attnkit generate` prints for it alone, in the order given;
+    a prompts file's blank lines are skipped; the server's log and --check go to stderr."""
+    prompts = ["12>", "1>", "21>", "2>", "11>"]
+    alone = []
+    for prompt in prompts:
+        assert main(["generate", "--checkpoint", str(trained), "--prompt", prompt]) == 0
+        alone.append(capsys.readouterr().out.strip())
+    served = ["serve", "--checkpoint", str(trained), "--max-batch", "2", "--page-size", "2"]
+    argv = [*served, *(x for p in prompts for x in ("--prompt", p)), "--check"]
+    assert main(argv) == 0
+    got = capsys.readouterr()
+    assert got.out.splitlines() == alone
+    assert "check: 5 of 5 requests got the tokens they get alone" in got.err
+    assert "joined" in got.err and "finished" in got.err
+    listed = tmp_path / "prompts.txt"
+    listed.write_text("\n".join(prompts[:2]) + "\n\n" + prompts[2] + "\n")
+    assert main([*served, "--prompts-file", str(listed), "--prompt", prompts[3]]) == 0
+    assert capsys.readouterr().out.splitlines() == [alone[3], *alone[:3]]
+
+
+def test_serve_caps_new_tokens_at_the_context(trained, capsys):
+    """A request never runs past context_length (5 here): a larger --max-new-tokens is cut
+    there, with a note naming the prompt."""
+    argv = ["serve", "--checkpoint", str(trained), "--prompt", "1>", "--max-new-tokens", "9"]
+    assert main(argv) == 0
+    got = capsys.readouterr()
+    assert "note: prompt 1 gets 3 new tokens, not 9" in got.err
+    assert len(got.out.strip()) == 5  # "1>" and 3 tokens: the context's 5
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ([], "no prompt: give --prompt TEXT"),
+        (["--prompt", "1212>"], "prompt 1 has 5 tokens: no room for a new one"),
+        (["--prompt", "12>", "--prompt", ""], "prompt 2 is empty"),
+        (["--prompt", "12>", "--prompt", "#"], "prompt 2: "),
+        (["--prompt", "1", "--prompts-file", "missing.txt"], "--prompts-file 'missing.txt'"),
+        (["--prompt", "1", "--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+        (["--prompt", "1", "--demo"], "not allowed with argument"),
+    ],
+)
+def test_serve_errors(trained, capsys, extra, match):
+    one_line_error(capsys, ["serve", "--checkpoint", str(trained), *extra], match)

@@ -138,7 +138,7 @@ def test_serve_demo_cli(capsys):
     assert "joined" in out and "finished" in out
     assert "check: 3 of 3 requests got the tokens they get alone" in out
     assert main(["serve"]) == 2
-    assert "pass --demo" in capsys.readouterr().err
+    assert "DIR with --prompt (or --prompts-file), or --demo" in capsys.readouterr().err
     assert main(["serve", "--demo", "--page-size", "0"]) == 2
     assert "--page-size must be >= 1, got 0" in capsys.readouterr().err
 

@@ -16,7 +16,7 @@ from typing import NoReturn
 
 from attnkit import __version__
 
-__all__ = ["CliError", "HelpFormatter", "main", "output_dir", "output_file"]
+__all__ = ["CliError", "HelpFormatter", "main", "new_tokens_for", "output_dir", "output_file"]
 
 #: Subcommand modules, in the order ``--help`` lists them.
 SUBCOMMANDS = ["demo", "explain", "viz", "bench", "train", "generate", "serve"]
@@ -70,6 +70,19 @@ def _check_parents(p: Path, flag: str) -> None:
             if not parent.is_dir():
                 raise CliError(f"{flag} {str(p)!r}: {str(parent)!r} is a file, not a directory")
             return
+
+
+def new_tokens_for(meta: dict, context_length: int, prompt_length: int) -> int:
+    """How many tokens ``attnkit generate`` and ``attnkit serve`` add to a prompt of a
+    checkpoint when ``--max-new-tokens`` is not given: a task's answer (one token for
+    ``recall``, ``length`` for the others), else the rest of the context (text); never
+    past ``context_length``."""
+    task = meta.get("task")
+    if task:
+        n = 1 if task == "recall" else int(meta.get("length") or 1)
+    else:
+        n = context_length - prompt_length
+    return min(n, context_length - prompt_length)
 
 
 class _Parser(argparse.ArgumentParser):

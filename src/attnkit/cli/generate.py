@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from attnkit.cli import CliError, HelpFormatter
+from attnkit.cli import CliError, HelpFormatter, new_tokens_for
 
 EXAMPLES = """\
 examples:
@@ -77,9 +77,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"prompt has {len(ids)} tokens, more than the context_length {ctx}")
     n = args.max_new_tokens
     if n is None:
-        task = meta.get("task")
-        n = (1 if task == "recall" else int(meta.get("length") or 1)) if task else ctx - len(ids)
-        n = min(n, ctx - len(ids))
+        n = new_tokens_for(meta, ctx, len(ids))
     gen = torch.Generator().manual_seed(args.seed)
     within = min(n, ctx - len(ids))
     try:
