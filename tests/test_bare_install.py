@@ -180,9 +180,11 @@ def test_bench_quick_runs_bare(bare_python, tmp_path):
         "--reps",
         "1",
         "--quiet",
+        "--serving",
         "--out",
         "b",
         cwd=tmp_path,
     )
     assert r.returncode == 0, r.stderr
     assert "plots: skipped" in r.stdout and (tmp_path / "b" / "results.json").is_file()
+    assert "skipped (needs transformers: pip install 'attnkit[hf]')" in r.stdout

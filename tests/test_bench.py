@@ -12,7 +12,7 @@ from attnkit.cli import main
 
 
 def test_quick_bench_writes_json_markdown(tmp_path, capsys):
-    assert main(["bench", "--quick", "--reps", "1", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "--quick", "--reps", "1", "--serving", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "results.json").read_text())
     assert {row["target"] for row in result["targets"]} == set("abcdefghij") | {
         "cascade",
@@ -46,6 +46,12 @@ def test_quick_bench_writes_json_markdown(tmp_path, capsys):
     assert (tmp_path / "targets.png").read_bytes()[:4] == b"\x89PNG"
     assert f"results: {tmp_path / 'results.json'}" in out and "targets.png" in out
     assert "smoke run" in out.splitlines()[-1]
+    # --serving: the paged decode step in both dtypes and the race against transformers
+    serving = json.loads((tmp_path / "serving.json").read_text())
+    assert [row["dtype"] for row in serving["paged_decode"]] == ["float32", "bfloat16"]
+    assert serving["continuous_batching"]["identical_requests"] == 3
+    assert "## Serving (issue 20)" in out and "requests with identical tokens" in out
+    assert (tmp_path / "serving.md").read_text() in out
 
 
 def test_bad_reps_is_a_one_line_error(tmp_path, capsys):

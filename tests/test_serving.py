@@ -164,6 +164,28 @@ def test_the_serving_bench_runs_its_decode_step():
     assert row["auto_us"] > 0 and row["paged_over_auto"] > 0  # (auto's contiguous step beside)
 
 
+def test_the_serving_bench_says_what_it_skips_without_transformers(monkeypatch, tmp_path):
+    """Without transformers (a bare install) the serving bench still times the paged
+    decode step and says in one line which extra the race needs."""
+    import importlib.util
+
+    from attnkit.bench import serving as bench
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "transformers" else real(name, *a),
+    )
+    result = bench.run(quick=True)
+    assert result["continuous_batching"] == {"skipped": bench.NEEDS_HF}
+    assert all(row["ratio"] > 0 for row in result["paged_decode"])
+    bench.write(result, tmp_path)
+    md = (tmp_path / "serving.md").read_text()
+    assert "skipped (needs transformers: pip install 'attnkit[hf]')" in md
+    assert md.count("| L=512, page 16,") == 2 and "not graded" in md
+
+
 @pytest.mark.slow
 def test_the_serving_bench_races_transformers_on_the_same_weights():
     pytest.importorskip("transformers")

@@ -314,6 +314,12 @@ def build_arg_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
         help="also benchmark compiled score_mods (softcap, a learned table, a lambda) over "
         "plain causal, once per build this CPU runs: mods.md",
     )
+    parser.add_argument(
+        "--serving",
+        action="store_true",
+        help="also benchmark the paged decode step and continuous batching against "
+        "transformers' generate_batch (that race needs the [hf] extra): serving.md",
+    )
     return parser
 
 

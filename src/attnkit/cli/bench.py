@@ -14,6 +14,7 @@ examples:
   attnkit bench --grid --note "idle VM"      # plus the full grid (~20 min more)
   attnkit bench --kernel                     # plus the native kernel, once per CPU build
   attnkit bench --mods                       # plus compiled score_mods over plain causal
+  attnkit bench --serving                    # plus paged decode, continuous batching vs HF
 """
 
 
@@ -59,6 +60,12 @@ def run(args: argparse.Namespace) -> int:
         mod_result = mods.run(args.quick, args.reps)
         mods.write(mod_result, out)
         print(mods.markdown(mod_result))
+    if args.serving:
+        from attnkit.bench import serving
+
+        serving_result = serving.run(args.quick)
+        serving.write(serving_result, out)
+        print(serving.markdown(serving_result))
     print(f"results: {out / 'results.json'}, {out / 'results.md'}")
     if result.get("plots"):
         print(f"plots: {', '.join(result['plots'])}")
