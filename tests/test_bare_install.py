@@ -91,6 +91,10 @@ def demo_python(tmp_path_factory) -> Path:
 
 def _run(python: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    # one thread: these check what an install can run, not its speed, and share the
+    # machine with the other test workers (under `-m slow` the whole demo's training at
+    # 2 threads beside another worker's ran at a fifteenth of its speed and timed out)
+    env["OMP_NUM_THREADS"] = "1"
     return subprocess.run(
         [str(python), "-I", *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=300
     )

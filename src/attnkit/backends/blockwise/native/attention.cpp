@@ -2638,8 +2638,8 @@ Code read_as_float32(const Args &a, Run run) {
 // suffix pass is an ordinary call, `suf` = (n, H, t) x (n, HKV, s), writing the caller's
 // out and lse; then each row of out is merged with its prefix partial by their
 // log-sum-exps (merge_parts, split-KV's merge: the prefix's partial first, as its keys
-// come first; until session 34 a two-way merge of its own). One call: no partial crosses the boundary, and the caller makes one call, not two
-// dispatches and a merge of its own.
+// come first; until session 34 a two-way merge of its own). One call: no partial crosses
+// the boundary, and the caller makes one call, not two dispatches and a merge of its own.
 // ---------------------------------------------------------------------------------------
 
 // Checks the two passes fit together: `suf` the (n, H, t) call, `pre` the stacked rows.
