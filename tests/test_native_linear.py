@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from attnkit.backends.blockwise.native import linear as native_linear
@@ -28,7 +28,10 @@ def _plain(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Te
 
 def _check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
     """The kernel's error against float64 is at most twice that of plain float32 math
-    (flash-attn's rule; F.linear's error, where larger, is the yardstick too)."""
+    (flash-attn's rule; F.linear's error, where larger, is the yardstick too), give or
+    take two float32 roundings of the largest sum of |products| an output adds up: with
+    few outputs the plain sums can all be lucky (session 34's widened fuzzing: one output
+    of 93 products, 12.34, plain off by 0.1 of its ulp, the kernel's blocked sum by 1.9)."""
     assert native_linear.takes(x, w)
     got = native_linear.linear(x, w, b)
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
@@ -39,7 +42,10 @@ def _check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
         (_plain(x, w, b).double() - ref).abs().max().item(),
         (torch_out.double() - ref).abs().max().item(),
     )
-    assert err <= 2 * plain_err + 1e-6, (err, plain_err)
+    rows_abs = x.double().abs().reshape(-1, x.shape[-1])  # (m, k)
+    magnitude = (rows_abs @ w.double().abs().T).max().item() if rows_abs.numel() else 0.0
+    floor = 1e-6 + 2 * 2**-24 * magnitude
+    assert err <= 2 * plain_err + floor, (err, plain_err, floor)
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -121,6 +127,7 @@ def test_a_prepared_linear_given_the_wrong_width_raises_torchs_error():
     pad=st.integers(0, 5),
     seed=st.integers(0, 2**31 - 1),
 )
+@example(rows=1, d_in=93, d_out=1, bias=False, pad=1, seed=1_221_703_815)
 def test_fuzz_against_float64(rows, d_in, d_out, bias, pad, seed):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, d_in + pad, generator=gen)[:, pad:]  # rows d_in + pad apart
