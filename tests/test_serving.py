@@ -184,6 +184,7 @@ def test_the_serving_bench_says_what_it_skips_without_transformers(monkeypatch, 
     md = (tmp_path / "serving.md").read_text()
     assert "skipped (needs transformers: pip install 'attnkit[hf]')" in md
     assert md.count("| L=512, page 16,") == 2 and "not graded" in md
+    assert "| paged / auto |" in md  # (the step over auto's contiguous one, as before)
 
 
 @pytest.mark.slow

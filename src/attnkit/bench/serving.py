@@ -202,14 +202,14 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['threads']} threads",
         "",
         "| paged decode step | paged | contiguous, same kernel | paged / contiguous (goal <= 1.1) "
-        "| contiguous through auto |",
-        "| --- | --- | --- | --- | --- |",
+        "| contiguous through auto | paged / auto |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for row in result["paged_decode"]:
         lines.append(
             f"| L={row['length']}, page {row['page_size']}, {row['dtype']} "
             f"| {row['paged_us']:.0f} us | {row['contiguous_us']:.0f} us | {ratio_text(row)} "
-            f"| {row['auto_us']:.0f} us |"
+            f"| {row['auto_us']:.0f} us | {row['paged_over_auto']:.3f} |"
         )
     cb = result["continuous_batching"]
     lines.append("")
