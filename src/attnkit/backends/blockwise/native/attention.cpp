@@ -2091,12 +2091,10 @@ void backward_group(const Args &a, const Grads &g, const BackOperands &ops, int6
 #endif
           const int64_t nr = c.r1 - c.r0, nk = c.hi - c.lo;
           // dV[j] += sum_r P[r][j] dO[r], dK[j] += sum_r dS[r][j] Q[r]
-          simd::gemm<true>(w.dv.data() + c.lo * a.DV, a.DV, nk, a.DV,
-                           w.p.data() + c.r0 * KC + c.lo, 1, KC, doh + (i0 + c.r0) * a.DV,
-                           a.DV, nr, nullptr);
-          simd::gemm<true>(w.dk.data() + c.lo * a.D, a.D, nk, a.D,
-                           w.ds.data() + c.r0 * KC + c.lo, 1, KC, qh + (i0 + c.r0) * a.sq_t,
-                           a.sq_t, nr, nullptr);
+          simd::gemm_t(w.dv.data() + c.lo * a.DV, a.DV, nk, a.DV, w.p.data() + c.r0 * KC + c.lo,
+                       KC, doh + (i0 + c.r0) * a.DV, a.DV, nr);
+          simd::gemm_t(w.dk.data() + c.lo * a.D, a.D, nk, a.D, w.ds.data() + c.r0 * KC + c.lo,
+                       KC, qh + (i0 + c.r0) * a.sq_t, a.sq_t, nr);
           // dQ[r] += sum_j dS[r][j] K[j]
           simd::gemm<true>(dqh + (i0 + c.r0) * a.D, a.D, nr, a.D,
                            w.ds.data() + c.r0 * KC + c.lo, KC, 1, kh + (c.c0 + c.lo) * a.sk_t,

@@ -43,6 +43,8 @@
 #define ATTNKIT_W 8
 #define ATTNKIT_TILE_R_ 3
 #define ATTNKIT_TILE_C_ 4
+#define ATTNKIT_TILE_T_R_ 6  // (gemm_t: 3 x 4 there took 6-9% more of the backward's time)
+#define ATTNKIT_TILE_T_C_ 2
 #define ATTNKIT_ISA "avx2"
 #elif defined(__aarch64__) && defined(__ARM_NEON)
 #define ATTNKIT_W 4
@@ -60,12 +62,23 @@
 #ifndef ATTNKIT_TILE_C
 #define ATTNKIT_TILE_C ATTNKIT_TILE_C_
 #endif
+#ifndef ATTNKIT_TILE_T_R_  // (gemm_t's tile: the same where a target sets none)
+#define ATTNKIT_TILE_T_R_ ATTNKIT_TILE_R
+#define ATTNKIT_TILE_T_C_ ATTNKIT_TILE_C
+#endif
+#ifndef ATTNKIT_TILE_T_R
+#define ATTNKIT_TILE_T_R ATTNKIT_TILE_T_R_
+#endif
+#ifndef ATTNKIT_TILE_T_C
+#define ATTNKIT_TILE_T_C ATTNKIT_TILE_T_C_
+#endif
 
 namespace simd {
 
 constexpr int W = ATTNKIT_W;
 constexpr int TILE_R = ATTNKIT_TILE_R;  // rows of a register tile
 constexpr int TILE_C = ATTNKIT_TILE_C;  // vectors of a register tile
+constexpr int TILE_T_R = ATTNKIT_TILE_T_R, TILE_T_C = ATTNKIT_TILE_T_C;  // (gemm_t)
 
 typedef float vf __attribute__((vector_size(4 * W)));
 typedef int32_t vi __attribute__((vector_size(4 * W)));
@@ -328,9 +341,10 @@ inline const float *rescaled(const float *alpha, int nr) {
 
 // Rows of the next register tile of a product with `left` rows to go: TILE_R, or where
 // fewer than 2 TILE_R are left, half of them (rounded up), then the rest.
+template <int TR = TILE_R>
 inline int tile_rows(int64_t left) {
-  if (left >= 2 * TILE_R || left == TILE_R) return TILE_R;
-  return int(left > TILE_R ? (left + 1) / 2 : left);
+  if (left >= 2 * TR || left == TR) return TR;
+  return int(left > TR ? (left + 1) / 2 : left);
 }
 
 // C (rows x NC vectors, row stride ldc) = alpha (.) C + A B, or = A B when !ACC, with
@@ -451,24 +465,24 @@ inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int
 // f(std::integral_constant<int, R>{}) with R the height of the register tile that runs
 // nr <= TILE_R rows: nr itself from 3 rows up, TILE_R below (rows past nr computed on
 // copies of the last and not stored).
-template <class F>
+template <int TR = TILE_R, class F>
 inline void by_height(int nr, F f) {
-  if constexpr (TILE_R > 5)
+  if constexpr (TR > 5)
     if (nr == 5) return f(std::integral_constant<int, 5>{});
-  if constexpr (TILE_R > 4)
+  if constexpr (TR > 4)
     if (nr == 4) return f(std::integral_constant<int, 4>{});
-  if constexpr (TILE_R > 3)
+  if constexpr (TR > 3)
     if (nr == 3) return f(std::integral_constant<int, 3>{});
-  f(std::integral_constant<int, TILE_R>{});
+  f(std::integral_constant<int, TR>{});
 }
 
 // tile() of nr rows (by_height).
-template <int NC, bool ACC, class TB = float, bool PAIR = false>
+template <int NC, bool ACC, class TB = float, bool PAIR = false, int TR = TILE_R>
 inline void tile_n(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int64_t aks,
                    const TB *b, int64_t ldb, int64_t kn, const float *alpha,
                    float *row_max = nullptr, bool fold = false, const float *a2 = nullptr,
                    const TB *b2 = nullptr) {
-  by_height(nr, [&](auto rows) {
+  by_height<TR>(nr, [&](auto rows) {
     tile<decltype(rows)::value, NC, ACC, TB, PAIR>(c, ldc, nr, a, ars, aks, b, ldb, kn, alpha,
                                                    row_max, fold, a2, b2);
   });
@@ -483,26 +497,26 @@ inline void tile_n(float *c, int64_t ldc, int nr, const float *a, int64_t ars, i
 // row_max, or null where a product of `cols` columns cannot give its rows' maxima: an
 // accumulating one (ACC), or one whose columns are not whole register tiles. (gemm and
 // gemm_bf16.)
-template <bool ACC>
+template <bool ACC, int TC = TILE_C>
 inline float *tiles_row_max(int64_t cols, float *row_max) {
-  return ACC || cols % (TILE_C * W) != 0 ? nullptr : row_max;
+  return ACC || cols % (TC * W) != 0 ? nullptr : row_max;
 }
 
 // PAIR (feature "pv2", ACC): C = alpha (.) C + A B + A2 B2, A2 and B2 at A's and B's
 // strides: two chunks' P V in one pass over C, each register tile of C loaded and stored
 // once for both (the products in the order of gemm(A, B) then gemm(A2, B2)).
-template <bool ACC, class TB = float, bool PAIR = false>
+template <bool ACC, class TB = float, bool PAIR = false, int TR = TILE_R, int TC = TILE_C>
 inline bool gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float *a,
                  int64_t ars, int64_t aks, const TB *b, int64_t ldb, int64_t kn,
                  const float *alpha, float *row_max = nullptr, const float *a2 = nullptr,
                  const TB *b2 = nullptr) {
   static_assert(ACC || !PAIR, "a pair accumulates");
-  row_max = tiles_row_max<ACC>(cols, row_max);
-  for (int64_t c0 = 0; c0 < cols; c0 += TILE_C * W) {
-    const int64_t nv = (cols - c0) / W < TILE_C ? (cols - c0) / W : TILE_C;
+  row_max = tiles_row_max<ACC, TC>(cols, row_max);
+  for (int64_t c0 = 0; c0 < cols; c0 += TC * W) {
+    const int64_t nv = (cols - c0) / W < TC ? (cols - c0) / W : TC;
     const TB *bb2 = PAIR ? b2 + c0 : nullptr;
     for (int64_t r0 = 0, nr = 0; r0 < rows; r0 += nr) {
-      nr = tile_rows(rows - r0);
+      nr = tile_rows<TR>(rows - r0);
       float *cc = c + r0 * ldc + c0;
       const float *aa = a + r0 * ars, *aa2 = PAIR ? a2 + r0 * ars : nullptr;
       const float *al = alpha ? alpha + r0 : nullptr;
@@ -511,21 +525,31 @@ inline bool gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float 
       switch (nv) {
 #define ATTNKIT_CASE(n)                                                                 \
   case n:                                                                               \
-    if constexpr (n <= TILE_C)                                                          \
-      tile_n<n, ACC, TB, PAIR>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al, mx, \
+    if constexpr (n <= TC)                                                          \
+      tile_n<n, ACC, TB, PAIR, TR>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al, mx, \
                                fold, aa2, bb2);                                         \
     break;
         ATTNKIT_CASE(4)
         ATTNKIT_CASE(3)
         ATTNKIT_CASE(2)
         default:
-          tile_n<1, ACC, TB, PAIR>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al,
+          tile_n<1, ACC, TB, PAIR, TR>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al,
                                    nullptr, false, aa2, bb2);
 #undef ATTNKIT_CASE
       }
     }
   }
   return row_max != nullptr;
+}
+
+// C += A B (float32) with A read down its columns (A(r, k) = a[r + k * aks]: the
+// backward's dV += Pᵀ dO and dK += dSᵀ Q), in a register tile of its own, TILE_T_R x
+// TILE_T_C: on AVX2 6 x 2 vectors (the forward's 3 x 4 took 6-9% more of the backward's
+// time there, Xeon of session 35); elsewhere the forward's.
+inline void gemm_t(float *c, int64_t ldc, int64_t rows, int64_t cols, const float *a,
+                   int64_t aks, const float *b, int64_t ldb, int64_t kn) {
+  gemm<true, float, false, TILE_T_R, TILE_T_C>(c, ldc, rows, cols, a, 1, aks, b, ldb, kn,
+                                               nullptr);
 }
 
 #if defined(ATTNKIT_BF16)
