@@ -1295,3 +1295,32 @@ def test_kept_arguments_are_reused_only_for_a_suffix_mask_of_the_same_layout(mon
             mask is not None and layout == (mask.shape, mask.stride()) and mask.dtype == torch.bool
         )
         assert reused == same, (mask is None, reused)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_backward_block_rows_change_no_gradient_bit(monkeypatch, isa, backward_calls, dtype):
+    # backward_block_q picks the rows a backward block takes per build and dtype for speed
+    # alone: each gradient element sums its terms in the same order whatever the rows (bf16
+    # products on AMX tiles sum 32 rows an instruction: rows in multiples of 32 there)
+    amx = dtype == torch.bfloat16 and isa == "avx512-amx"
+    assert native.backward_block_q(dtype) == (128 if amx else 96)
+    torch.manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 301, 64).to(dtype).requires_grad_() for _ in range(3))
+    out = attention(q, k, v, causal=True, window=200, backend="blockwise")
+    grad_out = torch.randn_like(out)
+    grads = []
+    for rows in (96, 128, 64):
+        monkeypatch.setattr(native, "BACKWARD_BLOCK_Q", rows)
+        monkeypatch.setattr(native, "BACKWARD_BLOCK_Q_AMX", rows)
+        grads.append(torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True))
+    assert len(backward_calls) == 3  # (the native backward ran each time)
+    for other in grads[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(grads[0], other, strict=True))
+    qd, kd, vd = (x.detach().double() for x in (q, k, v))
+    keep = ref_band_keep(301, 301, "top_left", 200)
+    qd, kd, vd = (x.requires_grad_() for x in (qd, kd, vd))
+    ref_out = ref_attention_lse(qd, kd, vd, keep=keep)[0]
+    want = torch.autograd.grad(ref_out, (qd, kd, vd), grad_out.double())
+    tol = 3e-5 if dtype == torch.float32 else 0.1
+    for got, ref in zip(grads[0], want, strict=True):
+        assert (got.double() - ref).abs().max() <= tol * ref.abs().max()

@@ -108,7 +108,7 @@ def compare(
                 delta = (grad_out.float() * out).sum(-1).contiguous()  # (b, h, t)
                 dq, dk, dv = (torch.empty(b, h, t, d) for _ in range(3))
                 bargs = _args(q, k, v, out, lse, window, threads)
-                bargs.bq = native.BACKWARD_BLOCK_Q
+                bargs.bq = native.backward_block_q(q.dtype)
                 grads = abi.Grads(*(x.data_ptr() for x in (grad_out, delta, dq, dk, dv)))
                 call = functools.partial(
                     lib.attnkit_backward, ctypes.byref(bargs), ctypes.byref(grads)

@@ -50,10 +50,12 @@ from attnkit.paged_kv_cache import check_page_ids
 
 __all__ = [
     "BACKWARD_BLOCK_Q",
+    "BACKWARD_BLOCK_Q_AMX",
     "BLOCK_Q",
     "KEY_CHUNK",
     "available",
     "backward",
+    "backward_block_q",
     "bf16",
     "cascade",
     "explain_block_mask",
@@ -73,9 +75,13 @@ __all__ = [
 #: tile. Against 128 rows the forward took 0.974-0.989x the time on the AVX2 build and
 #: 0.993-0.998x on AVX-512 (causal, T=1024-8192, session 25).
 BLOCK_Q = 144
-#: ... and of its backward, where 144 rows measured no faster (1.009x on AVX2, 0.993x on
-#: AVX-512, causal T=8192 forward+backward).
-BACKWARD_BLOCK_Q = 128
+#: ... and of its backward (:func:`backward_block_q`): 96 rows, against 128 0.961-0.975x
+#: the backward's time on AVX2, 0.978x on AVX-512 and 0.980x in bf16 on avx512-bf16
+#: (causal T=8192, 2 threads; the same at T=2048; session 35; 144 measured no faster in
+#: session 25) ...
+BACKWARD_BLOCK_Q = 96
+#: ... but 128 where bf16 products run on AMX tiles (96 rows there: 1.024x, 72: 1.41x).
+BACKWARD_BLOCK_Q_AMX = 128
 #: Keys per chunk inside the kernel (``KC`` in attention.cpp); the relative bias vector
 #: is padded to whole chunks.
 KEY_CHUNK = 64
@@ -123,6 +129,13 @@ def isa() -> str | None:
     ``"avx512"``, ``"avx2"``, ``"neon"``), or None when there is none."""
     lib = library()
     return None if lib is None else lib.attnkit_isa().decode()
+
+
+def backward_block_q(dtype: torch.dtype) -> int:
+    """Query rows per block of the kernel's backward of ``dtype`` inputs on the loaded
+    build (:data:`BACKWARD_BLOCK_Q`, :data:`BACKWARD_BLOCK_Q_AMX`)."""
+    amx = dtype == torch.bfloat16 and isa() == "avx512-amx"
+    return BACKWARD_BLOCK_Q_AMX if amx else BACKWARD_BLOCK_Q
 
 
 def bf16() -> bool:
@@ -418,7 +431,7 @@ def _args(
     """The kernel's arguments for ``plan`` and the tensors they point into (keep them
     alive through the call): ``q``, ``k``, ``v`` the engine's ``(b, heads, len, d)``
     float32 views, ``out`` ``(b, h, t, d_v)`` (or None), ``lse`` ``(b, h, t)`` contiguous;
-    ``block_q`` query rows a block (:data:`BACKWARD_BLOCK_Q` for a backward)."""
+    ``block_q`` query rows a block (:func:`backward_block_q` for a backward)."""
     b, h, t, s = plan.b, plan.h, plan.t, plan.s
     band_lo, band_hi, read_block_mask = _band(plan)
     out_strides = out.stride()[:3] if out is not None else (0, 0, 0)
@@ -857,7 +870,7 @@ def backward(
     dq = torch.empty(b, h, t, q.shape[-1], dtype=torch.float32)
     dk = torch.empty(b, plan.h_kv, plan.s, k.shape[-1], dtype=torch.float32)
     dv = torch.empty(b, plan.h_kv, plan.s, dv_, dtype=torch.float32)
-    args, keep_alive = _args(plan, q, k, v, None, lse, BACKWARD_BLOCK_Q)
+    args, keep_alive = _args(plan, q, k, v, None, lse, backward_block_q(q.dtype))
     grads = abi.Grads(*(x.data_ptr() for x in (grad_out, delta, dq, dk, dv)))
     program = _program_of(plan)
     dgrad = None

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from attnkit.backends.blockwise.native import (
-    BACKWARD_BLOCK_Q,
     BLOCK_Q,
     KEY_CHUNK,
     _check_code,
     _kernel,
     abi,
+    backward_block_q,
 )
 from attnkit.backends.blockwise.plan import Band
 from attnkit.masks import ScoreMod
@@ -132,7 +132,8 @@ def _args(
 ) -> abi.Args:
     """The kernel's arguments: ``q``, ``k``, ``v`` packed ``(total, heads, d)`` with unit
     last stride, ``out`` ``(total_q, h, d_v)`` float32 (or None), ``lse`` ``(h * total_q,)``;
-    ``block_q`` query rows a block (:data:`BACKWARD_BLOCK_Q` for a backward)."""
+    ``block_q`` query rows a block (:func:`~attnkit.backends.blockwise.native.backward_block_q`
+    for a backward)."""
     o_strides = (0, out.stride(1), out.stride(0)) if out is not None else (0, 0, 0)
     args = abi.Args(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), 0 if out is None else out.data_ptr(),
@@ -208,7 +209,7 @@ def backward(
     dq = torch.empty(tq * h, q.shape[2], dtype=torch.float32)
     dk = torch.empty(k.shape[0] * k.shape[1], k.shape[2], dtype=torch.float32)
     dv = torch.empty(k.shape[0] * k.shape[1], dv_, dtype=torch.float32)
-    args = _args(spec, q, k, v, None, lse_seq, BACKWARD_BLOCK_Q)
+    args = _args(spec, q, k, v, None, lse_seq, backward_block_q(q.dtype))
     grads = abi.Grads(*(x.data_ptr() for x in (dout_seq, delta_seq, dq, dk, dv)))
     _check_code(_kernel("attnkit_backward")(ctypes.byref(args), ctypes.byref(grads)))
 
