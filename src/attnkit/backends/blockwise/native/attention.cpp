@@ -1964,6 +1964,11 @@ void weights_and_ds(const Args &a, const Grads &g, const BackOperands &ops, int6
   const vf scale = simd::splat(float(a.scale));
   // with a compiled score_mod: ds = d(modded) first, then through the mod, then scaled
   const vf ds_scale = a.mod_backward ? simd::splat(1.0f) : scale;
+  // P = e^(x - lse) = 2^((x - lse) log2(e)) by simd::exp2 (feature "bexp2": a shorter
+  // reduction and polynomial than exp()'s). x - lse first: near a row's largest weights
+  // it is exact, where x log2(e) - lse log2(e) would carry both roundings (about |lse|
+  // ulps of the exponent; the mods' fuzzer found one past its float64 rule)
+  const vf log2e = simd::splat(float(M_LOG2E));
   for (int64_t r = c.r0; r < c.r1; ++r) {
     float *p = w.p.data() + r * KC, *ds = w.ds.data() + r * KC;
     vf x[NV];
@@ -1971,7 +1976,7 @@ void weights_and_ds(const Args &a, const Grads &g, const BackOperands &ops, int6
     const vf l = simd::splat(lse[i0 + r]), dl = simd::splat(delta[i0 + r]);  // dead: lse +inf
 #pragma GCC unroll 16
     for (int vv = 0; vv < NV; ++vv) {
-      const vf pv = simd::exp(x[vv] - l);
+      const vf pv = simd::exp2((x[vv] - l) * log2e);
       simd::store(p + W * vv, pv);
       simd::store(ds + W * vv, ds_scale * pv * (simd::load(ds + W * vv) - dl));
     }
