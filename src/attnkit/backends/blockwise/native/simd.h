@@ -339,8 +339,9 @@ inline const float *rescaled(const float *alpha, int nr) {
   return nullptr;
 }
 
-// Rows of the next register tile of a product with `left` rows to go: TILE_R, or where
-// fewer than 2 TILE_R are left, half of them (rounded up), then the rest.
+// Rows of the next register tile (TR rows high: the build's TILE_R by default) of a
+// product with `left` rows to go: TR, or where fewer than 2 TR are left, half of them
+// (rounded up), then the rest.
 template <int TR = TILE_R>
 inline int tile_rows(int64_t left) {
   if (left >= 2 * TR || left == TR) return TR;
@@ -463,8 +464,8 @@ inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int
 }
 
 // f(std::integral_constant<int, R>{}) with R the height of the register tile that runs
-// nr <= TILE_R rows: nr itself from 3 rows up, TILE_R below (rows past nr computed on
-// copies of the last and not stored).
+// nr <= TR rows (TILE_R by default): nr itself from 3 rows up, TR below (rows past nr
+// computed on copies of the last and not stored).
 template <int TR = TILE_R, class F>
 inline void by_height(int nr, F f) {
   if constexpr (TR > 5)
@@ -489,9 +490,10 @@ inline void tile_n(float *c, int64_t ldc, int nr, const float *a, int64_t ars, i
 }
 
 // The product above over `rows` rows and `cols` columns (a multiple of W), in register
-// tiles of TILE_R rows x TILE_C vectors (the last ones lower: tile_rows); B float32 or
+// tiles of TR rows x TC vectors (the build's TILE_R x TILE_C unless a product asks for
+// another: gemm_t; the last ones lower: tile_rows); B float32 or
 // bf16 (TB = uint16_t: widened as loaded).
-// row_max (!ACC): each row's max of C, set too where cols is a multiple of TILE_C * W
+// row_max (!ACC): each row's max of C, set too where cols is a multiple of TC * W
 // (whole tiles: a row's first tile sets it, the next ones fold theirs in); returns whether
 // it was set.
 // row_max, or null where a product of `cols` columns cannot give its rows' maxima: an
@@ -523,18 +525,18 @@ inline bool gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float 
       float *mx = row_max ? row_max + r0 : nullptr;
       const bool fold = c0 > 0;
       switch (nv) {
-#define ATTNKIT_CASE(n)                                                                 \
-  case n:                                                                               \
-    if constexpr (n <= TC)                                                          \
-      tile_n<n, ACC, TB, PAIR, TR>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al, mx, \
-                               fold, aa2, bb2);                                         \
+#define ATTNKIT_CASE(n)                                                                \
+  case n:                                                                              \
+    if constexpr (n <= TC)                                                             \
+      tile_n<n, ACC, TB, PAIR, TR>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al, \
+                                   mx, fold, aa2, bb2);                                \
     break;
         ATTNKIT_CASE(4)
         ATTNKIT_CASE(3)
         ATTNKIT_CASE(2)
         default:
           tile_n<1, ACC, TB, PAIR, TR>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al,
-                                   nullptr, false, aa2, bb2);
+                                       nullptr, false, aa2, bb2);
 #undef ATTNKIT_CASE
       }
     }
