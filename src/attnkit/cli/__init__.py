@@ -12,11 +12,22 @@ import importlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from attnkit import __version__
 
-__all__ = ["CliError", "HelpFormatter", "main", "new_tokens_for", "output_dir", "output_file"]
+if TYPE_CHECKING:
+    from attnkit.train.data import ByteTokenizer, CharTokenizer
+
+__all__ = [
+    "CliError",
+    "HelpFormatter",
+    "encode_prompt",
+    "main",
+    "new_tokens_for",
+    "output_dir",
+    "output_file",
+]
 
 #: Subcommand modules, in the order ``--help`` lists them.
 SUBCOMMANDS = ["demo", "explain", "viz", "bench", "train", "generate", "serve"]
@@ -70,6 +81,21 @@ def _check_parents(p: Path, flag: str) -> None:
             if not parent.is_dir():
                 raise CliError(f"{flag} {str(p)!r}: {str(parent)!r} is a file, not a directory")
             return
+
+
+def encode_prompt(
+    tokenizer: CharTokenizer | ByteTokenizer, text: str, name: str = "prompt"
+) -> list[int]:
+    """``text``'s token ids by a checkpoint's tokenizer, for ``attnkit generate`` and
+    ``attnkit serve``; a :class:`CliError` naming ``name`` where it has a character the
+    vocabulary lacks or no token at all."""
+    try:
+        ids = tokenizer.encode(text)
+    except ValueError as err:
+        raise CliError(f"{name}: {err}") from None
+    if not ids:
+        raise CliError(f"{name} is empty")
+    return ids
 
 
 def new_tokens_for(meta: dict, context_length: int, prompt_length: int) -> int:

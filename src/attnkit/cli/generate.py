@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from attnkit.cli import CliError, HelpFormatter, new_tokens_for
+from attnkit.cli import CliError, HelpFormatter, encode_prompt, new_tokens_for
 
 EXAMPLES = """\
 examples:
@@ -66,13 +66,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(str(err)) from None
     if args.top_k is not None and not 1 <= args.top_k <= model.cfg.vocab_size:
         raise CliError(f"--top-k must be in [1, {model.cfg.vocab_size}], got {args.top_k}")
-    try:
-        ids = tokenizer.encode(args.prompt)
-    except ValueError as err:
-        raise CliError(f"prompt: {err}") from None
+    ids = encode_prompt(tokenizer, args.prompt)
     ctx = model.cfg.context_length
-    if not ids:
-        raise CliError("prompt is empty")
     if len(ids) > ctx:
         raise CliError(f"prompt has {len(ids)} tokens, more than the context_length {ctx}")
     n = args.max_new_tokens

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from attnkit.cli import CliError, HelpFormatter, new_tokens_for
+from attnkit.cli import CliError, HelpFormatter, encode_prompt, new_tokens_for
 
 if TYPE_CHECKING:
     from attnkit.models import GPT
@@ -127,12 +127,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
     ctx = model.cfg.context_length
     prompts, news = [], []
     for i, text in enumerate(texts, 1):
-        try:
-            ids = tokenizer.encode(text)
-        except ValueError as err:
-            raise CliError(f"prompt {i}: {err}") from None
-        if not ids:
-            raise CliError(f"prompt {i} is empty")
+        ids = encode_prompt(tokenizer, text, f"prompt {i}")
         if len(ids) >= ctx:
             raise CliError(
                 f"prompt {i} has {len(ids)} tokens: no room for a new one in the "
