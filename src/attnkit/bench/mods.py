@@ -33,6 +33,7 @@ import torch
 from attnkit import attention, explain_dispatch
 from attnkit.backends.blockwise import native
 from attnkit.backends.blockwise.native import build
+from attnkit.bench import report
 from attnkit.bench.auto_grid import env
 from attnkit.bench.isa_env import CHILD, held_env, in_held_child, torch_capability
 from attnkit.bench.native_kernel import _best
@@ -182,9 +183,7 @@ def markdown(result: dict) -> str:
 
 def write(result: dict, out: Path) -> None:
     """``mods.json`` and ``mods.md`` in ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "mods.json").write_text(json.dumps(result, indent=2))
-    (out / "mods.md").write_text(markdown(result))
+    report.write_pair(out, "mods", result, markdown(result))
 
 
 def main(argv: list[str] | None = None) -> int:

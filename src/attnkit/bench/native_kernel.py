@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from attnkit import attention
 from attnkit.backends.blockwise import native
 from attnkit.backends.blockwise.native import build
+from attnkit.bench import report
 from attnkit.bench.auto_grid import SHAPE, env, grid, inputs, markdown_rows, step
 from attnkit.bench.isa_env import CHILD, held_env, in_held_child, torch_capability, torch_libraries
 from attnkit.bench.timing import interleaved, paired_ratio, spread
@@ -249,9 +250,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def write(result: dict, out: Path) -> None:
     """``native.json`` and ``native.md`` in ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "native.json").write_text(json.dumps(result, indent=2))
-    (out / "native.md").write_text(markdown(result))
+    report.write_pair(out, "native", result, markdown(result))
 
 
 if __name__ == "__main__":

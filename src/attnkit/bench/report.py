@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from attnkit.bench.timing import ratio_text
+
+
+def write_pair(out: Path, stem: str, result: dict, text: str) -> None:
+    """``{stem}.json`` (``result``) and ``{stem}.md`` (``text``, its Markdown) in ``out``
+    (made where missing): what a benchmark module's ``write`` leaves."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    (out / f"{stem}.md").write_text(text)
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:

@@ -36,6 +36,7 @@ from typing import Any, cast
 import torch
 
 from attnkit.attention import attention
+from attnkit.bench import report
 from attnkit.bench.timing import interleaved, ratio_row, ratio_text
 from attnkit.kv_cache import KVCache
 from attnkit.paged_attention import paged_attention
@@ -232,9 +233,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 def write(result: dict[str, Any], out: Path) -> None:
     """``serving.json`` and ``serving.md`` in ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "serving.json").write_text(json.dumps(result, indent=2))
-    (out / "serving.md").write_text(markdown(result))
+    report.write_pair(out, "serving", result, markdown(result))
 
 
 def main(argv: list[str] | None = None) -> int:
