@@ -2687,8 +2687,8 @@ Code cascade_call(const Args &pre_, const Args &suf) {
     float *o = suf.out + r * suf.so_b + h * suf.so_h + i * suf.so_t;
     const float *op = po.get() + at * DV;  // the prefix's partial row, then the suffix's
     merge_parts(
-        2, [&](int64_t r) -> const float * { return r == 0 ? op : o; },
-        [&](int64_t r) { return r == 0 ? pl[at] : suf.lse[row]; }, DV, o, suf.lse + row);
+        2, [&](int64_t part) -> const float * { return part == 0 ? op : o; },
+        [&](int64_t part) { return part == 0 ? pl[at] : suf.lse[row]; }, DV, o, suf.lse + row);
   });
 }
 

@@ -513,6 +513,7 @@ inline bool gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float 
                  const float *alpha, float *row_max = nullptr, const float *a2 = nullptr,
                  const TB *b2 = nullptr) {
   static_assert(ACC || !PAIR, "a pair accumulates");
+  static_assert(TC >= 1 && TC <= 4, "register tiles of 1-4 vectors (the cases below)");
   row_max = tiles_row_max<ACC, TC>(cols, row_max);
   for (int64_t c0 = 0; c0 < cols; c0 += TC * W) {
     const int64_t nv = (cols - c0) / W < TC ? (cols - c0) / W : TC;
