@@ -689,6 +689,27 @@ def test_the_engines_are_chosen_once_per_call_with_their_reasons(monkeypatch):
 # -- the backward ------------------------------------------------------------------------
 
 
+def _cancelling(q, k, v, keep, bias, g_out):
+    """The largest summed magnitudes behind dq and dk of a flash backward's dS = P (dP -
+    delta), in float64: delta = rowsum(dO O) is summed apart from dP = dO V^T, so where the
+    two cancel (one key a row: P = 1, the true dq and dk are 0) each carries about an ulp
+    of its own magnitude, |dO| |V|^T and |dO| |O|, which dq and dk then sum over keys or
+    rows. (Plain autograd's dS cancels exactly there.)"""
+    q, k, v = (x.detach().double() for x in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    kk, vv = (x.repeat_interleave(g, 1) for x in (k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    o, lse = ref_attention_lse(q, k, v, keep=keep, bias=bias)
+    s = q @ kk.transpose(-1, -2) * scale + (0.0 if bias is None else bias.double())
+    p = torch.exp(s - lse.unsqueeze(-1)).where(keep & torch.isfinite(lse).unsqueeze(-1), 0.0)
+    go = g_out.double().abs()
+    mag = p * (go @ vv.abs().transpose(-1, -2) + (go * o.abs()).sum(-1, keepdim=True))
+    dq_mag = scale * (mag @ kk.abs())  # (b, h, t, d)
+    dk_mag = scale * (mag.transpose(-1, -2) @ q.abs())  # (b, h, s, d), a group's heads summed:
+    dk_mag = dk_mag.unflatten(1, (k.shape[1], g)).sum(2)
+    return dq_mag.max().item(), dk_mag.max().item()
+
+
 def _check_grads(q, k, v, keep, bias=None, sinks=None, lse_weight=0.0, **kwargs):
     """dq, dk, dv (and d_sinks) against float64 autograd: flash-attn's rule against the same
     math in float32 (bf16 inputs: in bf16) by plain autograd, through the output and,
@@ -747,9 +768,14 @@ def _check_grads(q, k, v, keep, bias=None, sinks=None, lse_weight=0.0, **kwargs)
     r64 = [x.detach().double() for x in (q, k, v)]
     _, lse64 = ref_attention_lse(*r64, keep=keep, bias=bias, sinks=None)
     big = lse64[torch.isfinite(lse64)].abs().max().item() if torch.isfinite(lse64).any() else 0.0
+    # ... and dq and dk two ulps of their cancelling sums (_cancelling: found by this
+    # fuzzer in session 35, seed 309: one key, dk off by 1.2e-5 where its true value and
+    # plain autograd's are 0; the kernel before session 35's changes gave the same)
+    dq_mag, dk_mag = _cancelling(q, k, v, keep, bias, g_out) if q.dtype == torch.float32 else (0, 0)
     for i, (a, w) in enumerate(zip(got, want, strict=True)):
         if q.dtype == torch.float32:
-            floor = 1e-5 + 2 * 2**-24 * big * w.abs().max().item()
+            cancel = (dq_mag, dk_mag, 0.0, 0.0)[i]
+            floor = 1e-5 + 2 * 2**-24 * (big * w.abs().max().item() + cancel)
         err = (a.double() - w).abs().max().item()
         if i == 3 and q.dtype == torch.bfloat16 and native.bf16():
             # bf16 products: the output is P V with P rounded to bf16, and d_sinks sums
@@ -1111,11 +1137,17 @@ _FAR_ALIBI = {  # (its |lse| reaches 46: see _check_grads)
     "block": 8, "mask_lead": "shared", "density": 0.05, "alibi": True, "sinks": False,
     "mask": None, "strided": True, "seed": 20080,
 }  # fmt: skip
+_ONE_KEY = {  # (dq and dk cancel to 0: see _check_grads)
+    "b": 2, "h_kv": 1, "h": 2, "lq": 200, "lk": 1, "d": 32, "causal": None, "window": None,
+    "block": None, "mask_lead": "shared", "density": 0.05, "alibi": False, "sinks": False,
+    "mask": None, "strided": False, "seed": 309,
+}  # fmt: skip
 
 
 @settings(max_examples=25, deadline=None)
 @given(case=_cases(), lse_weight=st.sampled_from([0.0, 1.0]))
 @example(case=_FAR_ALIBI, lse_weight=0.0)
+@example(case=_ONE_KEY, lse_weight=0.0)
 def test_fuzz_gradients_against_float64(case, lse_weight):
     q, k, v, keep, bias, sinks, kwargs = _fuzz_call(case)
     _check_grads(q, k, v, keep, bias=bias, sinks=sinks, lse_weight=lse_weight, **kwargs)
