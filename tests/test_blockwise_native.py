@@ -156,18 +156,24 @@ def test_keys_packed_by_their_one_reader_give_the_shared_packs_bits(lq, lk, caus
     ],
 )
 @pytest.mark.parametrize("late_max", [False, True])
-def test_few_rows_scored_keys_as_rows_give_the_rows_paths_bits(lq, lk, q_scale, late_max, calls):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_rows_scored_keys_as_rows_give_the_rows_paths_bits(
+    lq, lk, q_scale, late_max, dtype, calls
+):
     """(feature "keys as rows") A kv head's 16-64 query rows that pack their own keys score
     each plain chunk transposed (K Q^T, keys read in place) with a vertical softmax: the
     same bits as the rows' path, which the GQA call (keys packed once for two blocks) takes.
     Past 16 chunks (sums gathered), a short last chunk (the rows' path in the same block),
     scores of +-100s (the max moves), a padded last vector of rows (24 and 20 rows), a key
     near the end that moves the max of many rows after their sums were gathered; and
-    float64's numbers by the 2x rule."""
+    float64's numbers by the 2x rule. bf16 on a build without bf16 products: each chunk's
+    keys and values converted to float32 by its one reader (feature "bf16 in item"), the
+    GQA call's keys as they are packed and its values as P V loads them."""
     q, k, v = _qkv(1, 4, 2, lq, lk, 64, 64, seed=11, strided=True)
     q = q * q_scale
     if late_max:
         k[:, :, lk - 40] *= 8.0
+    q, k, v = (x.to(dtype) for x in (q, k, v))
     gqa = attention(q, k, v, backend="blockwise")  # heads 0, 2 read kv 0, 1
     mha = attention(q[:, ::2], k, v, backend="blockwise")
     assert len(calls) == 2
@@ -176,10 +182,11 @@ def test_few_rows_scored_keys_as_rows_give_the_rows_paths_bits(lq, lk, q_scale, 
     want = ref_attention_lse(q[:, ::2], k, v, keep=keep)[0]
     plain = plain_attention(q[:, ::2], k, v, keep).double()
     err, plain_err = ((x - want).abs().max().item() for x in (mha.double(), plain))
-    assert err <= 2 * plain_err + EPS[torch.float32], (err, plain_err)
+    assert err <= 2 * plain_err + EPS[dtype], (err, plain_err)
 
 
-def test_a_masked_chunk_held_for_a_pair_runs_before_keys_as_rows(calls):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_masked_chunk_held_for_a_pair_runs_before_keys_as_rows(dtype, calls):
     """(feature "pv2") A chunk a mask tensor touches takes the rows' path and may be held to
     run its P V with the next chunk's; when that next chunk is plain and scored keys as
     rows, the held one runs first. The MHA call (keys as rows from chunk 2 on, after masked
@@ -190,6 +197,7 @@ def test_a_masked_chunk_held_for_a_pair_runs_before_keys_as_rows(calls):
     q, k, v = _qkv(1, 4, 2, lq, lk, 64, 64, seed=16)
     q = q * 4.0
     k[:, :, 300] *= 8.0  # (a late key that moves many rows' max)
+    q, k, v = (x.to(dtype) for x in (q, k, v))  # (bf16: see the test above)
     keep = torch.ones(lq, lk, dtype=torch.bool)
     keep[:, 3:100:7] = False  # chunks 0 and 1
     keep[::3, 200] = False  # chunk 3
@@ -200,15 +208,16 @@ def test_a_masked_chunk_held_for_a_pair_runs_before_keys_as_rows(calls):
     want = ref_attention_lse(q[:, ::2], k, v, keep=keep)[0]
     plain = plain_attention(q[:, ::2], k, v, keep).double()
     err, plain_err = ((x - want).abs().max().item() for x in (mha.double(), plain))
-    assert err <= 2 * plain_err + EPS[torch.float32], (err, plain_err)
+    assert err <= 2 * plain_err + EPS[dtype], (err, plain_err)
 
 
-def test_keys_as_rows_reads_expanded_keys_and_values(calls):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_keys_as_rows_reads_expanded_keys_and_values(dtype, calls):
     """Keys and values expanded over the batch (stride 0) are read in place by keys as
     rows: each batch row gives the bits of the same call on contiguous copies, and
     float64's numbers by the 2x rule."""
-    q, _, _ = _qkv(3, 2, 2, 32, 300, 64, 64, seed=14)
-    _, k, v = _qkv(1, 2, 2, 32, 300, 64, 64, seed=15)
+    q, _, _ = _qkv(3, 2, 2, 32, 300, 64, 64, seed=14, dtype=dtype)
+    _, k, v = _qkv(1, 2, 2, 32, 300, 64, 64, seed=15, dtype=dtype)
     k3, v3 = k.expand(3, -1, -1, -1), v.expand(3, -1, -1, -1)
     got = attention(q, k3, v3, backend="blockwise")
     same = attention(q, k3.contiguous(), v3.contiguous(), backend="blockwise")
@@ -217,7 +226,7 @@ def test_keys_as_rows_reads_expanded_keys_and_values(calls):
     want = ref_attention_lse(q, k3, v3, keep=keep)[0]
     plain = plain_attention(q, k3, v3, keep).double()
     err, plain_err = ((x - want).abs().max().item() for x in (got.double(), plain))
-    assert err <= 2 * plain_err + EPS[torch.float32], (err, plain_err)
+    assert err <= 2 * plain_err + EPS[dtype], (err, plain_err)
     assert len(calls) == 2
 
 

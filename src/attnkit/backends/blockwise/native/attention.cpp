@@ -34,7 +34,8 @@
 // inputs on builds with bf16 products: simd::gemm_bf16's vdpbf16ps on avx512-bf16, AMX
 // tiles on avx512-amx, amx.h; operands packed in pairs, P and dS rounded to bf16,
 // float32 softmax and sums; other builds convert a bf16 forward to float32 once, its keys
-// as they are packed, feature "bf16 read"). Threads come from one persistent pool
+// as they are packed, feature "bf16 read", or a chunk at a time by the one block that
+// reads it, "bf16 in item"). Threads come from one persistent pool
 // (rebuilt in a forked child), a call's large buffers from a per-thread cache (feature
 // "reuse"). A caller that wants its output in bf16, or no log-sum-exps, has the kernel
 // write into buffers of its own and round the output itself (feature "own out"). Errors
@@ -872,6 +873,8 @@ struct Scratch {
   std::vector<float> smod;    // a compiled score_mod's rows (the softmax's input), KC a row
   std::vector<float> kt;      // (pack in item) the chunk's keys, transposed (sized on use)
   std::vector<uint16_t> kp16, vp16;  // ... bf16: its keys and values in pairs (sized on use)
+  std::vector<float> kf, vf, vf2;  // (bf16 in item) its keys and values as float32 rows;
+                                   // vf2: a held chunk's values (pv2)
   std::vector<float> st, qt;  // (keys as rows) a chunk's scores transposed, the block's Q^T
   std::vector<float> lt;      // ... and l_blk transposed, for its lt_rows rows (0: l_blk holds it)
   int64_t lt_rows = 0;
@@ -886,6 +889,20 @@ struct Scratch {
         smod(a.mod_forward ? rows * KC : 0) {}
 };
 
+// (feature "bf16 read", builds without bf16 products) bf16 keys a float32 forward packs
+// as they are read: read_as_float32 leaves them in place and hands their strides here.
+// With `values`, the values stay in place too (Args.v, bf16), widened as P V loads them
+// (simd::gemm): where a head has one query block, which loads each value vector once a
+// register tile of rows; a longer call converts them once (at T=4096 widening them in
+// every block cost 1.6%, while a 32-row call gained 10%). Where one block alone reads
+// them, each chunk's keys and values are converted by that block instead (pack_forward's
+// "bf16 in item").
+struct Bf16InPlace {
+  const uint16_t *k;
+  int64_t sb, sh, st;
+  bool values;
+};
+
 // What the forward's two products read: keys transposed (float32), or keys and values
 // packed in bf16 pairs.
 struct Operands {
@@ -893,6 +910,7 @@ struct Operands {
   bool direct = false;  // a decode step: keys read in place (direct_scores)
   bool v16 = false;     // (bf16 read) a float32 forward's values are bf16, read in place
   bool in_item = false;  // (pack in item) keys (bf16: and values) packed by their one reader
+  const Bf16InPlace *k16 = nullptr;  // (bf16 in item) ... from bf16, values converted too
 #if defined(ATTNKIT_BF16)
   Packed<uint16_t> kp, vp;
 #endif
@@ -1178,6 +1196,18 @@ inline vf load_f32(const T *p) {
   } else {
     return simd::load_bf16(p);
   }
+}
+
+// (bf16 in item) n rows of `depth` bf16 values, st apart at src, as float32 rows at dst
+// (depth apart), and zeros after them up to KC rows.
+void chunk_as_float32(const uint16_t *src, int64_t st, int64_t n, int64_t depth, float *dst) {
+  const int64_t whole = depth / W * W;
+  for (int64_t j = 0; j < n; ++j, src += st, dst += depth) {
+    int64_t d = 0;
+    for (; d < whole; d += W) simd::store(dst + d, simd::load_bf16(src + d));
+    for (; d < depth; ++d) dst[d] = as_f32(src[d]);
+  }
+  std::fill(dst, dst + (KC - n) * depth, 0.0f);
 }
 
 // A hint that the `bytes` at p are read soon (never faults, whatever p is).
@@ -1549,15 +1579,16 @@ void sums_from_lt(Scratch &w) {
   w.lt_rows = 0;
 }
 
-// Chunk c of the block's nr rows (Q^T in w.qt) against the keys and values of (b, hk) at
-// kh, vh: scores, softmax and O's P V. False (the state untouched) where a row's max is
-// not finite (a NaN or an infinite score): the rows' path then takes the chunk.
-bool chunk_keys_as_rows(const Args &a, const Chunk &c, int64_t nr, const float *kh,
-                        const float *vh, Scratch &w) {
+// Chunk c of the block's nr rows (Q^T in w.qt) against its keys and values (the chunk's
+// first key at kc, the next ks floats on; its values at vc, vs apart): scores, softmax and
+// O's P V. False (the state untouched) where a row's max is not finite (a NaN or an
+// infinite score): the rows' path then takes the chunk.
+bool chunk_keys_as_rows(const Args &a, const Chunk &c, int64_t nr, const float *kc, int64_t ks,
+                        const float *vc, int64_t vs, Scratch &w) {
   const int64_t nrp = whole_vectors(nr), nv = nrp / W;
   w.st.resize(size_t(KC * nrp));
   float *st = w.st.data(), *m = w.m.data(), *alpha = w.alpha.data();
-  simd::gemm<false>(st, nrp, KC, nrp, kh + c.c0 * a.sk_t, a.sk_t, 1, w.qt.data(), nrp, a.D,
+  simd::gemm<false>(st, nrp, KC, nrp, kc, ks, 1, w.qt.data(), nrp, a.D,
                     nullptr);  // (KC, nrp): key j's scores in row j
   const vf scale2 = simd::splat(float(a.scale * LOG2E)), ninf = simd::splat(NEG_INF);
   const vi lane = simd::lanes();
@@ -1611,8 +1642,7 @@ bool chunk_keys_as_rows(const Args &a, const Chunk &c, int64_t nr, const float *
     simd::store(l, simd::load(l) * al);
   }
   // O = alpha (.) O + P V, P(r, j) = St(j, r)
-  simd::gemm<true>(w.o_blk.data(), a.DV, nr, a.DV, st, 1, nrp, vh + c.c0 * a.sv_t, a.sv_t, KC,
-                   alpha);
+  simd::gemm<true>(w.o_blk.data(), a.DV, nr, a.DV, st, 1, nrp, vc, vs, KC, alpha);
   return true;
 }
 
@@ -1630,6 +1660,7 @@ struct Held {
   bool on = false;
   int64_t r0 = 0, r1 = 0;
   const void *v = nullptr;  // the chunk's values (float32, or bf16 where ops.v16)
+  int64_t ld = 0;           // ... and their rows' stride
 };
 
 template <class TV>
@@ -1638,7 +1669,7 @@ void held_pv(const Args &a, Held &held, Scratch &w) {
   held.on = false;
   simd::gemm<true>(w.o_blk.data() + held.r0 * a.DV, a.DV, held.r1 - held.r0, a.DV,
                    w.s2.data() + held.r0 * KC, KC, 1, static_cast<const TV *>(held.v),
-                   a.sv_t, KC, w.alpha2.data() + held.r0);
+                   held.ld, KC, w.alpha2.data() + held.r0);
 }
 
 // One block of query rows [i0, i1) of batch b, head h.
@@ -1698,17 +1729,34 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       return;
     }
 #endif
+    // the chunk's first key and value (float32) and their rows' strides: in place, or
+    // (bf16 in item) converted here by the chunk's one reader
+    const float *kc = a.k + b * a.sk_b + hk * a.sk_h + c.c0 * a.sk_t, *vf32 = vh + c.c0 * a.sv_t;
+    int64_t ks = a.sk_t, vs = a.sv_t;
+    if (ops.k16) {
+      const Bf16InPlace &k16 = *ops.k16;
+      const int64_t n = std::min<int64_t>(KC, a.S - c.c0);
+      w.kf.resize(size_t(KC * a.D)), w.vf.resize(size_t(KC * a.DV));
+      chunk_as_float32(k16.k + b * k16.sb + hk * k16.sh + c.c0 * k16.st, k16.st, n, a.D,
+                      w.kf.data());
+      chunk_as_float32(vh16 + c.c0 * a.sv_t, a.sv_t, n, a.DV, w.vf.data());
+      kc = w.kf.data(), vf32 = w.vf.data(), ks = a.D, vs = a.DV;
+    }
     if (keys_as_rows(a, ops, c, b, h, i0, rows)) {
       flush();
       if (w.qt.empty()) pack_query_t(a, qh + i0 * a.sq_t, rows, w.qt);  // (once a block)
-      if (chunk_keys_as_rows(a, c, rows, a.k + b * a.sk_b + hk * a.sk_h, vh, w)) {
+      if (chunk_keys_as_rows(a, c, rows, kc, ks, vf32, vs, w)) {
         if (++seen % SUPER == 0) block_gather(a, rows, w);
         return;
       }
     }
     sums_from_lt(w);  // (a chunk of the rows' path after chunks of keys as rows)
     const float *kt;
-    if (ops.in_item) {
+    if (ops.k16) {  // (bf16 in item) its float32 rows, zero past the last key, transposed
+      w.kt.resize(size_t(a.D * KC));
+      pack_chunk<float, transposed>(a.D, [&](int64_t j) { return kc + j * ks; }, w.kt.data());
+      kt = w.kt.data();
+    } else if (ops.in_item) {
       w.kt.resize(size_t(a.D * KC));
       pack_one(a, a.k, a.sk_b, a.sk_h, a.sk_t, a.D, transposed, b, hk, c.ci, w.kt.data());
       kt = w.kt.data();
@@ -1723,7 +1771,7 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
     softmax(a, b, h, i0, c, w);
     const bool whole = !a.pages && split == c.r0 && c.lo == 0 && c.hi == KC;
     const void *vc = ops.v16 ? static_cast<const void *>(vh16 + c.c0 * a.sv_t)
-                             : vh + c.c0 * a.sv_t;  // (pv2: the chunk's values, either type)
+                             : vf32;  // (pv2: the chunk's values, either type)
     if (whole && held.on && held.r0 == c.r0 && held.r1 == c.r1) {  // (pv2) the pair's P V
       float *al = w.alpha.data(), *al2 = w.alpha2.data();
       for (int64_t r = c.r0; r < c.r1; ++r) {
@@ -1738,18 +1786,19 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       const float *p2 = w.s2.data() + c.r0 * KC, *p = w.s.data() + c.r0 * KC;
       if (ops.v16)
         simd::gemm<true, uint16_t, true>(o, a.DV, c.r1 - c.r0, a.DV, p2, KC, 1,
-                                         static_cast<const uint16_t *>(held.v), a.sv_t, KC,
+                                         static_cast<const uint16_t *>(held.v), vs, KC,
                                          al2 + c.r0, nullptr, p,
                                          static_cast<const uint16_t *>(vc));
       else
         simd::gemm<true, float, true>(o, a.DV, c.r1 - c.r0, a.DV, p2, KC, 1,
-                                      static_cast<const float *>(held.v), a.sv_t, KC,
+                                      static_cast<const float *>(held.v), vs, KC,
                                       al2 + c.r0, nullptr, p, static_cast<const float *>(vc));
     } else {
       flush();
       if (whole && (seen + 1) % SUPER != 0) {  // (pv2) held for the next chunk
         std::swap(w.s, w.s2), std::swap(w.alpha, w.alpha2);
-        held = Held{true, c.r0, c.r1, vc};
+        if (ops.k16) std::swap(w.vf, w.vf2);  // (its values stay where vc points)
+        held = Held{true, c.r0, c.r1, vc, vs};
       } else if (a.pages) {
         paged_pv(a, b, hk, c, c.r1 - c.r0, w.s.data() + c.r0 * KC, w);
       } else {
@@ -1760,8 +1809,8 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
             simd::gemm<true>(o, a.DV, r1 - r0, a.DV, p, KC, 1, vh16 + (c.c0 + c.lo) * a.sv_t,
                              a.sv_t, hi - c.lo, alpha);
           else
-            simd::gemm<true>(o, a.DV, r1 - r0, a.DV, p, KC, 1, vh + (c.c0 + c.lo) * a.sv_t,
-                             a.sv_t, hi - c.lo, alpha);
+            simd::gemm<true>(o, a.DV, r1 - r0, a.DV, p, KC, 1, vf32 + c.lo * vs, vs,
+                             hi - c.lo, alpha);
         });
       }
     }
@@ -2149,17 +2198,6 @@ int guarded(F f) {
   }
 }
 
-// (feature "bf16 read", builds without bf16 products) bf16 keys a float32 forward packs
-// as they are read: read_as_float32 leaves them in place and hands their strides here.
-// With `values`, the values stay in place too (Args.v, bf16), widened as P V loads them
-// (simd::gemm): where a head has one query block, which loads each value vector once a
-// register tile of rows; a longer call converts them once (at T=4096 widening them in
-// every block cost 1.6%, while a 32-row call gained 10%).
-struct Bf16InPlace {
-  const uint16_t *k;
-  int64_t sb, sh, st;
-  bool values;
-};
 constexpr int64_t KEYS16_MAX_D = 256;  // head sizes whose 8 rows the packing's scratch holds
 
 // The keys of a Bf16InPlace packed as float32 (transposed, as pack's): each chunk's rows
@@ -2219,7 +2257,21 @@ Code pack_forward(const Args &a, Operands &ops, const Bf16InPlace *k16 = nullptr
     return BAD_DTYPE;  // packing bf16 needs bf16 products
 #endif
   }
+  // (feature "bf16 in item", builds without bf16 products) bf16 keys and values read by
+  // one block alone are converted to float32 rows by that block, a chunk at a time just
+  // before its products (forward_block), where they stay in L1: the keys then go the
+  // float32 way (transposed in item, or read as rows by keys as rows) and P V reads float32
+  // values, instead of every key converted in a parallel pass first and each value vector
+  // widened again by every register tile of rows. The same bits (bf16 to float32 is exact,
+  // and the products run as on the packed copies). On the Xeon of sessions 26-36 (AVX2
+  // build, 2 threads): a cascade decode step of 8 requests over 2048 shared keys 405 ->
+  // 289 us (float32: 273), a 32-node draft tree over 2048 keys 996 -> 808 us (765).
   if (k16) {
+    if (one_reader && k16->values) {
+      ops.in_item = true, ops.k16 = k16;
+      ops.kt.chunks = (a.S + KC - 1) / KC;
+      return OK;
+    }
     ops.v16 = k16->values;
     return pack_keys16(a, *k16, ops.kt);
   }
@@ -2572,7 +2624,8 @@ Code backward_varlen(const Args &a, const Grads &g) {
 // (feature "bf16 read") A bf16 forward on a build without bf16 products, other than a
 // decode step (which reads bf16 where it lies): q is converted to float32 once, into the
 // call's reused buffers, the keys as they are packed and the values as P V loads them
-// where a head has one query block, else here too (Bf16InPlace; a varlen or paged call's keys
+// where a head has one query block (or both a chunk at a time by the one block reading
+// them: "bf16 in item"), else here too (Bf16InPlace; a varlen or paged call's keys
 // and values, or heads over KEYS16_MAX_D, converted here, through the page table where
 // there is one), and the float32 path runs on them. The same numbers as the
 // caller's upcast before, without its three fresh tensors a call (and the page faults of
