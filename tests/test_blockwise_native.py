@@ -376,6 +376,28 @@ def test_bf16_inputs(calls, b, h, h_kv, lq, lk, d, dv, causal, window, strided):
     assert calls[-1][3] == torch.bfloat16  # (no backward here: the kernel reads bf16)
 
 
+@pytest.mark.parametrize(
+    "h, h_kv, lq, lk, d", [(8, 2, 1, 1000, 64), (4, 4, 3, 333, 128), (6, 2, 2, 150, 48)]
+)
+def test_bf16_decode_rows_give_the_upcast_calls_bits(calls, h, h_kv, lq, lk, d):
+    """A bf16 decode step of 2-8 rows per kv head (GQA groups, a few queries) on a build
+    without bf16 products converts its rows once and each group of keys once for all of
+    them (feature "bf16 rows once"): the bits of the same call on float32 copies, rounded
+    to bf16, and float64's numbers by the 2x rule. (Builds with bf16 products multiply bf16
+    pairs: the rule alone there.)"""
+    q, k, v = _qkv(1, h, h_kv, lq, lk, d, d, seed=21, dtype=torch.bfloat16, strided=True)
+    out = attention(q, k, v, causal="bottom_right", backend="blockwise")
+    assert calls[-1][3] == torch.bfloat16  # (read as bf16 by the kernel)
+    up = attention(q.float(), k.float(), v.float(), causal="bottom_right", backend="blockwise")
+    if not native.bf16():
+        assert torch.equal(out, up.to(torch.bfloat16))
+    keep = ref_band_keep(lq, lk, "bottom_right", None)
+    want = ref_attention_lse(q, k, v, keep=keep)[0]
+    plain = plain_attention(q, k, v, keep).double()
+    err, plain_err = ((x - want).abs().max().item() for x in (out.double(), plain))
+    assert err <= 2 * plain_err + EPS[torch.bfloat16], (err, plain_err)
+
+
 def test_bf16_inputs_with_masks_and_biases(calls):
     """Every mask kind the kernel reads, on the bf16 products."""
     lq = lk = 200

@@ -1198,16 +1198,21 @@ inline vf load_f32(const T *p) {
   }
 }
 
-// (bf16 in item) n rows of `depth` bf16 values, st apart at src, as float32 rows at dst
-// (depth apart), and zeros after them up to KC rows.
-void chunk_as_float32(const uint16_t *src, int64_t st, int64_t n, int64_t depth, float *dst) {
+// n rows of `depth` bf16 values, st apart at src, as float32 rows at dst (depth apart).
+inline void chunk_rows_f32(const uint16_t *src, int64_t st, int64_t n, int64_t depth,
+                           float *dst) {
   const int64_t whole = depth / W * W;
   for (int64_t j = 0; j < n; ++j, src += st, dst += depth) {
     int64_t d = 0;
     for (; d < whole; d += W) simd::store(dst + d, simd::load_bf16(src + d));
     for (; d < depth; ++d) dst[d] = as_f32(src[d]);
   }
-  std::fill(dst, dst + (KC - n) * depth, 0.0f);
+}
+
+// (bf16 in item) ... and zeros after them up to KC rows.
+void chunk_as_float32(const uint16_t *src, int64_t st, int64_t n, int64_t depth, float *dst) {
+  chunk_rows_f32(src, st, n, depth, dst);
+  std::fill(dst + n * depth, dst + KC * depth, 0.0f);
 }
 
 // A hint that the `bytes` at p are read soon (never faults, whatever p is).
@@ -1259,41 +1264,75 @@ struct Ahead {
   }
 };
 
+// Each row's dots with u <= U keys: s[r KC + x] = q row r (stride sq) . key x (kj[x]; the
+// pointers past u repeat the last key). T, DIM: as direct_scores.
+constexpr int DIRECT_U = 4;  // keys at once: independent sums keep the FMA units busy
+template <class T, int DIM>
+inline void direct_dots(int64_t D, const T *const *kj, int u, const T *q, int64_t sq,
+                        int64_t nr, float *s) {
+  constexpr int U = DIRECT_U;
+  static_assert(U == 4, "the sums are reduced four at a time (simd::hsum4)");
+  for (int64_t r = 0; r < nr; ++r) {
+    const T *qr = q + r * sq;
+    vf acc[U];
+    for (int x = 0; x < U; ++x) acc[x] = simd::splat(0.0f);
+    int64_t d = 0;
+#if defined(ATTNKIT_BF16)
+    if constexpr (std::is_same_v<T, uint16_t>)  // bf16 pairs multiplied as they are
+      for (; d + 2 * W <= D; d += 2 * W)
+        for (int x = 0; x < U; ++x) acc[x] = simd::dot_bf16(acc[x], qr + d, kj[x] + d);
+#endif
+    for (; d + W <= D; d += W) {
+      const vf qv = load_f32(qr + d);
+      for (int x = 0; x < U; ++x) acc[x] += qv * load_f32(kj[x] + d);
+    }
+    float dots[U];
+    simd::hsum4(acc, dots);
+    for (int x = 0; x < u; ++x) {
+      for (int64_t e = d; e < D; ++e) dots[x] += as_f32(qr[e]) * as_f32(kj[x][e]);
+      s[r * KC + x] = dots[x];
+    }
+  }
+}
+
+// (feature "bf16 rows once", builds without bf16 products) A bf16 decode step of several
+// rows widened each key vector once per row, and each query vector once per group of
+// keys: its rows (at most DIRECT_ROWS) are converted to float32 once per run, and each
+// group of keys once for all of them; the dots then run as float32's, the same bits.
+// Heads up to this size (the scratch on the stack).
+constexpr int64_t DIRECT16_MAX_D = 256;
+
 // The scores of a run of n keys (at k0, stride sk_t) for the rows q (stride sq_t): s[r KC
 // + x] for key x; ask(x, u) before keys x .. x + u - 1 are read (prefetches). T, DIM: as
 // direct_scores.
 template <class T, int DIM, class Ask>
 inline void direct_run(const Args &a, const T *k0, int64_t n, const T *q, int64_t nr,
                        float *s, Ask ask) {
-  constexpr int U = 4;  // keys at once: independent sums keep the FMA units busy
-  static_assert(U == 4, "the sums are reduced four at a time (simd::hsum4)");
+  constexpr int U = DIRECT_U;
   const int64_t D = DIM ? DIM : a.D;
+#if !defined(ATTNKIT_BF16)
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (nr > 1 && nr <= DIRECT_ROWS && D <= DIRECT16_MAX_D) {  // (bf16 rows once)
+      alignas(64) float qf[DIRECT_ROWS * DIRECT16_MAX_D], kf[U * DIRECT16_MAX_D];
+      chunk_rows_f32(q, a.sq_t, nr, D, qf);
+      for (int64_t x0 = 0; x0 < n; x0 += U) {
+        const int u = int(std::min<int64_t>(U, n - x0));
+        ask(x0, u);
+        chunk_rows_f32(k0 + x0 * a.sk_t, a.sk_t, u, D, kf);
+        const float *kj[U];
+        for (int x = 0; x < U; ++x) kj[x] = kf + std::min(x, u - 1) * D;
+        direct_dots<float, DIM>(D, kj, u, qf, D, nr, s + x0);
+      }
+      return;
+    }
+  }
+#endif
   for (int64_t x0 = 0; x0 < n; x0 += U) {
     const int u = int(std::min<int64_t>(U, n - x0));
     ask(x0, u);
     const T *kj[U];
     for (int x = 0; x < U; ++x) kj[x] = k0 + (x0 + std::min(x, u - 1)) * a.sk_t;
-    for (int64_t r = 0; r < nr; ++r) {
-      const T *qr = q + r * a.sq_t;
-      vf acc[U];
-      for (int x = 0; x < U; ++x) acc[x] = simd::splat(0.0f);
-      int64_t d = 0;
-#if defined(ATTNKIT_BF16)
-      if constexpr (std::is_same_v<T, uint16_t>)  // bf16 pairs multiplied as they are
-        for (; d + 2 * W <= D; d += 2 * W)
-          for (int x = 0; x < U; ++x) acc[x] = simd::dot_bf16(acc[x], qr + d, kj[x] + d);
-#endif
-      for (; d + W <= D; d += W) {
-        const vf qv = load_f32(qr + d);
-        for (int x = 0; x < U; ++x) acc[x] += qv * load_f32(kj[x] + d);
-      }
-      float dots[U];
-      simd::hsum4(acc, dots);
-      for (int x = 0; x < u; ++x) {
-        for (int64_t e = d; e < D; ++e) dots[x] += as_f32(qr[e]) * as_f32(kj[x][e]);
-        s[r * KC + x0 + x] = dots[x];
-      }
-    }
+    direct_dots<T, DIM>(D, kj, u, q, a.sq_t, nr, s + x0);
   }
 }
 
