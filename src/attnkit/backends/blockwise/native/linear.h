@@ -19,7 +19,12 @@
 // next NR rows of W: a step does MR x NR multiply-adds per vector of each row, too long
 // for the out-of-order window to keep enough of the stream in flight on its own. The
 // 12 layers' linears of GPT-2 small at 8 rows, on 1 thread: 40.1 ms without, 31.0 ms
-// with (oneDNN prepacked: 37.6).
+// with (oneDNN prepacked: 37.6). Since session 36 it asks once per cache line (AVX2 read
+// two vectors a line and asked twice), x's vectors are loaded once a step (in_register),
+// and a second pass over rows of W already in L1 (more rows of x than MR: AVX2's 8)
+// asks for the rows after the next ones: GPT-2 small's linears at 8 rows, 2 threads of
+// the Xeon of sessions 26-36, alternating builds: AVX2 27.1-27.2 -> 26.3-26.8 ms a
+// step, AVX-512 21.8-22.3 -> 21.3-21.6 (one row: 17-19 ms, the weights' read).
 #pragma once
 
 #include <algorithm>
@@ -38,25 +43,47 @@ constexpr int MR = 4, NR = 2;
 constexpr int MR = 8, NR = 3;
 #endif
 
-// y[m * ldy + r] = x[m] . w[r] (+ bias[r]) for m < M_, r < R_, over K inputs.
-template <int M_, int R_>
+// Vectors of W floats a 64-byte cache line holds (AVX2 2, AVX-512 1, NEON 4).
+constexpr int PER_LINE = 64 / int(sizeof(float)) / W > 0 ? 64 / int(sizeof(float)) / W : 1;
+
+// xm held in a register: its load is not folded into each multiply-add that reads it
+// (GCC folded AVX2's x loads into the FMAs, loading each vector of x NR times: 12 loads
+// and prefetches for 8 FMAs, more than the load ports take).
+inline void in_register(vf &x) {
+#if defined(__AVX512F__)
+  asm("" : "+v"(x));
+#elif defined(__AVX2__)
+  asm("" : "+x"(x));
+#elif defined(__aarch64__)
+  asm("" : "+w"(x));
+#endif
+}
+
+// y[m * ldy + r] = x[m] . w[r] (+ bias[r]) for m < M_, r < R_, over K inputs. AHEAD: also
+// ask for the next R_ rows of W, a line at a time (the first pass over these rows of W;
+// a later one, for more rows of x, finds them in L1).
+template <int M_, int R_, int AHEAD = 1>
 inline void dots(const float *x, int64_t ldx, const float *w, int64_t ldw, int64_t K,
                  const float *bias, float *y, int64_t ldy) {
   vf acc[M_][R_];
   for (int m = 0; m < M_; ++m)
     for (int r = 0; r < R_; ++r) acc[m][r] = simd::splat(0.0f);
-  int64_t k = 0;
-  for (; k + W <= K; k += W) {
+  auto step = [&](int64_t k) {
     vf wr[R_];
-    for (int r = 0; r < R_; ++r) {
-      wr[r] = simd::load(w + r * ldw + k);
-      __builtin_prefetch(w + (R_ + r) * ldw + k);  // the next rows' same inputs
-    }
+    for (int r = 0; r < R_; ++r) wr[r] = simd::load(w + r * ldw + k);
     for (int m = 0; m < M_; ++m) {
-      const vf xm = simd::load(x + m * ldx + k);
+      vf xm = simd::load(x + m * ldx + k);
+      in_register(xm);
       for (int r = 0; r < R_; ++r) acc[m][r] += xm * wr[r];
     }
+  };
+  int64_t k = 0;
+  for (; k + PER_LINE * W <= K; k += PER_LINE * W) {  // a cache line of each row at a time
+    for (int r = 0; r < R_; ++r) __builtin_prefetch(w + (AHEAD * R_ + r) * ldw + k);
+#pragma GCC unroll 4
+    for (int u = 0; u < PER_LINE; ++u) step(k + u * W);
   }
+  for (; k + W <= K; k += W) step(k);
   for (int m = 0; m < M_; ++m)
     for (int r = 0; r < R_; ++r) {
       float s = simd::hsum(acc[m][r]);
@@ -83,9 +110,10 @@ inline void columns(const float *x, int64_t ldx, const float *w, int64_t ldw, co
       const int mr = int(std::min<int64_t>(MR, M - m));
       sized<NR>(nr, [&](auto R) {
         sized<MR>(mr, [&](auto Mr) {
-          dots<decltype(Mr)::value, decltype(R)::value>(x + m * ldx, ldx, w + n * ldw, ldw, K,
-                                                        bias ? bias + n : nullptr,
-                                                        y + m * ldy + n, ldy);
+          constexpr int M_ = decltype(Mr)::value, R_ = decltype(R)::value;
+          auto run = m == 0 ? dots<M_, R_, 1> : dots<M_, R_, 2>;
+          run(x + m * ldx, ldx, w + n * ldw, ldw, K, bias ? bias + n : nullptr,
+              y + m * ldy + n, ldy);
         });
       });
     }
