@@ -377,14 +377,23 @@ def test_bf16_inputs(calls, b, h, h_kv, lq, lk, d, dv, causal, window, strided):
 
 
 @pytest.mark.parametrize(
-    "h, h_kv, lq, lk, d", [(8, 2, 1, 1000, 64), (4, 4, 3, 333, 128), (6, 2, 2, 150, 48)]
+    "h, h_kv, lq, lk, d",
+    [
+        (8, 2, 1, 1000, 64),  # decode: a GQA group's 4 rows ("bf16 rows once")
+        (4, 4, 3, 333, 128),  # decode: 3 rows a head
+        (6, 2, 2, 150, 48),  # decode: 6 rows, a head size of 3 AVX-512 vectors
+        (4, 4, 100, 700, 64),  # one block a head ("bf16 in item", the rows' path)
+        (2, 2, 24, 900, 64),  # ... keys as rows
+        (8, 2, 60, 300, 64),  # GQA, one block a head: values converted once
+        (2, 1, 300, 300, 32),  # several blocks a head: keys converted as packed
+    ],
 )
-def test_bf16_decode_rows_give_the_upcast_calls_bits(calls, h, h_kv, lq, lk, d):
-    """A bf16 decode step of 2-8 rows per kv head (GQA groups, a few queries) on a build
-    without bf16 products converts its rows once and each group of keys once for all of
-    them (feature "bf16 rows once"): the bits of the same call on float32 copies, rounded
-    to bf16, and float64's numbers by the 2x rule. (Builds with bf16 products multiply bf16
-    pairs: the rule alone there.)"""
+def test_bf16_reads_give_the_upcast_calls_bits(calls, h, h_kv, lq, lk, d):
+    """On a build without bf16 products the kernel reads bf16 where it lies and converts
+    it to float32 itself (a decode step's rows and keys once for all its rows, a block's
+    own chunks as it reads them, or the inputs once): every way gives the bits of the same
+    call on float32 copies, rounded to bf16, and float64's numbers by the 2x rule.
+    (Builds with bf16 products multiply bf16 pairs: the rule alone there.)"""
     q, k, v = _qkv(1, h, h_kv, lq, lk, d, d, seed=21, dtype=torch.bfloat16, strided=True)
     out = attention(q, k, v, causal="bottom_right", backend="blockwise")
     assert calls[-1][3] == torch.bfloat16  # (read as bf16 by the kernel)

@@ -891,12 +891,12 @@ struct Scratch {
 
 // (feature "bf16 read", builds without bf16 products) bf16 keys a float32 forward packs
 // as they are read: read_as_float32 leaves them in place and hands their strides here.
-// With `values`, the values stay in place too (Args.v, bf16), widened as P V loads them
-// (simd::gemm): where a head has one query block, which loads each value vector once a
-// register tile of rows; a longer call converts them once (at T=4096 widening them in
-// every block cost 1.6%, while a 32-row call gained 10%). Where one block alone reads
-// them, each chunk's keys and values are converted by that block instead (pack_forward's
-// "bf16 in item").
+// With `values`, the values stay in place too (Args.v, bf16): where one block alone reads
+// a kv head's keys and values (one query block a head, no GQA), which converts each
+// chunk's keys and values itself (pack_forward's "bf16 in item"). Any other call converts
+// its values once: widening them as P V loads them, in every register tile of rows of
+// every block that reads them, took a GQA prefill (4 heads a kv head, 128 x 2048) 17%
+// more than float32 on AVX2, 3% when converted once (session 36).
 struct Bf16InPlace {
   const uint16_t *k;
   int64_t sb, sh, st;
@@ -2255,7 +2255,7 @@ Code pack_keys16(const Args &a, const Bf16InPlace &k16, Packed<float> &pk) {
       if (key >= a.S) return nullptr;
       const uint16_t *r = src + key * k16.st;
       float *dst = scratch + (j % 8) * a.D;
-      for (int64_t d = 0; d < a.D; ++d) dst[d] = as_f32(r[d]);
+      chunk_rows_f32(r, 0, 1, a.D, dst);
       return dst;
     };
     pack_chunk<float, transposed>(a.D, row, pk.t.get() + it * a.D * KC);
@@ -2662,13 +2662,14 @@ Code backward_varlen(const Args &a, const Grads &g) {
 
 // (feature "bf16 read") A bf16 forward on a build without bf16 products, other than a
 // decode step (which reads bf16 where it lies): q is converted to float32 once, into the
-// call's reused buffers, the keys as they are packed and the values as P V loads them
-// where a head has one query block (or both a chunk at a time by the one block reading
-// them: "bf16 in item"), else here too (Bf16InPlace; a varlen or paged call's keys
-// and values, or heads over KEYS16_MAX_D, converted here, through the page table where
-// there is one), and the float32 path runs on them. The same numbers as the
-// caller's upcast before, without its three fresh tensors a call (and the page faults of
-// their memory).
+// call's reused buffers; the keys as they are packed, or where one block reads them,
+// keys and values a chunk at a time by that block ("bf16 in item"); other values here
+// (Bf16InPlace; a varlen or paged call's keys and values, or heads over KEYS16_MAX_D,
+// converted here, through the page table where there is one), and the float32 path runs
+// on them. The same numbers as the caller's upcast before, without its three fresh
+// tensors a call (and the page faults of their memory). Every conversion runs a vector at
+// a time (chunk_rows_f32: a scalar loop here left a causal bf16 forward at T=4096 on AVX2
+// 9% slower than float32, 1-3% now).
 // The S bf16 keys (or values) of (b, hk), as float32 rows at dst, contiguous; read in runs
 // (a page's, where they are paged).
 template <Side SIDE>
@@ -2676,8 +2677,7 @@ void rows_as_float32(const Args &a, int64_t b, int64_t hk, float *dst) {
   const int64_t depth = SIDE == KEYS ? a.D : a.DV, st = SIDE == KEYS ? a.sk_t : a.sv_t;
   for (int64_t j = 0, n = 0; j < a.S; j += n) {
     const uint16_t *src = kv_run<uint16_t, SIDE>(a, b, hk, j, a.S, n);
-    for (int64_t x = 0; x < n; ++x)
-      for (int64_t d = 0; d < depth; ++d) dst[(j + x) * depth + d] = as_f32(src[x * st + d]);
+    chunk_rows_f32(src, st, n, depth, dst + j * depth);
   }
 }
 
@@ -2690,7 +2690,7 @@ Code read_as_float32(const Args &a, Run run) {
   // A plain call's keys are converted as they are packed (Bf16InPlace: read once, in bf16);
   // a varlen or paged call's here, with its queries and values.
   const bool keys_as_packed = a.nseq == 0 && !a.pages && a.D <= KEYS16_MAX_D;
-  const bool values_in_place = keys_as_packed && a.T <= a.bq;  // one query block a head
+  const bool values_in_place = keys_as_packed && a.T <= a.bq && a.H == a.HKV;  // one reader
   const Bf16InPlace k16{reinterpret_cast<const uint16_t *>(a.k), a.sk_b, a.sk_h, a.sk_t,
                    values_in_place};
   reuse::Buffer<float> q(size_t(a.B * a.H * a.T * a.D)),
@@ -2708,8 +2708,7 @@ Code read_as_float32(const Args &a, Run run) {
   Code err = parallel<NoState>(a, a.B * a.H, [&](NoState &, int64_t bh) {
     const uint16_t *src = q16 + (bh / a.H) * a.sq_b + (bh % a.H) * a.sq_h;
     float *dst = q.get() + bh * a.T * a.D;
-    for (int64_t i = 0; i < a.T; ++i)
-      for (int64_t d = 0; d < a.D; ++d) dst[i * a.D + d] = as_f32(src[i * a.sq_t + d]);
+    chunk_rows_f32(src, a.sq_t, a.T, a.D, dst);
   });
   if (err) return err;
   if (!values_in_place) {
