@@ -908,7 +908,6 @@ struct Bf16InPlace {
 struct Operands {
   Packed<float> kt;
   bool direct = false;  // a decode step: keys read in place (direct_scores)
-  bool v16 = false;     // (bf16 read) a float32 forward's values are bf16, read in place
   bool in_item = false;  // (pack in item) keys (bf16: and values) packed by their one reader
   const Bf16InPlace *k16 = nullptr;  // (bf16 in item) ... from bf16, values converted too
 #if defined(ATTNKIT_BF16)
@@ -1580,7 +1579,7 @@ constexpr int64_t KEYS_AS_ROWS_MIN = 16, KEYS_AS_ROWS_MAX = simd::TILE_C * W;
 // Whether chunk c of the block (rows rows, first i0) of (b, h) goes this way.
 bool keys_as_rows(const Args &a, const Operands &ops, const Chunk &c, int64_t b, int64_t h,
                   int64_t i0, int64_t rows) {
-  if (a.dtype != DT_F32 || !ops.in_item || ops.v16 || a.pages || a.mod_forward || a.rel)
+  if (a.dtype != DT_F32 || !ops.in_item || a.pages || a.mod_forward || a.rel)
     return false;
   if (rows < KEYS_AS_ROWS_MIN || rows > KEYS_AS_ROWS_MAX || !(a.scale > 0)) return false;
   if (3 * (whole_vectors(rows) - rows) > rows) return false;  // (padding)
@@ -1698,16 +1697,15 @@ bool chunk_keys_as_rows(const Args &a, const Chunk &c, int64_t nr, const float *
 struct Held {
   bool on = false;
   int64_t r0 = 0, r1 = 0;
-  const void *v = nullptr;  // the chunk's values (float32, or bf16 where ops.v16)
-  int64_t ld = 0;           // ... and their rows' stride
+  const float *v = nullptr;  // the chunk's values
+  int64_t ld = 0;            // ... and their rows' stride
 };
 
-template <class TV>
 void held_pv(const Args &a, Held &held, Scratch &w) {
   if (!held.on) return;
   held.on = false;
   simd::gemm<true>(w.o_blk.data() + held.r0 * a.DV, a.DV, held.r1 - held.r0, a.DV,
-                   w.s2.data() + held.r0 * KC, KC, 1, static_cast<const TV *>(held.v),
+                   w.s2.data() + held.r0 * KC, KC, 1, held.v,
                    held.ld, KC, w.alpha2.data() + held.r0);
 }
 
@@ -1721,9 +1719,7 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
   const float *vh = a.v + b * a.sv_b + hk * a.sv_h;
   const uint16_t *vh16 = reinterpret_cast<const uint16_t *>(a.v) + b * a.sv_b + hk * a.sv_h;
   Held held;
-  auto flush = [&] {  // (pv2) the held chunk's P V, alone
-    return ops.v16 ? held_pv<uint16_t>(a, held, w) : held_pv<float>(a, held, w);
-  };
+  auto flush = [&] { held_pv(a, held, w); };  // (pv2) the held chunk's P V, alone
   block_begin(a, rows, w);
   w.qt.clear(), w.lt_rows = 0;  // (keys as rows: the block's Q^T, made on its first chunk)
   int64_t seen = 0;
@@ -1809,8 +1805,6 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
     });
     softmax(a, b, h, i0, c, w);
     const bool whole = !a.pages && split == c.r0 && c.lo == 0 && c.hi == KC;
-    const void *vc = ops.v16 ? static_cast<const void *>(vh16 + c.c0 * a.sv_t)
-                             : vf32;  // (pv2: the chunk's values, either type)
     if (whole && held.on && held.r0 == c.r0 && held.r1 == c.r1) {  // (pv2) the pair's P V
       float *al = w.alpha.data(), *al2 = w.alpha2.data();
       for (int64_t r = c.r0; r < c.r1; ++r) {
@@ -1823,33 +1817,22 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       held.on = false;
       float *o = w.o_blk.data() + c.r0 * a.DV;
       const float *p2 = w.s2.data() + c.r0 * KC, *p = w.s.data() + c.r0 * KC;
-      if (ops.v16)
-        simd::gemm<true, uint16_t, true>(o, a.DV, c.r1 - c.r0, a.DV, p2, KC, 1,
-                                         static_cast<const uint16_t *>(held.v), vs, KC,
-                                         al2 + c.r0, nullptr, p,
-                                         static_cast<const uint16_t *>(vc));
-      else
-        simd::gemm<true, float, true>(o, a.DV, c.r1 - c.r0, a.DV, p2, KC, 1,
-                                      static_cast<const float *>(held.v), vs, KC,
-                                      al2 + c.r0, nullptr, p, static_cast<const float *>(vc));
+      simd::gemm<true, float, true>(o, a.DV, c.r1 - c.r0, a.DV, p2, KC, 1, held.v, held.ld, KC,
+                                    al2 + c.r0, nullptr, p, vf32);
     } else {
       flush();
       if (whole && (seen + 1) % SUPER != 0) {  // (pv2) held for the next chunk
         std::swap(w.s, w.s2), std::swap(w.alpha, w.alpha2);
-        if (ops.k16) std::swap(w.vf, w.vf2);  // (its values stay where vc points)
-        held = Held{true, c.r0, c.r1, vc, vs};
+        if (ops.k16) std::swap(w.vf, w.vf2);  // (its values stay where vf32 points)
+        held = Held{true, c.r0, c.r1, vf32, vs};
       } else if (a.pages) {
         paged_pv(a, b, hk, c, c.r1 - c.r0, w.s.data() + c.r0 * KC, w);
       } else {
         chunk_pv(c, split, [&](int64_t r0, int64_t r1, int64_t hi) {
           float *o = w.o_blk.data() + r0 * a.DV, *alpha = w.alpha.data() + r0;
           const float *p = w.s.data() + r0 * KC + c.lo;
-          if (ops.v16)
-            simd::gemm<true>(o, a.DV, r1 - r0, a.DV, p, KC, 1, vh16 + (c.c0 + c.lo) * a.sv_t,
-                             a.sv_t, hi - c.lo, alpha);
-          else
-            simd::gemm<true>(o, a.DV, r1 - r0, a.DV, p, KC, 1, vf32 + c.lo * vs, vs,
-                             hi - c.lo, alpha);
+          simd::gemm<true>(o, a.DV, r1 - r0, a.DV, p, KC, 1, vf32 + c.lo * vs, vs, hi - c.lo,
+                           alpha);
         });
       }
     }
@@ -2262,6 +2245,10 @@ Code pack_keys16(const Args &a, const Bf16InPlace &k16, Packed<float> &pk) {
   });
 }
 
+// Whether one query block per (batch, kv head) reads its keys and values: no GQA, and at
+// most one block of rows (pack_forward's "pack in item", read_as_float32's values in place).
+inline bool one_block_reads(const Args &a) { return a.H == a.HKV && a.T <= a.bq; }
+
 // The keys and values a forward reads, packed (per call, or per sequence of a varlen call;
 // k16: bf16 keys to convert as they are packed, see Bf16InPlace).
 Code pack_forward(const Args &a, Operands &ops, const Bf16InPlace *k16 = nullptr) {
@@ -2281,7 +2268,7 @@ Code pack_forward(const Args &a, Operands &ops, const Bf16InPlace *k16 = nullptr
   // a Zen 4 on torch's OpenMP threads, C ABI, interleaved A/B in both orders) took
   // 0.93-0.94x the time in bf16 and 0.98-1.00x in fp32, a 32-node draft tree's and a
   // 128-token MHA prefill's 0.99-1.00x; the bits are the same.
-  const bool one_reader = a.H == a.HKV && a.T <= a.bq;
+  const bool one_reader = one_block_reads(a);
   if (a.dtype == DT_BF16) {
 #if defined(ATTNKIT_BF16)
     if (a.D % 2) return BAD_SHAPE;
@@ -2306,12 +2293,11 @@ Code pack_forward(const Args &a, Operands &ops, const Bf16InPlace *k16 = nullptr
   // build, 2 threads): a cascade decode step of 8 requests over 2048 shared keys 405 ->
   // 289 us (float32: 273), a 32-node draft tree over 2048 keys 996 -> 808 us (765).
   if (k16) {
-    if (one_reader && k16->values) {
+    if (k16->values) {  // (left in place for their one reader: read_as_float32)
       ops.in_item = true, ops.k16 = k16;
       ops.kt.chunks = (a.S + KC - 1) / KC;
       return OK;
     }
-    ops.v16 = k16->values;
     return pack_keys16(a, *k16, ops.kt);
   }
   if (one_reader) {
@@ -2690,7 +2676,7 @@ Code read_as_float32(const Args &a, Run run) {
   // A plain call's keys are converted as they are packed (Bf16InPlace: read once, in bf16);
   // a varlen or paged call's here, with its queries and values.
   const bool keys_as_packed = a.nseq == 0 && !a.pages && a.D <= KEYS16_MAX_D;
-  const bool values_in_place = keys_as_packed && a.T <= a.bq && a.H == a.HKV;  // one reader
+  const bool values_in_place = keys_as_packed && one_block_reads(a);
   const Bf16InPlace k16{reinterpret_cast<const uint16_t *>(a.k), a.sk_b, a.sk_h, a.sk_t,
                    values_in_place};
   reuse::Buffer<float> q(size_t(a.B * a.H * a.T * a.D)),
