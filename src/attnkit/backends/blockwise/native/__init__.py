@@ -152,9 +152,9 @@ def reads_bf16(with_backward: bool = False) -> bool:
     on every build a forward without a backward (a decode step, at most
     :data:`DIRECT_ROWS` query rows per key/value head, converts keys and values as it
     reads them; any other forward converts q to float32 once inside the kernel, into a
-    buffer it reuses, its keys as it packs them and its values as P V loads them, or once
-    where a head has more than one query block: attention.cpp's "bf16 read"). The one
-    rule the engines,
+    buffer it reuses, and its keys as it packs them and its values once, or, where one
+    block of rows reads a kv head, both a chunk at a time in that block: attention.cpp's
+    "bf16 read" and "bf16 in item"). The one rule the engines,
     :func:`why_not` and :mod:`attnkit.paged_attention` ask.
 
     (Before it, an AVX2 build upcast a bf16 decode step's whole cache to float32 on every

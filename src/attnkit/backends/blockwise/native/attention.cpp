@@ -1817,8 +1817,8 @@ void forward_block(const Args &a, const Operands &ops, int64_t b, int64_t h, int
       held.on = false;
       float *o = w.o_blk.data() + c.r0 * a.DV;
       const float *p2 = w.s2.data() + c.r0 * KC, *p = w.s.data() + c.r0 * KC;
-      simd::gemm<true, float, true>(o, a.DV, c.r1 - c.r0, a.DV, p2, KC, 1, held.v, held.ld, KC,
-                                    al2 + c.r0, nullptr, p, vf32);
+      simd::gemm<true, true>(o, a.DV, c.r1 - c.r0, a.DV, p2, KC, 1, held.v, held.ld, KC,
+                             al2 + c.r0, nullptr, p, vf32);
     } else {
       flush();
       if (whole && (seen + 1) % SUPER != 0) {  // (pv2) held for the next chunk

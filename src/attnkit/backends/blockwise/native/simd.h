@@ -352,9 +352,6 @@ inline int tile_rows(int64_t left) {
 // A(r, k) = a[r * ars + k * aks] and B(k, :) the NC vectors at b + k * ldb, k < kn.
 // Rows past `nr` (< R) are computed on a copy of the last row and not stored.
 // `alpha` (per row, or null for 1) rescales the loaded C first.
-// B's vectors: float32, or bf16 widened as they are loaded (load_bf16).
-inline vf load_b(const float *p) { return load(p); }
-inline vf load_b(const uint16_t *p) { return load_bf16(p); }
 
 // out[r] = hmax(x[r]) for the first nr of R <= 8 rows (fold: the max of that and out[r],
 // a row's later columns). AVX-512: the rows' lanes folded together, two rows a shuffle
@@ -414,11 +411,11 @@ inline void tile_row_max(const V (&acc)[R][NC], float *row_max, int nr, bool fol
 
 // PAIR (feature "pv2"): then C += A2 B2 over kn more k, in the same registers (a2, b2: A's
 // and B's second parts, at the same strides).
-template <int R, int NC, bool ACC, class TB = float, bool PAIR = false>
+template <int R, int NC, bool ACC, bool PAIR = false>
 inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int64_t aks,
-                 const TB *b, int64_t ldb, int64_t kn, const float *alpha,
+                 const float *b, int64_t ldb, int64_t kn, const float *alpha,
                  float *row_max = nullptr, bool fold = false, const float *a2 = nullptr,
-                 const TB *b2 = nullptr) {
+                 const float *b2 = nullptr) {
   vf acc[R][NC];
   const float *ar[R];
   alpha = ACC ? rescaled(alpha, nr) : nullptr;
@@ -434,11 +431,11 @@ inline void tile(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int
       for (int v = 0; v < NC; ++v) acc[r][v] = vf{};
     }
   }
-  auto products = [&](const TB *bp) {
+  auto products = [&](const float *bp) {
     for (int64_t k = 0; k < kn; ++k) {
       vf bv[NC];
 #pragma GCC unroll 4
-      for (int v = 0; v < NC; ++v) bv[v] = load_b(bp + k * ldb + W * v);
+      for (int v = 0; v < NC; ++v) bv[v] = load(bp + k * ldb + W * v);
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const vf av = splat(ar[r][k * aks]);
@@ -478,21 +475,20 @@ inline void by_height(int nr, F f) {
 }
 
 // tile() of nr rows (by_height).
-template <int NC, bool ACC, class TB = float, bool PAIR = false, int TR = TILE_R>
+template <int NC, bool ACC, bool PAIR = false, int TR = TILE_R>
 inline void tile_n(float *c, int64_t ldc, int nr, const float *a, int64_t ars, int64_t aks,
-                   const TB *b, int64_t ldb, int64_t kn, const float *alpha,
+                   const float *b, int64_t ldb, int64_t kn, const float *alpha,
                    float *row_max = nullptr, bool fold = false, const float *a2 = nullptr,
-                   const TB *b2 = nullptr) {
+                   const float *b2 = nullptr) {
   by_height<TR>(nr, [&](auto rows) {
-    tile<decltype(rows)::value, NC, ACC, TB, PAIR>(c, ldc, nr, a, ars, aks, b, ldb, kn, alpha,
-                                                   row_max, fold, a2, b2);
+    tile<decltype(rows)::value, NC, ACC, PAIR>(c, ldc, nr, a, ars, aks, b, ldb, kn, alpha,
+                                               row_max, fold, a2, b2);
   });
 }
 
 // The product above over `rows` rows and `cols` columns (a multiple of W), in register
 // tiles of TR rows x TC vectors (the build's TILE_R x TILE_C unless a product asks for
-// another: gemm_t; the last ones lower: tile_rows); B float32 or
-// bf16 (TB = uint16_t: widened as loaded).
+// another: gemm_t; the last ones lower: tile_rows).
 // row_max (!ACC): each row's max of C, set too where cols is a multiple of TC * W
 // (whole tiles: a row's first tile sets it, the next ones fold theirs in); returns whether
 // it was set.
@@ -507,17 +503,17 @@ inline float *tiles_row_max(int64_t cols, float *row_max) {
 // PAIR (feature "pv2", ACC): C = alpha (.) C + A B + A2 B2, A2 and B2 at A's and B's
 // strides: two chunks' P V in one pass over C, each register tile of C loaded and stored
 // once for both (the products in the order of gemm(A, B) then gemm(A2, B2)).
-template <bool ACC, class TB = float, bool PAIR = false, int TR = TILE_R, int TC = TILE_C>
+template <bool ACC, bool PAIR = false, int TR = TILE_R, int TC = TILE_C>
 inline bool gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float *a,
-                 int64_t ars, int64_t aks, const TB *b, int64_t ldb, int64_t kn,
+                 int64_t ars, int64_t aks, const float *b, int64_t ldb, int64_t kn,
                  const float *alpha, float *row_max = nullptr, const float *a2 = nullptr,
-                 const TB *b2 = nullptr) {
+                 const float *b2 = nullptr) {
   static_assert(ACC || !PAIR, "a pair accumulates");
   static_assert(TC >= 1 && TC <= 4, "register tiles of 1-4 vectors (the cases below)");
   row_max = tiles_row_max<ACC, TC>(cols, row_max);
   for (int64_t c0 = 0; c0 < cols; c0 += TC * W) {
     const int64_t nv = (cols - c0) / W < TC ? (cols - c0) / W : TC;
-    const TB *bb2 = PAIR ? b2 + c0 : nullptr;
+    const float *bb2 = PAIR ? b2 + c0 : nullptr;
     for (int64_t r0 = 0, nr = 0; r0 < rows; r0 += nr) {
       nr = tile_rows<TR>(rows - r0);
       float *cc = c + r0 * ldc + c0;
@@ -529,15 +525,15 @@ inline bool gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float 
 #define ATTNKIT_CASE(n)                                                                \
   case n:                                                                              \
     if constexpr (n <= TC)                                                             \
-      tile_n<n, ACC, TB, PAIR, TR>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al, \
-                                   mx, fold, aa2, bb2);                                \
+      tile_n<n, ACC, PAIR, TR>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al, \
+                               mx, fold, aa2, bb2);                                \
     break;
         ATTNKIT_CASE(4)
         ATTNKIT_CASE(3)
         ATTNKIT_CASE(2)
         default:
-          tile_n<1, ACC, TB, PAIR, TR>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al,
-                                       nullptr, false, aa2, bb2);
+          tile_n<1, ACC, PAIR, TR>(cc, ldc, int(nr), aa, ars, aks, b + c0, ldb, kn, al,
+                                   nullptr, false, aa2, bb2);
 #undef ATTNKIT_CASE
       }
     }
@@ -551,8 +547,7 @@ inline bool gemm(float *c, int64_t ldc, int64_t rows, int64_t cols, const float 
 // time there, Xeon of session 35); elsewhere the forward's.
 inline void gemm_t(float *c, int64_t ldc, int64_t rows, int64_t cols, const float *a,
                    int64_t aks, const float *b, int64_t ldb, int64_t kn) {
-  gemm<true, float, false, TILE_T_R, TILE_T_C>(c, ldc, rows, cols, a, 1, aks, b, ldb, kn,
-                                               nullptr);
+  gemm<true, false, TILE_T_R, TILE_T_C>(c, ldc, rows, cols, a, 1, aks, b, ldb, kn, nullptr);
 }
 
 #if defined(ATTNKIT_BF16)
