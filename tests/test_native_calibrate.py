@@ -3,6 +3,8 @@ first use whatever context the user's call runs in, cached per build, never an e
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -340,6 +342,47 @@ def test_a_measurement_always_under_load_is_not_kept(uncalibrated, monkeypatch):
     assert calibrate.speed(torch.float32).forward == 0.5  # measured again, not 1.76
 
 
+def test_a_ratio_near_one_is_the_median_of_three_takes(uncalibrated, monkeypatch):
+    """Near 1 one noisy take would decide every later process (session 37: a kept 1.02
+    where the kernel measures 0.82-0.89 sent dense bf16 plans to torch's kernel): three
+    takes there, each ratio their median; a clear first take is kept alone; a take under
+    load makes the whole measurement unkept; a file of one take is measured again."""
+    takes = iter([(1.02, 0.5, False), (0.85, 0.55, False), (0.88, 0.45, False)])
+    calls = []
+
+    def fake(dtype, t, bias=False):
+        calls.append(t)
+        return next(takes)
+
+    monkeypatch.setattr(calibrate, "_time_case", fake)
+    speed = calibrate.speed(torch.float32)
+    assert (speed.forward, speed.backward, speed.source) == (0.88, 0.5, "measured")
+    assert speed.forward_ok and len(calls) == calibrate.TAKES == 3
+    assert json.loads(uncalibrated.read_text())["takes"] is True
+
+    # a clear first take (outside 0.74-1.35): kept alone
+    monkeypatch.setattr(calibrate, "_cache", {})
+    uncalibrated.unlink()
+    calls.clear()
+    takes = iter([(0.5, 1.6, False)])
+    assert calibrate.speed(torch.float32).forward == 0.5 and len(calls) == 1
+
+    # one take of three under load: used, not kept
+    monkeypatch.setattr(calibrate, "_cache", {})
+    uncalibrated.unlink()
+    takes = iter([(0.9, 0.9, False), (0.9, 0.9, True), (0.9, 0.9, False)])
+    assert calibrate.speed(torch.float32).source == calibrate.UNDER_LOAD
+    assert not uncalibrated.exists()
+
+    # a file kept from one take (before the takes): measured again
+    monkeypatch.setattr(calibrate, "_cache", {})
+    uncalibrated.write_text(
+        '{"forward": 1.02, "backward": 0.5, "source": "measured", "load_checked": true}'
+    )
+    takes = iter([(0.8, 0.5, False)] * 3)
+    assert calibrate.speed(torch.float32).forward == 0.8
+
+
 def test_long_dense_calls_follow_a_measurement_at_long_length(uncalibrated, monkeypatch):
     """Which kernel wins can change with the length: up to twice CASE's tokens the short
     measurement decides, above it one at LONG_TOKENS, made on the first such call."""
@@ -347,7 +390,7 @@ def test_long_dense_calls_follow_a_measurement_at_long_length(uncalibrated, monk
 
     def fake(dtype, t, bias=False):
         lengths.append(t)
-        return (1.2, 1.1, False) if t == 256 else (0.6, 0.5, False)
+        return (1.5, 1.4, False) if t == 256 else (0.6, 0.5, False)
 
     monkeypatch.setattr(calibrate, "_time_case", fake)
     monkeypatch.setattr(calibrate, "LONG_TOKENS", 1024)
@@ -431,7 +474,7 @@ def test_the_alibi_case_is_measured_against_torch_on_tiles(uncalibrated, monkeyp
     speed = calibrate.speed(torch.float32, bias=True)
     assert speed.source == "measured", speed
     assert 0 < speed.forward < 100 and 0 < speed.backward < 100
-    assert ran == ["pair", "pair"]
+    assert len(ran) in (2, 2 * calibrate.TAKES)  # forward, forward+backward (a take each)
     assert [key[-2] for key in files] == ["float32-bias"]
     assert calibrate.speed(torch.float32, bias=True) is speed  # once
 
@@ -462,7 +505,7 @@ def test_decode_steps_are_measured_by_length_up_to_the_calls_work(uncalibrated, 
 
     def fake(dtype, grouped, keys):
         asked.append((grouped, keys))
-        ratio = 0.6 if keys >= 2048 else 1.3  # the kernel's fixed costs lose short steps
+        ratio = 0.6 if keys >= 2048 else 1.4  # the kernel's fixed costs lose short steps
         return ratio, ratio, False
 
     monkeypatch.setattr(calibrate, "_time_decode", fake)
@@ -514,7 +557,7 @@ def test_a_paged_step_reads_a_head_at_a_time_where_that_measured_faster(uncalibr
     And the measurement itself runs both ways (a small real one)."""
     files: dict[tuple, object] = {}
     monkeypatch.setattr(calibrate, "_cache_file", lambda key: files.setdefault(key, None))
-    ratios = iter([0.9, 0.99])
+    ratios = iter([0.9, 0.95, 0.85, 0.99, 1.2, 0.97])  # (near 1: three takes, the median)
     asked: list[float] = []
 
     def fake():
@@ -524,13 +567,13 @@ def test_a_paged_step_reads_a_head_at_a_time_where_that_measured_faster(uncalibr
     real = calibrate._time_walk
     monkeypatch.setattr(calibrate, "_time_walk", fake)
     assert calibrate.heads_apart() and calibrate.heads_apart()  # 0.9: apart, kept
-    assert len(asked) == 1 and [key[-2:] for key in files] == [
+    assert len(asked) == 3 and [key[-2:] for key in files] == [
         ("float32-paged-heads-apart", calibrate.WALK_CASE[1])
     ]
     monkeypatch.setattr(calibrate, "_cache", {})
     assert not calibrate.heads_apart()  # 0.99: a tie, the walk stays
     monkeypatch.setenv("ATTNKIT_NATIVE_SPEED", "fast")
-    assert not calibrate.heads_apart() and len(asked) == 2
+    assert not calibrate.heads_apart() and len(asked) == 6
     monkeypatch.delenv("ATTNKIT_NATIVE_SPEED")
 
     seen: list[int] = []  # what the kernel was handed
