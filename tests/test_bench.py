@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -183,3 +184,61 @@ def test_the_forward_share_of_peak_is_read_round_by_round(monkeypatch):
     rows = native_kernel.causal_rows(t, reps=3, peak_all=1.0)  # GFLOP/s, probed before
     assert rows["fwd % of peak, same rounds"] == pytest.approx(50.0)
     assert rows["fwd % of peak"] == pytest.approx(100 / 6)  # the median round: 3x slow
+
+
+@pytest.mark.parametrize(
+    ("module", "flag", "folder"),
+    [
+        ("native_kernel", "--json", False),
+        ("native_kernel", "--out", True),
+        ("mods", "--json", False),
+        ("serving", "--out", False),
+        ("decode", "--out", False),
+        ("context_parallel", "--json", False),
+        ("suite", "--out", True),
+        ("compile", "--out", True),
+    ],
+)
+def test_an_output_path_is_checked_before_the_run(
+    tmp_path, capsys, monkeypatch, module, flag, folder
+):
+    """A benchmark's output path is made or refused before it runs, not after (a 17-minute
+    run lost to a missing --json folder): a missing folder is made, a path that cannot be
+    written is a one-line usage error naming the flag (exit 2), and nothing is timed."""
+    import importlib
+
+    from attnkit.bench import report
+
+    bench = importlib.import_module(f"attnkit.bench.{module}")
+
+    class Ran(Exception):
+        """The check passed: the timed work would start here."""
+
+    real = report.check_output
+
+    def checked(parser, flag_, path, **kw):
+        real(parser, flag_, path, **kw)
+        if flag_ == flag:
+            raise Ran
+
+    def timed(*args):
+        raise AssertionError("timed before its output was checked")
+
+    monkeypatch.setattr(time, "perf_counter", timed)  # (the benchmarks' clock)
+    monkeypatch.setattr(report, "check_output", checked)
+    monkeypatch.setattr(bench, "check_output", checked, raising=False)
+    target = tmp_path / "new" / "deeper" / ("out" if folder else "out.json")
+    with pytest.raises(Ran):
+        bench.main([flag, str(target)])
+    assert (target if folder else target.parent).is_dir()  # made where missing
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(SystemExit) as err:
+        bench.main([flag, str(blocker / "x.json")])
+    message = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.value.code == 2 and flag in message and "cannot make" in message
+    if not folder:
+        with pytest.raises(SystemExit) as err:
+            bench.main([flag, str(tmp_path)])
+        assert err.value.code == 2 and "is a folder" in capsys.readouterr().err

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 import attnkit
+from attnkit.bench.report import check_output
 from attnkit.models import GPT, GPTConfig
 
 __all__ = ["main", "run", "to_markdown"]
@@ -199,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="trivial sizes (smoke test)")
     parser.add_argument("--compiler", default="inductor", help="torch.compile backend")
     args = parser.parse_args(argv)
+    check_output(parser, "--out", args.out, folder=True)
     if args.repeats <= 0:
         parser.error(f"--repeats must be positive, got {args.repeats}")
     for name in args.backends:

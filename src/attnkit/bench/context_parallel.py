@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from attnkit.bench.report import check_output
+
 __all__ = ["main", "run"]
 
 
@@ -198,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--strategy", choices=["ring", "all_to_all"], default="ring")
     p.add_argument("--json", metavar="FILE", help="also write the numbers here")
     args = p.parse_args(argv)
+    check_output(p, "--json", args.json)
     report = run(
         args.seq_len, args.time_seq_len, args.heads, args.head_dim, args.repeats, args.strategy
     )

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from attnkit.bench.report import check_output
 from attnkit.models import GPT, GPTConfig
 
 __all__ = ["kv_cache_bytes", "kv_memory_table", "run"]
@@ -291,6 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--out", default=None, help="also write the JSON here")
     args = p.parse_args(argv)
+    check_output(p, "--out", args.out)
     if args.threads:
         torch.set_num_threads(args.threads)
     res = run(

@@ -32,6 +32,8 @@ from typing import Any, cast
 
 import torch
 
+from attnkit.bench.report import check_output
+
 Runner = Callable[[], Any]
 
 DENSE_PEERS = ["attnkit-triton", "sdpa-flash", "sdpa-default"]
@@ -363,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="T = 1k, 2k only")
     parser.add_argument("--reps", type=int, default=10, help="timed runs per peer (median)")
     args = parser.parse_args(argv)
+    check_output(parser, "--out", args.out, folder=True)
     if not torch.cuda.is_available():
         print(
             "attnkit.bench.gpu needs a CUDA GPU (torch.cuda.is_available() is False); nothing measured",

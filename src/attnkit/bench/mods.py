@@ -197,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--isa", default=None, help="only this build (e.g. avx2)")
     parser.add_argument("--json", type=Path, default=None, help="write the result as JSON here")
     args = parser.parse_args(argv)
+    report.check_output(parser, "--out", args.out, folder=True)
+    report.check_output(parser, "--json", args.json)
     if args.reps < 1:
         parser.error(f"--reps must be at least 1, got {args.reps}")
     if args.isa is not None and args.isa not in build.host_isas():

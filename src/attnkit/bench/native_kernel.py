@@ -234,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="only this build (repeatable; default: every build the CPU runs)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=None, help="write the raw result here")
     args = parser.parse_args(argv)
+    report.check_output(parser, "--out", args.out, folder=True)
+    report.check_output(parser, "--json", args.json)
     if args.reps < 1:
         parser.error(f"--reps must be at least 1, got {args.reps}")
     unknown = [isa for isa in args.isa or () if isa not in build.host_isas()]

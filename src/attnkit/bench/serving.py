@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         "--threads", type=int, default=None, help="torch threads for both sides (default: torch's)"
     )
     args = parser.parse_args(argv)
+    report.check_output(parser, "--out", args.out)
     if args.threads is not None:
         if args.threads < 1:
             parser.error(f"--threads must be >= 1, got {args.threads}")

@@ -25,6 +25,7 @@ import torch
 
 from attnkit.backends.blockwise import native
 from attnkit.bench import cascade_tree, kernel_layer, peers, varlen
+from attnkit.bench.report import check_output
 from attnkit.bench.timing import DTYPES, Case, case_ratio, time_case, time_cases
 
 
@@ -328,9 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["--memory-case"]:
         _memory_child(argv[1])
         return 0
-    args = build_arg_parser(
-        argparse.ArgumentParser(prog="python -m attnkit.bench.suite")
-    ).parse_args(argv)
+    parser = build_arg_parser(argparse.ArgumentParser(prog="python -m attnkit.bench.suite"))
+    args = parser.parse_args(argv)
+    check_output(parser, "--out", args.out, folder=True)
     result = run_suite(args.out, quick=args.quick, grid=args.grid, reps=args.reps, note=args.note)
     print((args.out / "results.md").read_text() if result else "")
     return 0
