@@ -608,3 +608,36 @@ def _paged_plan(q, keys):
         q, k, scale=0.25, causal=None, window=None, mask=None, mask_mod=None,
         score_mod=None, block_mask=None, engine=NATIVE_CPU,
     )  # fmt: skip
+
+
+def test_torch_reads_bf16_in_one_call_where_that_measured_faster(uncalibrated, monkeypatch):
+    """calibrate.flash_reads_bf16: measured once (kept under a key of its own), bf16 read as
+    it is only where that was faster than float32 copies by more than TIE; forced speeds
+    say yes without measuring; under torch.compile, no. And the measurement itself runs
+    both (a small real one)."""
+    files: dict[tuple, object] = {}
+    monkeypatch.setattr(calibrate, "_cache_file", lambda key: files.setdefault(key, None))
+    ratios = iter([0.5, 1.5])  # (clear: one take each)
+    asked: list[float] = []
+
+    def fake():
+        asked.append(next(ratios))
+        return asked[-1], asked[-1], False
+
+    real = calibrate._time_flash
+    monkeypatch.setattr(calibrate, "_time_flash", fake)
+    assert calibrate.flash_reads_bf16() and calibrate.flash_reads_bf16()  # 0.5: kept
+    assert len(asked) == 1
+    assert [key[-2:] for key in files] == [("bfloat16-flash-whole", calibrate.FLASH_CASE[2])]
+    monkeypatch.setattr(calibrate, "_cache", {})
+    assert not calibrate.flash_reads_bf16()  # 1.5: the copies
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        monkeypatch.setattr(calibrate, "_cache", {})
+        assert not calibrate.flash_reads_bf16() and len(asked) == 2
+    monkeypatch.setenv("ATTNKIT_NATIVE_SPEED", "fast")
+    assert calibrate.flash_reads_bf16() and len(asked) == 2
+    monkeypatch.delenv("ATTNKIT_NATIVE_SPEED")
+    monkeypatch.setattr(calibrate, "FLASH_CASE", (1, 2, 64, 16))
+    ratio, same, loaded = real()
+    assert 0 < ratio < 100 and same == ratio and loaded in (True, False)

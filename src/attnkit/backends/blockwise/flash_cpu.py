@@ -27,6 +27,7 @@ import torch
 
 from attnkit.backends.blockwise import native, toeplitz
 from attnkit.backends.blockwise.merge import merge_partials
+from attnkit.backends.blockwise.native import calibrate
 from attnkit.backends.blockwise.plan import NATIVE_CPU, Tile, TilePlan, acc_dtype
 
 _FORWARD: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -278,11 +279,14 @@ def forward(plan: TilePlan, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
         return native.forward(plan, *native_views(plan, q, k, v))
     layout = toeplitz.layout(plan)
     whole_keys = None if layout is not None else _whole_call(plan, acc, q.device)
-    # One whole call reads bf16 as it is: the kernel accumulates in float32 and rounds the
-    # output once, as plain bf16 math does, and its bf16 products run on the CPU's bf16
-    # units (Xeon of session 37, causal T=4096: 13 ms, 44 ms upcast). Tiles merged in
-    # bf16 would round once per tile: those, and every backward, read float32.
-    q, k, v = engine_views(plan, q, k, v, upcast=whole_keys is None or q.dtype != torch.bfloat16)
+    # One whole call may read bf16 as it is: the kernel accumulates in float32 and rounds
+    # the output once, as plain bf16 math does; where torch runs its bf16 products on the
+    # CPU's bf16 units that is faster than float32 copies (the Xeon of session 37, AMX:
+    # causal T=4096 13 ms, 44 ms on copies), elsewhere slower (measured once:
+    # calibrate.flash_reads_bf16). Tiles merged in bf16 would round once per tile: those,
+    # and every backward, read float32.
+    bf16 = whole_keys is not None and q.dtype == torch.bfloat16 and calibrate.flash_reads_bf16()
+    q, k, v = engine_views(plan, q, k, v, upcast=not bf16)
     b, h, dv = plan.b, plan.h, v.shape[-1]
     if whole_keys is not None:
         whole = _one_call(plan, whole_keys, q, k, v)  # (contiguous, as the general path's)
@@ -334,8 +338,9 @@ def _whole_call(
 ) -> tuple[int, int, bool] | None:
     """Where the plan is ONE unmasked kernel call over every query (a decode step, a short
     dense call: one query block, one tile; any call without a mask over every key or
-    causal from key 0), that call's keys ``(k0, k1, is_causal)``; else None. The general loop computes the same, into buffers it clears and copies into (four
-    more tensor ops: as much as the kernel of a short call).
+    causal from key 0), that call's keys ``(k0, k1, is_causal)``; else None. The general
+    loop computes the same, into buffers it clears and copies into (four more tensor ops:
+    as much as the kernel of a short call).
 
     A plan without a mask of any kind decides from its shapes alone: the answer is kept in
     ``plan.memo`` (a cached plan's repeated calls, token after token, ask once)."""

@@ -75,7 +75,7 @@ import torch
 
 from attnkit.backends.blockwise.native import build
 
-__all__ = ["Speed", "decode_pays", "heads_apart", "speed"]
+__all__ = ["Speed", "decode_pays", "flash_reads_bf16", "heads_apart", "speed"]
 
 #: The measured case: (batch, heads, tokens, head size), causal.
 CASE = (1, 4, 1024, 64)
@@ -220,6 +220,31 @@ def heads_apart() -> bool:
         return False
     key = (*cache_key(torch.float32)[:-2], "float32-paged-heads-apart", WALK_CASE[1])
     return _kept(key, _time_walk).forward_ok
+
+
+#: The call :func:`flash_reads_bf16` is decided by: (batch, heads, tokens, head size), causal.
+FLASH_CASE = (1, 4, 1024, 64)
+
+
+def flash_reads_bf16() -> bool:
+    """Whether torch's fused kernel, where ``blockwise`` runs a bf16 forward on it as one
+    call over every query (:func:`attnkit.backends.blockwise.flash_cpu.forward`: no mask,
+    every key or causal from key 0), reads bf16 as it is rather than float32 copies:
+    measured once (:data:`FLASH_CASE`, bf16 in against the copies made and read), kept as
+    the other measurements are; True only where bf16 was faster by more than :data:`TIE`.
+    ``ATTNKIT_NATIVE_SPEED=fast|slow`` (tests): True, without measuring; under
+    ``torch.compile``: False (nothing is measured there).
+
+    Which is faster is torch's build and the CPU's. Session 37, the Xeon, 2 threads: torch's
+    bf16 kernel runs its products on AMX tiles there, 3.4x faster than on the copies at
+    causal T=4096 (13 against 44 ms); with torch held to AVX2 it took 0.98-1.19x the
+    copies' time (GQA, 128 rows against 2048 keys: 3.9 against 3.3 ms)."""
+    if forced() is not None:
+        return True
+    if torch.compiler.is_compiling():
+        return False
+    key = (*cache_key(torch.bfloat16)[:-2], "bfloat16-flash-whole", FLASH_CASE[2])
+    return _kept(key, _time_flash).forward_ok
 
 
 def _decode_key(dtype: torch.dtype, grouped: bool, keys: int) -> tuple:
@@ -452,6 +477,27 @@ def _time_walk() -> tuple[float, float, bool]:
 
     with torch.no_grad():
         ratio, loaded = _best_ratio(step(True), step(False))
+    return ratio, ratio, loaded
+
+
+def _time_flash() -> tuple[float, float, bool]:
+    """(ratio, ratio, loaded): torch's fused forward on bf16 over the same on float32
+    copies, the copies' making included (:func:`flash_reads_bf16`)."""
+    from attnkit.backends.blockwise import flash_cpu  # (it imports this package)
+
+    b, h, t, d = FLASH_CASE
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, t, d, generator=g).to(torch.bfloat16) for _ in range(3))
+
+    def call(upcast: bool) -> Callable[[], object]:
+        def run() -> object:
+            x = (q.float(), k.float(), v.float()) if upcast else (q, k, v)
+            return flash_cpu._FORWARD(*x, 0.0, True, scale=d**-0.5)
+
+        return run
+
+    with torch.no_grad():
+        ratio, loaded = _best_ratio(call(False), call(True))
     return ratio, ratio, loaded
 
 
