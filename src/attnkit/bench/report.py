@@ -32,6 +32,9 @@ def check_output(
     where = path if folder else path.parent
     if not folder and path.is_dir():
         parser.error(f"{flag} {str(path)!r} is a folder; it takes a file name")
+    existing = next((p for p in (where, *where.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        parser.error(f"{flag} {str(path)!r}: {str(existing)!r} is a file, not a directory")
     try:
         where.mkdir(parents=True, exist_ok=True)
     except OSError as err:
