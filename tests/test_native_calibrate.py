@@ -550,22 +550,31 @@ def test_a_decode_step_the_kernel_cannot_take_is_never_measured(uncalibrated, mo
     assert q.grad is not None and measured == []
 
 
+def _faked(monkeypatch, timer: str, ratios: list[float]):
+    """``(files, asked, real)``: calibrate's ``timer`` replaced by one returning ``ratios`` in
+    turn (each asked one appended to ``asked``), the files it would keep recorded by key
+    in ``files`` (none written), and the real timer."""
+    files: dict[tuple, object] = {}
+    monkeypatch.setattr(calibrate, "_cache_file", lambda key: files.setdefault(key, None))
+    left = iter(ratios)
+    asked: list[float] = []
+
+    def fake():
+        asked.append(next(left))
+        return asked[-1], asked[-1], False
+
+    real = getattr(calibrate, timer)
+    monkeypatch.setattr(calibrate, timer, fake)
+    return files, asked, real
+
+
 def test_a_paged_step_reads_a_head_at_a_time_where_that_measured_faster(uncalibrated, monkeypatch):
     """calibrate.heads_apart: measured once (kept under a key of its own), a head at a time
     only where it was faster by more than TIE; forced speeds keep the page walk without
     measuring; forward_paged hands the kernel what was decided (float32 only) unless told.
     And the measurement itself runs both ways (a small real one)."""
-    files: dict[tuple, object] = {}
-    monkeypatch.setattr(calibrate, "_cache_file", lambda key: files.setdefault(key, None))
-    ratios = iter([0.9, 0.95, 0.85, 0.99, 1.2, 0.97])  # (near 1: three takes, the median)
-    asked: list[float] = []
-
-    def fake():
-        asked.append(next(ratios))
-        return asked[-1], asked[-1], False
-
-    real = calibrate._time_walk
-    monkeypatch.setattr(calibrate, "_time_walk", fake)
+    # (near 1: three takes, the median)
+    files, asked, real = _faked(monkeypatch, "_time_walk", [0.9, 0.95, 0.85, 0.99, 1.2, 0.97])
     assert calibrate.heads_apart() and calibrate.heads_apart()  # 0.9: apart, kept
     assert len(asked) == 3 and [key[-2:] for key in files] == [
         ("float32-paged-heads-apart", calibrate.WALK_CASE[1])
@@ -615,17 +624,7 @@ def test_torch_reads_bf16_in_one_call_where_that_measured_faster(uncalibrated, m
     it is only where that was faster than float32 copies by more than TIE; forced speeds
     say yes without measuring; under torch.compile, no. And the measurement itself runs
     both (a small real one)."""
-    files: dict[tuple, object] = {}
-    monkeypatch.setattr(calibrate, "_cache_file", lambda key: files.setdefault(key, None))
-    ratios = iter([0.5, 1.5])  # (clear: one take each)
-    asked: list[float] = []
-
-    def fake():
-        asked.append(next(ratios))
-        return asked[-1], asked[-1], False
-
-    real = calibrate._time_flash
-    monkeypatch.setattr(calibrate, "_time_flash", fake)
+    files, asked, real = _faked(monkeypatch, "_time_flash", [0.5, 1.5])  # (clear: a take each)
     assert calibrate.flash_reads_bf16() and calibrate.flash_reads_bf16()  # 0.5: kept
     assert len(asked) == 1
     assert [key[-2:] for key in files] == [("bfloat16-flash-whole", calibrate.FLASH_CASE[2])]
