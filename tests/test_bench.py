@@ -241,4 +241,4 @@ def test_an_output_path_is_checked_before_the_run(
     if not folder:
         with pytest.raises(SystemExit) as err:
             bench.main([flag, str(tmp_path)])
-        assert err.value.code == 2 and "is a folder" in capsys.readouterr().err
+        assert err.value.code == 2 and "is a directory, not a file" in capsys.readouterr().err

@@ -21,20 +21,22 @@ def write_pair(out: Path, stem: str, result: dict, text: str) -> None:
 def check_output(
     parser: argparse.ArgumentParser, flag: str, path: Path | str | None, *, folder: bool = False
 ) -> None:
-    """Before a run that takes minutes, make sure its result can be written: the folder
-    ``path`` (``folder``) or the folder of the file ``path`` is made where missing, and a
-    path that cannot be written is the parser's error now (exit 2, naming ``flag``), not
-    a traceback that loses the run at its end (session 37: a 17-minute ``native_kernel``
-    run whose ``--json`` folder did not exist yet)."""
+    """Before a run that takes minutes, make sure its result can be written: ``path`` is
+    refused as the CLI refuses an output folder (``folder``) or file
+    (:func:`attnkit.cli.output_dir`, :func:`~attnkit.cli.output_file`), its folder is made
+    where missing, and one that cannot be made or written is refused too; a refusal is the
+    parser's error now (exit 2, naming ``flag``), not a traceback that loses the run at its
+    end (session 37: a 17-minute ``native_kernel`` run whose ``--json`` folder did not
+    exist yet)."""
     if path is None:
         return
-    path = Path(path)
+    from attnkit.cli import CliError, output_dir, output_file  # (the CLI imports benches)
+
+    try:
+        path = (output_dir if folder else output_file)(path, flag)
+    except CliError as err:
+        parser.error(str(err))
     where = path if folder else path.parent
-    if not folder and path.is_dir():
-        parser.error(f"{flag} {str(path)!r} is a folder; it takes a file name")
-    existing = next((p for p in (where, *where.parents) if p.exists()), None)
-    if existing is not None and not existing.is_dir():
-        parser.error(f"{flag} {str(path)!r}: {str(existing)!r} is a file, not a directory")
     try:
         where.mkdir(parents=True, exist_ok=True)
     except OSError as err:
