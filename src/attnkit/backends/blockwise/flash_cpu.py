@@ -348,13 +348,12 @@ def _whole_call(
     if memo and "flash-cpu-whole" in plan.memo:
         return plan.memo["flash-cpu-whole"]
     whole = None
-    blocks = plan.q_blocks()
     band = plan.band
     if not plan.materialises() and band.lo is None and band.hi in (None, 0):
         # no mask, every key or top-left causal (the kernel's own is_causal; every row
         # keeps key 0): one call over every query, however many blocks the plan has
         whole = (0, plan.s, band.hi == 0)
-    elif len(blocks) == 1 and blocks[0] == (0, plan.t):
+    elif len(blocks := plan.q_blocks()) == 1 and blocks[0] == (0, plan.t):
         tiles = plan.tiles(0, plan.t, dtype, device)
         if len(tiles) == 1 and not tiles[0].masked:  # every row keeps a key of it
             whole = (tiles[0].k0, tiles[0].k1, tiles[0].square)

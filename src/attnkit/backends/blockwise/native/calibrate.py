@@ -313,17 +313,15 @@ def _load_or_measure(key: tuple, time_case: Callable[[], tuple[float, float, boo
     if path is not None:
         try:
             data = json.loads(path.read_text())
-            if data.get("load_checked") is True and data.get("takes") is True:
-                # (made before samples were checked, or from one take near 1: again)
+            # (a file without "takes" predates the takes or the samples' load check: again)
+            if data.get("takes") is True:
                 return Speed(float(data["forward"]), float(data["backward"]), "cached", tokens)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass
     measured = _measure(time_case, tokens)
     if path is not None and measured.source == "measured":  # (a failure or a loaded one: not)
         with contextlib.suppress(OSError):
-            build._write_atomic(
-                path, json.dumps({**asdict(measured), "load_checked": True, "takes": True})
-            )
+            build._write_atomic(path, json.dumps({**asdict(measured), "takes": True}))
     return measured
 
 
