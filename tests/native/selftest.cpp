@@ -394,6 +394,135 @@ bool paged(const char *name, int64_t B, int64_t H, int64_t HKV, int64_t S, int64
   return ok & within(name, "out", max_err(want, ref.out), max_err(f32.out, ref.out));
 }
 
+// A packed variable-length batch (Args.nseq, feature "varlen"): sequences of their own
+// lengths one after another along t (q, k, v, out as (total, heads, D)), causal aligned
+// bottom-right in each, forward and backward, against plain attention over each sequence
+// alone: a query sequence of none, one with more queries than keys (its first rows keep
+// no key), lengths across key chunks and query blocks. The same bits on 1 and 2 threads;
+// on a build without bf16 products its bf16 forward too (keys and values converted for
+// the call, attention.cpp's "bf16 read").
+bool varlen(const char *name, std::vector<int64_t> lens_q, std::vector<int64_t> lens_k,
+            int64_t H, int64_t HKV, int64_t D, std::mt19937 &rng) {
+  std::normal_distribution<float> normal;
+  auto randn = [&](int64_t count) {
+    std::vector<float> x(count);
+    for (auto &e : x) e = normal(rng);
+    return x;
+  };
+  const int64_t n = int64_t(lens_q.size());
+  std::vector<int64_t> cu_q(n + 1, 0), cu_k(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) cu_q[i + 1] = cu_q[i] + lens_q[i], cu_k[i + 1] = cu_k[i] + lens_k[i];
+  const int64_t tq = cu_q[n], tk = cu_k[n];
+  const auto q = randn(tq * H * D), k = randn(tk * HKV * D), v = randn(tk * HKV * D),
+             dout = randn(tq * H * D);  // dout: sequence by sequence, (H, len, D) blocks
+  const double scale = 1.0 / std::sqrt(double(D));
+  Args a{};
+  std::vector<float> out(tq * H * D), lse(tq * H);
+  a.q = q.data(), a.k = k.data(), a.v = v.data(), a.out = out.data(), a.lse = lse.data();
+  a.sq_h = D, a.sq_t = H * D, a.sk_h = a.sv_h = D, a.sk_t = a.sv_t = HKV * D;
+  a.so_h = D, a.so_t = H * D;
+  a.B = 1, a.H = H, a.HKV = HKV, a.T = tq, a.S = tk, a.D = a.DV = D;
+  a.scale = scale, a.band_lo = -NONE, a.band_hi = 0, a.bq = 48;  // causal; blocks of 48
+  a.cu_q = cu_q.data(), a.cu_k = cu_k.data(), a.nseq = n, a.varlen_align = 1, a.kv_splits = 1;
+  a.threads = 2;
+  bool ok = attnkit_forward(&a) == 0;
+  // backward: lse +inf on dead rows, delta = rowsum(dO * O), both (H, len) per sequence
+  std::vector<float> lse_b(lse), delta(tq * H, 0.0f);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < lens_q[i]; ++t) {
+        const int64_t row = H * cu_q[i] + h * lens_q[i] + t, tok = cu_q[i] + t;
+        if (std::isinf(lse_b[row])) lse_b[row] = INFINITY;
+        for (int64_t d = 0; d < D; ++d) delta[row] += dout[row * D + d] * out[(tok * H + h) * D + d];
+      }
+  std::vector<float> dq(tq * H * D), dk(tk * HKV * D), dv(tk * HKV * D);
+  Args ab = a;
+  ab.out = nullptr, ab.lse = lse_b.data();
+  Grads g{dout.data(), delta.data(), dq.data(), dk.data(), dv.data()};
+  ok &= attnkit_backward(&ab, &g) == 0;
+  // one thread: the same bits
+  std::vector<float> out1(out.size()), dq1(dq.size()), dk1(dk.size()), dv1(dv.size());
+  Args a1 = a, ab1 = ab;
+  a1.out = out1.data(), a1.threads = ab1.threads = 1;
+  std::vector<float> lse1(lse.size());
+  a1.lse = lse1.data();
+  Grads g1{dout.data(), delta.data(), dq1.data(), dk1.data(), dv1.data()};
+  ok &= attnkit_forward(&a1) == 0 && attnkit_backward(&ab1, &g1) == 0;
+  auto same = [](const std::vector<float> &x, const std::vector<float> &y) {
+    return std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+  };
+  ok &= same(out, out1) && same(lse, lse1) && same(dq, dq1) && same(dk, dk1) && same(dv, dv1);
+  std::printf("  %-22s %lld sequences, same bits on 1 and 2 threads: %s\n", name,
+              (long long)n, ok ? "ok" : "FAILED");
+  // each sequence alone, (H, len, D) blocks, against float64 and float32
+  double err[5] = {}, plain_err[5] = {};
+  std::vector<float> o16;  // (filled below on builds without bf16 products)
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t T = lens_q[i], S = lens_k[i];
+    const Case c{name, 1, H, HKV, T, S, D, D, -NONE, S - T, false};
+    std::vector<float> qs(H * T * D), ks(HKV * S * D), vs(HKV * S * D), os(H * T * D),
+        ls(H * T), dqs(H * T * D), dks(HKV * S * D), dvs(HKV * S * D),
+        dos(&dout[H * cu_q[i] * D], &dout[H * cu_q[i + 1] * D]);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t tok = cu_q[i] + t, row = H * cu_q[i] + h * T + t;
+        std::memcpy(&qs[(h * T + t) * D], &q[(tok * H + h) * D], D * sizeof(float));
+        std::memcpy(&os[(h * T + t) * D], &out[(tok * H + h) * D], D * sizeof(float));
+        std::memcpy(&dqs[(h * T + t) * D], &dq[row * D], D * sizeof(float));
+        ls[h * T + t] = lse[row];
+      }
+    for (int64_t h = 0; h < HKV; ++h)
+      for (int64_t j = 0; j < S; ++j) {
+        const int64_t tok = cu_k[i] + j, row = HKV * cu_k[i] + h * S + j;
+        std::memcpy(&ks[(h * S + j) * D], &k[(tok * HKV + h) * D], D * sizeof(float));
+        std::memcpy(&vs[(h * S + j) * D], &v[(tok * HKV + h) * D], D * sizeof(float));
+        std::memcpy(&dks[(h * S + j) * D], &dk[row * D], D * sizeof(float));
+        std::memcpy(&dvs[(h * S + j) * D], &dv[row * D], D * sizeof(float));
+      }
+    const std::vector<uint8_t> none;
+    const auto ref = plain<double>(c, qs, ks, vs, none, dos, scale);
+    const auto f32 = plain<float>(c, qs, ks, vs, none, dos, scale);
+    const std::vector<float> *got[5] = {&os, &ls, &dqs, &dks, &dvs};
+    const std::vector<double> *want[5] = {&ref.out, &ref.lse, &ref.dq, &ref.dk, &ref.dv};
+    const std::vector<float> *yard[5] = {&f32.out, &f32.lse, &f32.dq, &f32.dk, &f32.dv};
+    for (int x = 0; x < 5; ++x) {
+      err[x] = std::max(err[x], max_err(*got[x], *want[x]));
+      plain_err[x] = std::max(plain_err[x], max_err(*yard[x], *want[x]));
+    }
+  }
+  const char *what[5] = {"out", "lse", "dq", "dk", "dv"};
+  for (int x = 0; x < 5; ++x) ok &= within(name, what[x], err[x], plain_err[x]);
+  if (!attnkit_bf16()) {  // the bf16 forward: inputs rounded, against float64 of them
+    std::vector<uint16_t> q16(q.size()), k16(k.size()), v16(v.size());
+    std::vector<float> qr(q.size()), kr(k.size()), vr(v.size());
+    auto round = [](const std::vector<float> &x, std::vector<uint16_t> &x16, std::vector<float> &xr) {
+      for (size_t e = 0; e < x.size(); ++e) {
+        x16[e] = to_bf16(x[e]);
+        const uint32_t bits = uint32_t(x16[e]) << 16;
+        std::memcpy(&xr[e], &bits, 4);
+      }
+    };
+    round(q, q16, qr), round(k, k16, kr), round(v, v16, vr);
+    Args b16 = a;
+    b16.q = reinterpret_cast<const float *>(q16.data());
+    b16.k = reinterpret_cast<const float *>(k16.data());
+    b16.v = reinterpret_cast<const float *>(v16.data());
+    b16.dtype = DT_BF16;
+    std::vector<float> o(out.size()), l(lse.size());
+    b16.out = o.data(), b16.lse = l.data();
+    ok &= attnkit_forward(&b16) == 0;
+    // against the float32 kernel on the rounded inputs: the conversion is exact
+    Args f = a;
+    std::vector<float> of(out.size()), lf(lse.size());
+    f.q = qr.data(), f.k = kr.data(), f.v = vr.data(), f.out = of.data(), f.lse = lf.data();
+    const bool bits = attnkit_forward(&f) == 0 && same(o, of) && same(l, lf);
+    std::printf("  %-22s bf16 forward, the float32 bits of its rounded inputs: %s\n", name,
+                bits ? "ok" : "FAILED");
+    ok &= bits;
+  }
+  return ok;
+}
+
 // simd::exp2 (the forward's weights, every build) against double: within 2.5 ulp over
 // the normal range (its documented 2.3), exact for whole x (2^0 = 1: a row whose bound
 // did not move keeps alpha = 1; O's other rescales), -inf and x below the subnormals give
@@ -598,6 +727,8 @@ int main() {
   // paged decode steps: heads walked together (12 of them), GQA folded, odd page sizes
   (paged("paged, 12 heads", 2, 12, 12, 700, 16, 64, rng) ? passed : failed) += 1;
   (paged("paged, GQA, pages of 5", 3, 8, 2, 1300, 5, 32, rng) ? passed : failed) += 1;
+  // packed varlen: no queries, fewer keys than queries, chunk and block edges crossed
+  (varlen("varlen, GQA", {70, 0, 9, 130, 1}, {70, 40, 4, 200, 33}, 4, 2, 32, rng) ? passed : failed) += 1;
   (own_out_ties() ? passed : failed) += 1;
   (exp2_accuracy() ? passed : failed) += 1;
   (skinny_linear(rng) ? passed : failed) += 1;
