@@ -717,6 +717,8 @@ int main() {
       // (keys as rows), past 16 chunks, the last short one and the masked ones the rows' way
       {"16 rows, keys as rows", 1, 2, 2, 16, 1100, 32, 32, -NONE, NONE, false},
       {"32 rows, mask kept to 128", 1, 2, 2, 32, 300, 64, 64, -NONE, NONE, true, 128},
+      // few rows over many keys: split-KV ranges of several rows each, merged by lse
+      {"40 rows, split, causal", 1, 4, 2, 40, 2100, 32, 32, -NONE, 2060, false},
   };
   std::mt19937 rng(1234);
   int passed = 0, failed = 0;
