@@ -21,13 +21,17 @@ CXXFLAGS = ["-O2", "-std=c++17", "-pthread", "-ffp-contract=fast", "-fno-math-er
 X86 = [isa for isa in build.host_isas() if isa != "neon"]
 
 
-def _build_and_run(compiler: str, isa: str, tmp_path: Path, runner: list[str]) -> str:
+def _build_and_run(
+    compiler: str, isa: str, tmp_path: Path, runner: list[str], flags: list[str] | None = None
+) -> str:
     exe = tmp_path / f"selftest-{isa}"
-    flags = [*CXXFLAGS, *build.ISA_FLAGS[isa]]
+    flags = [*(CXXFLAGS if flags is None else flags), *build.ISA_FLAGS[isa]]
     if runner:
         flags.append("-static")  # qemu-user then needs no aarch64 sysroot at run time
     made = subprocess.run([compiler, *flags, "-o", str(exe), str(DRIVER)],
                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    if made.returncode and "-fsanitize" in " ".join(flags) and "cannot find" in made.stderr:
+        pytest.skip(f"no sanitizer runtime here: {made.stderr.strip().splitlines()[-1]}")
     assert made.returncode == 0, made.stderr[-3000:]
     run = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
@@ -40,6 +44,30 @@ def test_x86_builds_pass_the_self_test(isa, tmp_path):
     out = _build_and_run("g++", isa, tmp_path, [])
     checks = 26 if "-mavx512bf16" in build.ISA_FLAGS[isa] else 25  # (+ the bf16 products)
     assert f"{isa} build" in out and f"{checks} passed, 0 failed" in out
+
+
+#: Sanitizer builds of the driver: every out-of-bounds access, use after free, undefined
+#: operation (UBSan, which stops at the first) or data race between the kernel's threads
+#: fails the run. -O1 -g keeps the reports readable; _GLIBCXX_ASSERTIONS checks the
+#: standard containers' indices too.
+SANITIZERS = {
+    "address,undefined": ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+                          "-D_GLIBCXX_ASSERTIONS"],
+    "thread": ["-fsanitize=thread"],
+}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not X86 or shutil.which("g++") is None, reason="no x86 build runs here")
+@pytest.mark.parametrize("sanitizer", sorted(SANITIZERS))
+@pytest.mark.parametrize("isa", X86)
+def test_x86_builds_pass_the_self_test_under_sanitizers(isa, sanitizer, tmp_path):
+    """The same cases, built with ASan + UBSan or with TSan (about 25 s a build): the
+    kernel's loops, its thread pool and its merges touch nothing they should not. (Slow
+    tier: the plain self-test above checks the same answers.)"""
+    flags = ["-O1", "-g", "-std=c++17", "-pthread", "-fno-math-errno", *SANITIZERS[sanitizer]]
+    out = _build_and_run("g++", isa, tmp_path, [], flags)
+    assert f"{isa} build" in out and ", 0 failed" in out
 
 
 AARCH64_GXX = "aarch64-linux-gnu-g++"

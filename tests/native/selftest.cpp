@@ -50,9 +50,9 @@ Plain<T> plain(const Case &c, const std::vector<float> &q, const std::vector<flo
   for (int64_t b = 0; b < c.B; ++b)
     for (int64_t h = 0; h < c.H; ++h) {
       const int64_t hk = h / (c.H / c.HKV);
-      const float *qh = &q[(b * c.H + h) * c.T * c.D];
-      const float *kh = &k[(b * c.HKV + hk) * c.S * c.D];
-      const float *vh = &v[(b * c.HKV + hk) * c.S * c.DV];
+      const float *qh = q.data() + (b * c.H + h) * c.T * c.D;  // (data(): T or S may be 0)
+      const float *kh = k.data() + (b * c.HKV + hk) * c.S * c.D;
+      const float *vh = v.data() + (b * c.HKV + hk) * c.S * c.DV;
       for (int64_t i = 0; i < c.T; ++i) {
         T mx = -INFINITY;
         for (int64_t j = 0; j < c.S; ++j) {
@@ -257,8 +257,8 @@ bool cascade(const char *name, int64_t n, int64_t H, int64_t HKV, int64_t t, int
   double err = 0, plain_err = 0, lse_err = 0, lse_plain = 0;
   for (int64_t r = 0; r < n; ++r) {  // request r alone: prefix ++ its suffix, causal
     const Case c{name, 1, H, HKV, t, p + s, D, D, -NONE, p + s - t, false};
-    std::vector<float> k((HKV * (p + s)) * D), v(k.size()), qr(&q[r * H * t * D],
-                                                               &q[(r + 1) * H * t * D]);
+    std::vector<float> k((HKV * (p + s)) * D), v(k.size()),
+        qr(q.begin() + r * H * t * D, q.begin() + (r + 1) * H * t * D);
     for (int64_t hk = 0; hk < HKV; ++hk) {
       std::memcpy(&k[hk * (p + s) * D], &pk[hk * p * D], p * D * sizeof(float));
       std::memcpy(&v[hk * (p + s) * D], &pv[hk * p * D], p * D * sizeof(float));
@@ -269,8 +269,8 @@ bool cascade(const char *name, int64_t n, int64_t H, int64_t HKV, int64_t t, int
     const std::vector<float> dout(H * t * D, 0.0f);
     const auto ref = plain<double>(c, qr, k, v, none, dout, scale);
     const auto f32 = plain<float>(c, qr, k, v, none, dout, scale);
-    const std::vector<float> o(&out[r * H * t * D], &out[(r + 1) * H * t * D]),
-        l(&lse[r * H * t], &lse[(r + 1) * H * t]);
+    const std::vector<float> o(out.begin() + r * H * t * D, out.begin() + (r + 1) * H * t * D),
+        l(lse.begin() + r * H * t, lse.begin() + (r + 1) * H * t);
     err = std::max(err, max_err(o, ref.out)), plain_err = std::max(plain_err, max_err(f32.out, ref.out));
     lse_err = std::max(lse_err, max_err(l, ref.lse));
     lse_plain = std::max(lse_plain, max_err(f32.lse, ref.lse));
@@ -462,7 +462,7 @@ bool varlen(const char *name, std::vector<int64_t> lens_q, std::vector<int64_t> 
     const Case c{name, 1, H, HKV, T, S, D, D, -NONE, S - T, false};
     std::vector<float> qs(H * T * D), ks(HKV * S * D), vs(HKV * S * D), os(H * T * D),
         ls(H * T), dqs(H * T * D), dks(HKV * S * D), dvs(HKV * S * D),
-        dos(&dout[H * cu_q[i] * D], &dout[H * cu_q[i + 1] * D]);
+        dos(dout.begin() + H * cu_q[i] * D, dout.begin() + H * cu_q[i + 1] * D);
     for (int64_t h = 0; h < H; ++h)
       for (int64_t t = 0; t < T; ++t) {
         const int64_t tok = cu_q[i] + t, row = H * cu_q[i] + h * T + t;
