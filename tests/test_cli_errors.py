@@ -96,6 +96,39 @@ def test_output_path_that_is_a_file_or_under_one_is_refused(tmp_path, capsys, ma
     assert f.read_text() == "x"
 
 
+#: A folder no one can make, even root: /proc takes no new entries.
+UNMAKEABLE = Path("/proc/attnkit-no-such-folder")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["bench", "--quick", "--out", str(UNMAKEABLE)],
+        ["train", "--task", "copy", "--steps", "1", "--out", str(UNMAKEABLE)],
+        ["demo", "--no-gpt", "--out", str(UNMAKEABLE)],
+        ["viz", "-o", str(UNMAKEABLE / "x.png")],
+    ],
+    ids=["bench", "train", "demo", "viz"],
+)
+def test_an_output_folder_that_cannot_be_made_is_refused_before_the_work(capsys, monkeypatch, argv):
+    """Made and checked first, so the error names the flag and comes before the work: `attnkit
+    bench --out` once ran its whole suite (5.5 minutes) and then failed on a bare
+    "No such file or directory"; demo printed half its tour first."""
+    from attnkit.bench import suite
+
+    def never(*args, **kwargs):
+        raise AssertionError("the benchmark ran before its output folder was checked")
+
+    monkeypatch.setattr(suite, "run_suite", never)
+    code = main(argv)
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "", (code, captured.out)  # nothing done first
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("attnkit: error:"), captured.err
+    assert "cannot make" in lines[0] and ("-o" if argv[0] == "viz" else "--out") in lines[0]
+
+
 def test_viz_output_that_is_a_directory_is_refused(tmp_path, capsys):
     (tmp_path / "maps.html").mkdir()
     assert_user_error(capsys, ["viz", "-o", str(tmp_path / "maps.html")], "is a directory")

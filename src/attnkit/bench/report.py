@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 from attnkit.bench.timing import ratio_text
@@ -21,28 +20,19 @@ def write_pair(out: Path, stem: str, result: dict, text: str) -> None:
 def check_output(
     parser: argparse.ArgumentParser, flag: str, path: Path | str | None, *, folder: bool = False
 ) -> None:
-    """Before a run that takes minutes, make sure its result can be written: ``path`` is
-    refused as the CLI refuses an output folder (``folder``) or file
-    (:func:`attnkit.cli.output_dir`, :func:`~attnkit.cli.output_file`), its folder is made
-    where missing, and one that cannot be made or written is refused too; a refusal is the
-    parser's error now (exit 2, naming ``flag``), not a traceback that loses the run at its
-    end (session 37: a 17-minute ``native_kernel`` run whose ``--json`` folder did not
-    exist yet)."""
+    """Before a run that takes minutes, make sure its result can be written
+    (:func:`attnkit.cli.writable_output`: refused as the CLI refuses an output folder or
+    file, its folder made and kept, writable); a refusal is the parser's error now (exit 2, naming
+    ``flag``), not a traceback that loses the run at its end (session 37: a 17-minute
+    ``native_kernel`` run whose ``--json`` folder did not exist yet)."""
     if path is None:
         return
-    from attnkit.cli import CliError, output_dir, output_file  # (the CLI imports benches)
+    from attnkit.cli import CliError, writable_output  # (the CLI imports benches)
 
     try:
-        path = (output_dir if folder else output_file)(path, flag)
+        writable_output(path, flag, folder=folder, keep=True)
     except CliError as err:
         parser.error(str(err))
-    where = path if folder else path.parent
-    try:
-        where.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        parser.error(f"{flag} {str(path)!r}: cannot make {str(where)!r} ({err.strerror})")
-    if not os.access(where, os.W_OK | os.X_OK):
-        parser.error(f"{flag} {str(path)!r}: {str(where)!r} is not writable")
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:

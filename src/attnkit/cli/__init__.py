@@ -8,8 +8,10 @@ parser and sets ``func`` to a ``run(args) -> int``. User errors raise
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
@@ -27,6 +29,7 @@ __all__ = [
     "new_tokens_for",
     "output_dir",
     "output_file",
+    "writable_output",
 ]
 
 #: Subcommand modules, in the order ``--help`` lists them.
@@ -72,6 +75,39 @@ def output_file(path: str | Path, flag: str = "--out") -> Path:
     if p.is_dir():
         raise CliError(f"{flag} {str(p)!r} is a directory, not a file")
     _check_parents(p, flag)
+    return p
+
+
+def writable_output(
+    path: str | Path, flag: str = "--out", *, folder: bool = True, keep: bool = False
+) -> Path:
+    """``path`` as :func:`output_dir` (``folder``) or :func:`output_file` takes it, and
+    shown now to be writable: its missing folders are made and a file is created and
+    removed in it (what ``mkdir`` or a write would refuse later, on ``/proc``, a
+    read-only mount or another user's folder), then the folders made are removed again
+    unless ``keep``, so a command refused later still leaves nothing behind. For
+    commands that work seconds to minutes before they write (``attnkit bench``, ``train``,
+    ``demo``, ``viz``, the benchmark modules): a :class:`CliError` naming ``flag``
+    before the work, not a traceback that loses it at the end."""
+    p = output_dir(path, flag) if folder else output_file(path, flag)
+    where = p if folder else p.parent
+    missing = [d for d in (where, *where.absolute().parents) if not d.exists()]
+    made: list[Path] = []
+    writable = False
+    try:
+        for d in reversed(missing):  # outermost first
+            d.mkdir()
+            made.append(d)
+        with tempfile.TemporaryFile(dir=where):
+            writable = True
+    except OSError as err:
+        what = "cannot make" if len(made) < len(missing) else "cannot write in"
+        raise CliError(f"{flag} {str(p)!r}: {what} {str(where)!r} ({err.strerror})") from None
+    finally:
+        if not (keep and writable):
+            for d in reversed(made):
+                with contextlib.suppress(OSError):
+                    d.rmdir()
     return p
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 
-from attnkit.cli import CliError, HelpFormatter, output_dir
+from attnkit.cli import CliError, HelpFormatter, writable_output
 
 EXAMPLES = """\
 examples:
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.reps < 1:
         raise CliError(f"--reps must be at least 1, got {args.reps}")
-    out = output_dir(args.out)
+    out = writable_output(args.out, keep=True)  # (before minutes of timing, not after)
     result = run_suite(
         out, quick=args.quick, grid=args.grid, reps=args.reps, note=args.note, quiet=args.quiet
     )

@@ -7,7 +7,7 @@ import argparse
 import torch
 
 from attnkit import modules
-from attnkit.cli import HelpFormatter, output_dir
+from attnkit.cli import HelpFormatter, writable_output
 from attnkit.examples import HELLO_SHINY_SUN, YOUR_JOURNEY
 
 EXAMPLES = """\
@@ -47,9 +47,9 @@ def _fmt(t: torch.Tensor) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = output_dir(args.out)
-    output_dir(out / "maps")
-    output_dir(out / "gpt")
+    out = writable_output(args.out)
+    writable_output(out / "maps")
+    writable_output(out / "gpt")
     torch.set_printoptions(precision=4, sci_mode=False)
     hello = HELLO_SHINY_SUN.tensor()
     print("attnkit demo: the seed tutorial, stage by stage\n")

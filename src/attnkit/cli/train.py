@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from attnkit.cli import CliError, HelpFormatter, output_dir
+from attnkit.cli import CliError, HelpFormatter, output_dir, writable_output
 from attnkit.cli._context_parallel import add_arguments as add_context_parallel_arguments
 
 TASKS = ["copy", "reverse", "sort", "recall"]
@@ -182,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     from attnkit.train.loop import train
 
     _check_args(args)
-    out = output_dir(args.out)
+    out = writable_output(args.out)
     _check_out(args, out)
     fit = train
     if args.context_parallel:  # under torchrun: each rank holds a shard of every sequence

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from attnkit.cli import CliError, HelpFormatter, output_file
+from attnkit.cli import CliError, HelpFormatter, writable_output
 
 if TYPE_CHECKING:
     from attnkit.viz import ModelRecording
@@ -122,10 +122,11 @@ def _layers(arg: str, n: int) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     from attnkit import viz
 
-    outs = [output_file(o, "-o") for o in (args.out or ["attention.html"])]
+    outs = [Path(o) for o in (args.out or ["attention.html"])]
     for out in outs:
         if out.suffix.lower() not in _SUFFIXES:
             raise CliError(f"output {str(out)!r}: suffix must be one of {', '.join(_SUFFIXES)}")
+    outs = [writable_output(o, "-o", folder=False) for o in outs]
     try:
         tokens = _tokens(args)
         if args.hf is not None or args.checkpoint is not None or args.view is not None:
