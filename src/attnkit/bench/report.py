@@ -22,9 +22,10 @@ def check_output(
 ) -> None:
     """Before a run that takes minutes, make sure its result can be written
     (:func:`attnkit.cli.writable_output`: refused as the CLI refuses an output folder or
-    file, its folder made and kept, writable); a refusal is the parser's error now (exit 2, naming
-    ``flag``), not a traceback that loses the run at its end (session 37: a 17-minute
-    ``native_kernel`` run whose ``--json`` folder did not exist yet)."""
+    file, its folder made and kept, a file written there); a refusal is the parser's
+    error now (exit 2, naming ``flag``), not a traceback that loses the run at its end
+    (session 37: a 17-minute ``native_kernel`` run whose ``--json`` folder did not exist
+    yet)."""
     if path is None:
         return
     from attnkit.cli import CliError, writable_output  # (the CLI imports benches)
