@@ -7,6 +7,7 @@
 // the kernel as they are) against float64 of the rounded inputs.
 //
 // Prints one line per case and a closing "N passed, N failed"; exit 0 iff none failed.
+// Arguments, if any, run only the checks whose names contain one of them.
 
 #include <algorithm>
 #include <cmath>
@@ -690,7 +691,7 @@ bool skinny_linear(std::mt19937 &rng) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char **argv) {
   std::printf("attnkit native self-test, %s build (%d floats a vector)\n", attnkit_isa(),
               simd::W);
   const Case cases[] = {
@@ -720,22 +721,37 @@ int main() {
       // few rows over many keys: split-KV ranges of several rows each, merged by lse
       {"40 rows, split, causal", 1, 4, 2, 40, 2100, 32, 32, -NONE, 2060, false},
   };
+  // Arguments, if any, pick the checks whose names contain one of them (the slow
+  // emulated runs take a few); the random inputs of each check are the same either way.
+  auto wanted = [&](const char *name) {
+    if (argc < 2) return true;
+    for (int i = 1; i < argc; ++i)
+      if (std::strstr(name, argv[i])) return true;
+    return false;
+  };
   std::mt19937 rng(1234);
   int passed = 0, failed = 0;
-  for (const Case &c : cases) (run(c, rng) ? passed : failed) += 1;
+  auto check = [&](const char *name, auto &&fn) {  // fn(name, rng) -> passed
+    std::mt19937 own(rng());  // (drawn whether the check runs or not)
+    if (wanted(name)) (fn(name, own) ? passed : failed) += 1;
+  };
+  using Rng = std::mt19937;
+  for (const Case &c : cases) check(c.name, [&](const char *, Rng &r) { return run(c, r); });
   // shared-prefix cascades: decode steps (GQA rows folded), and suffix prefill
-  (cascade("cascade, decode", 3, 8, 2, 1, 200, 70, 64, rng) ? passed : failed) += 1;
-  (cascade("cascade, prefill", 2, 4, 1, 9, 130, 40, 32, rng) ? passed : failed) += 1;
+  check("cascade, decode", [](const char *n, Rng &r) { return cascade(n, 3, 8, 2, 1, 200, 70, 64, r); });
+  check("cascade, prefill", [](const char *n, Rng &r) { return cascade(n, 2, 4, 1, 9, 130, 40, 32, r); });
   // paged decode steps: heads walked together (12 of them), GQA folded, odd page sizes
-  (paged("paged, 12 heads", 2, 12, 12, 700, 16, 64, rng) ? passed : failed) += 1;
-  (paged("paged, GQA, pages of 5", 3, 8, 2, 1300, 5, 32, rng) ? passed : failed) += 1;
+  check("paged, 12 heads", [](const char *n, Rng &r) { return paged(n, 2, 12, 12, 700, 16, 64, r); });
+  check("paged, GQA, pages of 5", [](const char *n, Rng &r) { return paged(n, 3, 8, 2, 1300, 5, 32, r); });
   // packed varlen: no queries, fewer keys than queries, chunk and block edges crossed
-  (varlen("varlen, GQA", {70, 0, 9, 130, 1}, {70, 40, 4, 200, 33}, 4, 2, 32, rng) ? passed : failed) += 1;
-  (own_out_ties() ? passed : failed) += 1;
-  (exp2_accuracy() ? passed : failed) += 1;
-  (skinny_linear(rng) ? passed : failed) += 1;
+  check("varlen, GQA", [](const char *n, Rng &r) {
+    return varlen(n, {70, 0, 9, 130, 1}, {70, 40, 4, 200, 33}, 4, 2, 32, r);
+  });
+  check("own bf16 output", [](const char *, Rng &) { return own_out_ties(); });
+  check("exp2", [](const char *, Rng &) { return exp2_accuracy(); });
+  check("skinny linear", [](const char *, Rng &r) { return skinny_linear(r); });
 #if defined(ATTNKIT_BF16)
-  (bf16_products(rng) ? passed : failed) += 1;
+  check("bf16 products", [](const char *, Rng &r) { return bf16_products(r); });
 #endif
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed ? 1 : 0;
