@@ -125,6 +125,16 @@ uint16_t to_bf16(float x) {
   return uint16_t(bits >> 16);
 }
 
+// x rounded to bf16: the bits into x16, their values as float32 into xr (same sizes).
+void round_to_bf16(const std::vector<float> &x, std::vector<uint16_t> &x16,
+                   std::vector<float> &xr) {
+  for (size_t n = 0; n < x.size(); ++n) {
+    x16[n] = to_bf16(x[n]);
+    const uint32_t bits = uint32_t(x16[n]) << 16;
+    std::memcpy(&xr[n], &bits, 4);
+  }
+}
+
 // A bf16 forward on a build without bf16 products (converted to float32 in the kernel:
 // attention.cpp's "bf16 read"), or a decode step's (converted as read): the inputs
 // rounded to bf16, checked against float64 of the rounded inputs.
@@ -134,14 +144,7 @@ bool bf16_forward(const Case &c, Args a, const std::vector<float> &q,
                   double scale) {
   std::vector<uint16_t> q16(q.size()), k16(k.size()), v16(v.size());
   std::vector<float> qr(q.size()), kr(k.size()), vr(v.size());
-  auto round = [](const std::vector<float> &x, std::vector<uint16_t> &x16, std::vector<float> &xr) {
-    for (size_t n = 0; n < x.size(); ++n) {
-      x16[n] = to_bf16(x[n]);
-      const uint32_t bits = uint32_t(x16[n]) << 16;
-      std::memcpy(&xr[n], &bits, 4);
-    }
-  };
-  round(q, q16, qr), round(k, k16, kr), round(v, v16, vr);
+  round_to_bf16(q, q16, qr), round_to_bf16(k, k16, kr), round_to_bf16(v, v16, vr);
   std::vector<float> out(c.B * c.H * c.T * c.DV), lse(c.B * c.H * c.T);
   a.q = reinterpret_cast<const float *>(q16.data());
   a.k = reinterpret_cast<const float *>(k16.data());
@@ -457,29 +460,25 @@ bool varlen(const char *name, std::vector<int64_t> lens_q, std::vector<int64_t> 
               (long long)n, ok ? "ok" : "FAILED");
   // each sequence alone, (H, len, D) blocks, against float64 and float32
   double err[5] = {}, plain_err[5] = {};
-  std::vector<float> o16;  // (filled below on builds without bf16 products)
+  // a sequence's rows of a packed (total, heads, D) tensor as (heads, len, D), and a
+  // block of the kernel's own sequence-by-sequence layout
+  auto unpack = [&](const std::vector<float> &x, int64_t heads, int64_t tok0, int64_t len) {
+    std::vector<float> r(heads * len * D);
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t t = 0; t < len; ++t)
+        std::memcpy(&r[(h * len + t) * D], &x[((tok0 + t) * heads + h) * D], D * sizeof(float));
+    return r;
+  };
+  auto block = [](const std::vector<float> &x, int64_t at, int64_t count) {
+    return std::vector<float>(x.begin() + at, x.begin() + at + count);
+  };
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t T = lens_q[i], S = lens_k[i];
+    const int64_t T = lens_q[i], S = lens_k[i], q0 = cu_q[i], k0 = cu_k[i];
     const Case c{name, 1, H, HKV, T, S, D, D, -NONE, S - T, false};
-    std::vector<float> qs(H * T * D), ks(HKV * S * D), vs(HKV * S * D), os(H * T * D),
-        ls(H * T), dqs(H * T * D), dks(HKV * S * D), dvs(HKV * S * D),
-        dos(dout.begin() + H * cu_q[i] * D, dout.begin() + H * cu_q[i + 1] * D);
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t t = 0; t < T; ++t) {
-        const int64_t tok = cu_q[i] + t, row = H * cu_q[i] + h * T + t;
-        std::memcpy(&qs[(h * T + t) * D], &q[(tok * H + h) * D], D * sizeof(float));
-        std::memcpy(&os[(h * T + t) * D], &out[(tok * H + h) * D], D * sizeof(float));
-        std::memcpy(&dqs[(h * T + t) * D], &dq[row * D], D * sizeof(float));
-        ls[h * T + t] = lse[row];
-      }
-    for (int64_t h = 0; h < HKV; ++h)
-      for (int64_t j = 0; j < S; ++j) {
-        const int64_t tok = cu_k[i] + j, row = HKV * cu_k[i] + h * S + j;
-        std::memcpy(&ks[(h * S + j) * D], &k[(tok * HKV + h) * D], D * sizeof(float));
-        std::memcpy(&vs[(h * S + j) * D], &v[(tok * HKV + h) * D], D * sizeof(float));
-        std::memcpy(&dks[(h * S + j) * D], &dk[row * D], D * sizeof(float));
-        std::memcpy(&dvs[(h * S + j) * D], &dv[row * D], D * sizeof(float));
-      }
+    const auto qs = unpack(q, H, q0, T), os = unpack(out, H, q0, T), ks = unpack(k, HKV, k0, S),
+               vs = unpack(v, HKV, k0, S), ls = block(lse, H * q0, H * T),
+               dos = block(dout, H * q0 * D, H * T * D), dqs = block(dq, H * q0 * D, H * T * D),
+               dks = block(dk, HKV * k0 * D, HKV * S * D), dvs = block(dv, HKV * k0 * D, HKV * S * D);
     const std::vector<uint8_t> none;
     const auto ref = plain<double>(c, qs, ks, vs, none, dos, scale);
     const auto f32 = plain<float>(c, qs, ks, vs, none, dos, scale);
@@ -496,14 +495,7 @@ bool varlen(const char *name, std::vector<int64_t> lens_q, std::vector<int64_t> 
   if (!attnkit_bf16()) {  // the bf16 forward: inputs rounded, against float64 of them
     std::vector<uint16_t> q16(q.size()), k16(k.size()), v16(v.size());
     std::vector<float> qr(q.size()), kr(k.size()), vr(v.size());
-    auto round = [](const std::vector<float> &x, std::vector<uint16_t> &x16, std::vector<float> &xr) {
-      for (size_t e = 0; e < x.size(); ++e) {
-        x16[e] = to_bf16(x[e]);
-        const uint32_t bits = uint32_t(x16[e]) << 16;
-        std::memcpy(&xr[e], &bits, 4);
-      }
-    };
-    round(q, q16, qr), round(k, k16, kr), round(v, v16, vr);
+    round_to_bf16(q, q16, qr), round_to_bf16(k, k16, kr), round_to_bf16(v, v16, vr);
     Args b16 = a;
     b16.q = reinterpret_cast<const float *>(q16.data());
     b16.k = reinterpret_cast<const float *>(k16.data());
