@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     for out in outs:
         if out.suffix.lower() not in _SUFFIXES:
             raise CliError(f"output {str(out)!r}: suffix must be one of {', '.join(_SUFFIXES)}")
-    outs = [writable_output(o, "-o", folder=False) for o in outs]
+        writable_output(out, "-o", folder=False)  # (refused now, not after the model runs)
     try:
         tokens = _tokens(args)
         if args.hf is not None or args.checkpoint is not None or args.view is not None:
